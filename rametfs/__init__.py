@@ -1,0 +1,9 @@
+"""rametfs: immutable snapshots and copy-on-write executions over FUSE.
+
+``import rametfs`` loads only the client wrapper (standard library), never the daemon.
+"""
+
+from rametfs.client import Execution, ExecutionPool, Ramet, RametError
+
+__all__ = ["Execution", "ExecutionPool", "Ramet", "RametError", "__version__"]
+__version__ = "0.1.0"

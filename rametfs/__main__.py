@@ -1,0 +1,5 @@
+"""``python -m rametfs``: the command-line interface."""
+
+from rametfs.cli import main
+
+main(prog_name="rametfs")

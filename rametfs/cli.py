@@ -1,0 +1,359 @@
+"""The ``rametfs`` command line: serve a mount, and drive it through :mod:`rametfs.client`.
+
+Every command but ``serve`` and ``umount`` takes ``-m/--mount`` (default ``$RAMET_MOUNT``).
+Exit codes: 0 ok, 2 usage, and for a failed operation the code :data:`EXIT_CODES` gives its
+errno (1 for any other); the message goes to stderr as ``rametfs: <message>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import click
+
+from rametfs import __version__, protocol
+from rametfs.client import MOUNT_ENV, Ramet, RametError
+
+EXIT_CODES = {
+    errno.ENOENT: 3,
+    errno.EINVAL: 4,
+    errno.EBUSY: 5,
+    errno.ENOSPC: 6,
+    errno.ENOTCONN: 7,  # NotMountedError: no rametfs at the mountpoint
+}
+EXIT_OTHER = 1
+WAIT_SECONDS = 30.0
+_POLL_SECONDS = 0.05
+
+
+def exit_code(err: int | None) -> int:
+    """The process exit code for a failed operation's errno."""
+    return EXIT_CODES.get(err, EXIT_OTHER)
+
+
+class _Group(click.Group):
+    """Turns a RametError from any command into ``rametfs: <message>`` and its exit code."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except RametError as exc:
+            click.echo(f"rametfs: {exc}", err=True)
+            raise click.exceptions.Exit(exit_code(exc.errno)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="rametfs")
+def main() -> None:
+    """rametfs: immutable snapshots and copy-on-write executions over FUSE."""
+
+
+mount_option = click.option(
+    "-m", "--mount", "ramet", envvar=MOUNT_ENV, required=True, metavar="MOUNTPOINT",
+    callback=lambda ctx, param, value: Ramet(value),
+    show_envvar=True, help="The rametfs mountpoint.")
+label_option = click.option("--label", help="A short name for the snapshot.")
+message_option = click.option("--message", help="A longer description of the snapshot.")
+
+
+# ----- daemon lifecycle -----------------------------------------------------------------------
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--data", required=True, type=click.Path(file_okay=False),
+              help="Data directory: the store and execution state (created 0700).")
+@click.option("--background", is_flag=True,
+              help="Detach, and return once the mount answers.")
+@click.option("--allow-other", is_flag=True, help="Let other users see the mount.")
+@click.option("--debug", is_flag=True, help="Debug logging, and FUSE debug output.")
+@click.option("--log", "log_file", type=click.Path(dir_okay=False),
+              help="Log to this file (default: stderr; with --background <DATA>/daemon.log).")
+def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
+          log_file: str | None) -> None:
+    """Mount rametfs at MOUNTPOINT and serve it until unmounted."""
+    data, mountpoint = os.path.abspath(data), os.path.abspath(mountpoint)
+    if background:
+        os.makedirs(data, mode=0o700, exist_ok=True)
+        log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
+        argv = [sys.executable, "-m", "rametfs", "serve", "--data", data, mountpoint,
+                "--log", log_file]
+        argv += ["--allow-other"] * allow_other + ["--debug"] * debug
+        _start_detached(argv, mountpoint, log_file)
+        return
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO, filename=log_file,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
+    from rametfs import errors
+    from rametfs.daemon import run_daemon
+    try:
+        run_daemon(data, mountpoint, allow_other=allow_other, debug=debug)
+    except errors.RametError as exc:
+        raise RametError(exc.errno, str(exc)) from None
+
+
+def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
+    """Start the daemon in its own session; return once the mount answers.
+
+    Raises RametError when the daemon exits first or is not ready within WAIT_SECONDS
+    (then it is terminated); either way the tail of its log is in the message.
+    """
+    with open(log_file, "ab") as log:
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 start_new_session=True)
+    deadline = time.monotonic() + WAIT_SECONDS
+    while child.poll() is None:
+        if os.path.ismount(mountpoint) and _answers(mountpoint):
+            return
+        if time.monotonic() > deadline:
+            child.terminate()
+            child.wait()
+            raise RametError(errno.ETIMEDOUT, f"daemon not ready after {WAIT_SECONDS:.0f} s; "
+                             f"{log_file} ends with:\n{_tail(log_file)}")
+        time.sleep(_POLL_SECONDS)
+    raise RametError(errno.EIO, f"daemon exited with status {child.returncode}; "
+                     f"{log_file} ends with:\n{_tail(log_file)}")
+
+
+def _answers(mountpoint: str) -> bool:
+    """Whether the mount's root status file can be read."""
+    try:
+        with open(os.path.join(mountpoint, protocol.CONTROL_DIR, protocol.STATUS)) as f:
+            f.read()
+    except OSError:
+        return False
+    return True
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:]).rstrip()
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path(file_okay=False))
+@click.option("--lazy", is_flag=True, help="Detach now even if the mount is busy (-z).")
+def umount(mountpoint: str, lazy: bool) -> None:
+    """Unmount MOUNTPOINT; wait for its daemon to exit.
+
+    When it returns, the daemon has flushed its state.
+    """
+    pid = Ramet(mountpoint).status()["pid"]
+    argv = ["fusermount3", "-u", *(["-z"] * lazy), mountpoint]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        busy = "busy" in done.stderr
+        raise RametError(errno.EBUSY if busy else errno.EIO,
+                         done.stderr.strip() or f"{' '.join(argv)} failed")
+    deadline = time.monotonic() + WAIT_SECONDS
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise RametError(errno.ETIMEDOUT, f"unmounted, but daemon pid {pid} still runs "
+                             f"after {WAIT_SECONDS:.0f} s")
+        time.sleep(_POLL_SECONDS)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie waiting for its parent has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+# ----- snapshots and executions --------------------------------------------------------------
+
+@main.command()
+@click.argument("source", type=click.Path(file_okay=False))
+@label_option
+@message_option
+@mount_option
+def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None) -> None:
+    """Import the directory SOURCE as a snapshot; print its id."""
+    with _elapsed(f"snapshot {source}"):
+        snapshot_id = ramet.snapshot(source, label=label, message=message)
+    click.echo(snapshot_id)
+
+
+@main.command()
+@click.argument("snapshot")
+@click.option("--name", help="Execution id to use (default: generated).")
+@mount_option
+def create(ramet: Ramet, snapshot: str, name: str | None) -> None:
+    """Create an execution of SNAPSHOT; print its id.
+
+    SNAPSHOT is an id or a unique prefix of one.
+    """
+    click.echo(ramet.create(snapshot, name=name).id)
+
+
+@main.command()
+@click.argument("execution")
+@label_option
+@message_option
+@mount_option
+def promote(ramet: Ramet, execution: str, label: str | None, message: str | None) -> None:
+    """Snapshot EXECUTION and carry on from it; print the id."""
+    click.echo(ramet.execution(execution).promote(label=label, message=message))
+
+
+@main.command()
+@click.argument("execution")
+@label_option
+@message_option
+@mount_option
+def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | None) -> None:
+    """Snapshot EXECUTION, keeping its base; print the id."""
+    click.echo(ramet.execution(execution).checkpoint(label=label, message=message))
+
+
+@main.command()
+@click.argument("execution")
+@mount_option
+def reset(ramet: Ramet, execution: str) -> None:
+    """Drop every change in EXECUTION since its base."""
+    ramet.execution(execution).reset()
+
+
+@main.command()
+@click.argument("execution")
+@mount_option
+def release(ramet: Ramet, execution: str) -> None:
+    """Drop EXECUTION and its changes."""
+    ramet.release(execution)
+
+
+@main.command()
+@click.argument("execution")
+@mount_option
+def diff(ramet: Ramet, execution: str) -> None:
+    """Print what changed in EXECUTION: A, M or D, then the path."""
+    for status, path in ramet.execution(execution).diff():
+        click.echo(f"{status} {path}")
+
+
+@main.command()
+@click.argument("execution", required=False)
+@mount_option
+def status(ramet: Ramet, execution: str | None) -> None:
+    """Print the daemon's status, or EXECUTION's, as JSON."""
+    data = ramet.execution(execution).status() if execution else ramet.status()
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+@main.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@mount_option
+def list_(ramet: Ramet, as_json: bool) -> None:
+    """List snapshots and executions."""
+    state = ramet.status()
+    if as_json:
+        click.echo(json.dumps({key: state[key] for key in ("snapshots", "executions")},
+                              indent=2, sort_keys=True))
+        return
+    now = time.time_ns()
+    click.echo(format_table(
+        ("SNAPSHOT", "LABEL", "FILES", "BYTES", "AGE"),
+        [(s["id"][:12], s["label"] or "", str(s["files"]), human_bytes(s["bytes"]),
+          human_age(now - s["created_ns"])) for s in state["snapshots"]]))
+    click.echo()
+    click.echo(format_table(
+        ("EXECUTION", "BASE", "HEAD", "UPPER", "AGE"),
+        [(e["id"], e["base"][:12], e["head"][:12], human_bytes(e["upper_bytes"]),
+          human_age(now - e["created_ns"])) for e in state["executions"]]))
+
+
+@main.command()
+@click.argument("snapshot")
+@mount_option
+def log(ramet: Ramet, snapshot: str) -> None:
+    """Print SNAPSHOT and its ancestors, newest first.
+
+    One line each: id, age, label, message.
+    """
+    now = time.time_ns()
+    for s in ancestry(ramet.snapshots(), snapshot):
+        click.echo(" ".join(filter(None, (s["id"], human_age(now - s["created_ns"]),
+                                          s["label"], s["message"]))))
+
+
+# ----- helpers ---------------------------------------------------------------------------
+
+def ancestry(snapshots: list[dict], snapshot: str) -> list[dict]:
+    """``snapshot`` (id or unique prefix) and every ancestor reachable through ``parents``,
+    newest first.  Raises RametError: ENOENT no such snapshot, EINVAL ambiguous prefix."""
+    by_id = {s["id"]: s for s in snapshots}
+    matches = [i for i in by_id if i.startswith(snapshot)]
+    if not matches:
+        raise RametError(errno.ENOENT, f"no snapshot {snapshot!r}")
+    if len(matches) > 1:
+        raise RametError(errno.EINVAL, f"snapshot prefix {snapshot!r} is ambiguous: "
+                         f"{len(matches)} snapshots match")
+    seen, todo = set(), matches
+    while todo:
+        i = todo.pop()
+        if i in by_id and i not in seen:
+            seen.add(i)
+            todo += by_id[i]["parents"]
+    return sorted((by_id[i] for i in seen), key=lambda s: s["created_ns"], reverse=True)
+
+
+def format_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Left-aligned columns two spaces apart, no trailing spaces."""
+    widths = [max(map(len, column)) for column in zip(headers, *rows)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in (headers, *rows))
+
+
+def human_bytes(n: int) -> str:
+    """``512`` -> ``"512B"``, ``1536`` -> ``"1.5K"``, ``10 << 20`` -> ``"10M"`` (powers of 1024)."""
+    units, i, value = "BKMGT", 0, float(n)
+    while value >= 1024 and i < len(units) - 1:
+        value, i = value / 1024, i + 1
+    return f"{value:.1f}{units[i]}" if i and value < 10 else f"{value:.0f}{units[i]}"
+
+
+def human_age(ns: int) -> str:
+    """An age in nanoseconds, in its largest whole unit: ``"45s"``, ``"3m"``, ``"2h"``, ``"4d"``."""
+    seconds = max(ns, 0) // 1_000_000_000
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+@contextlib.contextmanager
+def _elapsed(label: str) -> Iterator[None]:
+    """A spinner with the elapsed seconds on stderr while the block runs, if it is a tty."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    done = threading.Event()
+    start = time.monotonic()
+
+    def spin() -> None:
+        for frame in itertools.cycle("|/-\\"):
+            click.echo(f"\r{frame} {label} {time.monotonic() - start:.0f}s", err=True, nl=False)
+            if done.wait(0.2):
+                break
+        click.echo("\r\033[K", err=True, nl=False)
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        yield
+    finally:
+        done.set()
+        spinner.join()

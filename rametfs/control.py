@@ -1,0 +1,169 @@
+"""The control commands behind the ``.ramet/`` files, and what those files read.
+
+A dispatch table per scope (root, execution) maps each command of rametfs.protocol to a
+coroutine.  Every command returns a JSON-ready reply dict; a failure raises RametError and its
+message is kept for ``.ramet/error``.  Kernel cache invalidation is handed to the adapter
+through the ``invalidate`` callback, so this module stays free of FUSE.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from typing import Awaitable, Callable
+
+import trio
+
+from . import protocol
+from .capture import capture, diff
+from .errors import Busy, InvalidArgument, RametError
+from .overlay import Execution, Overlay
+from .store import import_tree
+
+log = logging.getLogger(__name__)
+
+Invalidate = Callable[[list[tuple[int, bytes]]], None]
+
+
+class Control:
+    """Runs control commands against an Overlay; ``invalidate`` drops kernel caches of
+    ``(parent ino, name)`` dentries and ``(ino, b"")`` inodes."""
+
+    def __init__(self, overlay: Overlay, mountpoint: str, invalidate: Invalidate):
+        self.overlay = overlay
+        self.mountpoint = mountpoint
+        self.invalidate = invalidate
+        self.root_last: dict | None = None
+        self.root_error = ""
+        self.last: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+        self.promoted: dict[str, str] = {}
+        self.busy: set[str] = set()
+        self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
+            "snapshot": self._snapshot, "create": self._create, "release": self._release}
+        self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
+            "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset}
+
+    # -- running commands ----------------------------------------------------------------
+
+    async def run_root(self, text: str) -> dict:
+        """Run one root command line; returns the reply, raises RametError (errno)."""
+        try:
+            name, args = protocol.parse_command(text, protocol.ROOT_COMMANDS)
+            reply = await self.root_handlers[name](args)
+        except (RametError, protocol.ProtocolError) as exc:
+            self.root_error = self._failed(exc, text)
+            self.root_last = self._error_reply(exc)
+            raise self._as_rametfs(exc) from None
+        self.root_last = reply
+        return reply
+
+    async def run_execution(self, ex: Execution, text: str) -> dict:
+        """Run one command line on execution ``ex``; returns the reply, raises RametError."""
+        try:
+            name, args = protocol.parse_command(text, protocol.EXECUTION_COMMANDS)
+            if ex.id in self.busy:
+                raise Busy(f"execution {ex.id!r} is running another command")
+            self.busy.add(ex.id)
+            try:
+                reply = await self.execution_handlers[name](ex, args)
+            finally:
+                self.busy.discard(ex.id)
+        except (RametError, protocol.ProtocolError) as exc:
+            self.errors[ex.id] = self._failed(exc, text)
+            self.last[ex.id] = self._error_reply(exc)
+            raise self._as_rametfs(exc) from None
+        self.last[ex.id] = reply
+        return reply
+
+    @staticmethod
+    def _as_rametfs(exc: Exception) -> RametError:
+        return exc if isinstance(exc, RametError) else InvalidArgument(str(exc))
+
+    @staticmethod
+    def _error_reply(exc: Exception) -> dict:
+        return {"ok": False, "errno": exc.errno, "error": str(exc)}
+
+    @staticmethod
+    def _failed(exc: Exception, text: str) -> str:
+        message = f"{text.strip()}: {exc}"
+        log.info("command failed: %s", message)
+        return message + "\n"
+
+    # -- root commands -------------------------------------------------------------------
+
+    async def _snapshot(self, args: dict) -> dict:
+        path = args["path"]
+        if not os.path.isabs(path):
+            raise InvalidArgument(f"snapshot: path {path!r} is not absolute")
+        snap = await trio.to_thread.run_sync(import_tree, self.overlay.store, path,
+                                             args.get("label", ""), args.get("message", ""))
+        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    async def _create(self, args: dict) -> dict:
+        snap = self.overlay.store.snapshot(args["snapshot"])
+        eid = args.get("name") or secrets.token_hex(6)
+        if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
+            raise InvalidArgument(f"create: execution name {eid!r} must match "
+                                  f"{protocol.EXECUTION_NAME_RE.pattern}")
+        ex = self.overlay.create_execution(snap, eid)
+        path = os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)
+        return {"ok": True, "execution": ex.id, "snapshot": snap.id, "path": path}
+
+    async def _release(self, args: dict) -> dict:
+        ex = self.overlay.execution(args["execution"])
+        if ex.id in self.busy:
+            raise Busy(f"execution {ex.id!r} is running a command")
+        self.invalidate(self.overlay.release(ex))
+        for table in (self.last, self.errors, self.promoted):
+            table.pop(ex.id, None)
+        return {"ok": True, "execution": ex.id}
+
+    # -- execution commands --------------------------------------------------------------
+
+    async def _promote(self, ex: Execution, args: dict) -> dict:
+        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""))
+        self.overlay.set_head(ex, snap.id)
+        self.promoted[ex.id] = snap.id
+        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    async def _checkpoint(self, ex: Execution, args: dict) -> dict:
+        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""))
+        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    async def _reset(self, ex: Execution, args: dict) -> dict:
+        started = time.monotonic_ns()
+        self.invalidate(self.overlay.reset(ex))
+        return {"ok": True, "snapshot": ex.base.id,
+                "reset_ms": round((time.monotonic_ns() - started) / 1e6, 3)}
+
+    # -- what the files read -------------------------------------------------------------
+
+    def execution_json(self, ex: Execution) -> dict:
+        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
+                "state": "promoting" if ex.frozen else "ready", "created_ns": ex.created_ns,
+                "upper_bytes": self.overlay.upper_bytes(ex), "last": self.last.get(ex.id),
+                "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}
+
+    def root_status(self) -> bytes:
+        status = {"pid": os.getpid(), "data": str(self.overlay.store.root),
+                  "mount": self.mountpoint, "version": "0.1.0",
+                  "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
+                  "executions": [self.execution_json(ex)
+                                 for ex in self.overlay.executions.values()],
+                  "last": self.root_last}
+        return (json.dumps(status, indent=1) + "\n").encode()
+
+    def execution_status(self, ex: Execution) -> bytes:
+        return (json.dumps(self.execution_json(ex), indent=1) + "\n").encode()
+
+    def diff_text(self, ex: Execution) -> bytes:
+        return b"".join(f"{letter} ".encode() + path + b"\n"
+                        for letter, path in diff(self.overlay, ex))
+
+    def promoted_text(self, ex: Execution) -> bytes:
+        sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
+        return f"{sid}\n".encode() if sid else b""

@@ -1,0 +1,92 @@
+"""The daemon's lifecycle: mount, serve until a signal or an unmount, flush, unmount cleanly.
+
+One pyfuse3 session per process.  SIGINT and SIGTERM end the session cleanly (pending records
+stored, LMDB synced, the mount removed).  An unexpected exception leaves the mountpoint
+mounted but dead on purpose: an empty-looking directory invites tools to delete data
+(docs/concurrency.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+
+import pyfuse3
+import trio
+
+from .errors import RametError
+from .fuse_ops import Operations
+from .overlay import Overlay
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+
+def _check_mountpoint(mountpoint: str) -> None:
+    if not os.path.isdir(mountpoint):
+        raise RametError(f"mountpoint {mountpoint} is not a directory", errno.ENOENT)
+    if os.path.ismount(mountpoint):
+        raise RametError(f"{mountpoint} is already a mountpoint", errno.EBUSY)
+    if os.listdir(mountpoint):
+        raise RametError(f"mountpoint {mountpoint} is not empty", errno.ENOTEMPTY)
+
+
+async def _collect_dead_layers(overlay: Overlay) -> None:
+    """Delete the records and data of layers left by reset and release, in the background."""
+    while True:
+        overlay.dead_layers = trio.Event()
+        while (done := overlay.collect_dead_layer()) is not None:
+            layer, finished = done
+            if finished:
+                await trio.to_thread.run_sync(overlay.store.remove_upper_dir, layer)
+            await trio.sleep(0)
+        await overlay.dead_layers.wait()
+
+
+async def _serve(overlay: Overlay) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_collect_dead_layers, overlay)
+
+        async def on_signal():
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("signal %d: unmounting", signum)
+                    pyfuse3.terminate()
+
+        nursery.start_soon(on_signal)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
+               debug: bool = False) -> None:
+    """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
+
+    Returns after a clean unmount (SIGINT, SIGTERM, or ``fusermount3 -u``).  Raises
+    RametError when the mountpoint is missing (ENOENT), mounted (EBUSY) or not empty
+    (ENOTEMPTY), or the store cannot be opened.
+    """
+    mountpoint = os.path.abspath(mountpoint)
+    _check_mountpoint(mountpoint)
+    store = Store(data_dir)
+    overlay = Overlay(store)
+    ops = Operations(overlay, mountpoint)
+    options = set(pyfuse3.default_options) | {"fsname=rametfs", "subtype=rametfs"}
+    if allow_other:
+        options.add("allow_other")
+    if debug:
+        options.add("debug")
+    pyfuse3.init(ops, mountpoint, options)
+    log.info("serving %s at %s (pid %d)", store.root, mountpoint, os.getpid())
+    clean = False
+    try:
+        trio.run(_serve, overlay)
+        clean = True
+    finally:
+        if clean:
+            overlay.flush_all()
+        pyfuse3.close(unmount=clean)
+        store.close()
+        log.info("unmounted %s", mountpoint) if clean else log.error("crashed; mount left in place")

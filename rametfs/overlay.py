@@ -1,0 +1,1061 @@
+"""The overlay model: read-only snapshot views and copy-on-write executions, FUSE-free.
+
+Vocabulary after the kernel's overlayfs: the *base* (lower) is an immutable snapshot tree; an
+execution's *upper* layer holds what it changed.  The upper layer of an execution is
+identified by a *layer* number (a fresh one after every reset) and consists of:
+
+* upper inode records (:class:`UpperInode`): an inode is *copied up* (materialised) the first
+  time it or its directory listing changes; it keeps the inode number it had, and a record of
+  its *origin* base entry;
+* dentries per directory: added names, and *whiteouts* (ino 0) for base names removed;
+  a directory created anew has no base tree, so it is *opaque*;
+* per file, a *page map*: the pages (``PAGE_SIZE`` bytes) that live in the upper data file
+  ``<data>/upper/<layer>/<ino>``; the rest of the bytes below ``base_limit`` still come from
+  the base content, and bytes at or above ``base_limit`` come from the upper data file (zeros
+  where it is sparse).  A write copies up only the pages it touches.
+
+Inode numbers are allocated from one counter for the whole mount; an inode keeps its number
+while the daemon runs, and a copied-up inode keeps it across restarts.
+
+Non-standard behaviour (also in docs/architecture.md):
+
+* an inode never copied up gets a new number after a daemon restart;
+* after ``reset`` or ``release``, inodes of the old upper layer are stale (ESTALE).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import msgpack
+import trio
+
+from .errors import InvalidArgument, NotFound, RametError, ReadOnly, fs_error
+from .protocol import CONTROL_DIR
+from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
+from .store.format import (dentry_key, from_u64, inode_key, link_key, page_key, page_of_key, u64)
+
+NAME_MAX = 255
+FIRST_DYNAMIC_INO = 1000  # inode numbers below are the mount's fixed virtual nodes
+DIR_SIZE = 4096
+
+
+@dataclass
+class UpperInode:
+    """An inode record in an execution's upper layer (``inodes`` database).
+
+    Times in ns; ``size`` in bytes; ``base`` the origin base entry (None for a new inode);
+    ``base_limit`` the number of leading bytes of the base content still visible (bytes);
+    ``tree`` the base subtree id of a directory that came from the base (None: opaque).
+    """
+
+    mode: int
+    uid: int
+    gid: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    size: int = 0
+    nlink: int = 1
+    rdev: int = 0
+    target: bytes = b""
+    xattrs: dict = field(default_factory=dict)
+    base: Entry | None = None
+    base_limit: int = 0
+    tree: bytes | None = None
+
+    def pack(self) -> bytes:
+        d = dict(self.__dict__)
+        d["base"] = self.base.pack() if self.base else None
+        d["xattrs"] = sorted(self.xattrs.items())
+        return msgpack.packb(d, use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, value: bytes) -> "UpperInode":
+        d = msgpack.unpackb(value)
+        d["base"] = Entry.unpack(d["base"]) if d["base"] else None
+        d["xattrs"] = {k: v for k, v in d["xattrs"]}
+        return cls(**d)
+
+    @classmethod
+    def from_entry(cls, e: Entry) -> "UpperInode":
+        return cls(mode=e.mode, uid=e.uid, gid=e.gid, atime_ns=e.mtime_ns, mtime_ns=e.mtime_ns,
+                   ctime_ns=e.mtime_ns, size=e.size if e.is_reg else 0, nlink=e.nlink,
+                   rdev=0 if (e.is_reg or e.is_dir or e.is_symlink) else e.size,
+                   target=e.ref if e.is_symlink else b"", xattrs=dict(e.xattrs), base=e,
+                   base_limit=e.size if e.is_reg else 0, tree=e.ref if e.is_dir else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Attrs:
+    """What stat(2) shows; times in ns, size in bytes, blocks in 512-byte units."""
+
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    rdev: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @property
+    def blocks(self) -> int:
+        return (self.size + 511) // 512
+
+
+class View:
+    """A tree mounted under the root: a snapshot (read-only) or an execution."""
+
+    read_only = True
+
+    def __init__(self, root_ino: int):
+        self.root_ino = root_ino
+        self.inos: set[int] = {root_ino}
+        self.dcache: dict[tuple[int, bytes], int] = {}  # (parent ino, name) -> ino
+
+
+class SnapshotView(View):
+    """``/snapshots/<id>``: the immutable tree of one snapshot."""
+
+    def __init__(self, snap: Snapshot, root_ino: int):
+        super().__init__(root_ino)
+        self.snap = snap
+
+
+class Execution(View):
+    """``/executions/<id>``: a writable copy-on-write view of ``base``.
+
+    ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
+    upper layer; ``frozen`` is set while a promote captures it (mutations wait on it).
+    """
+
+    read_only = False
+
+    def __init__(self, eid: str, base: Snapshot, head: str, layer: int, root_ino: int,
+                 created_ns: int):
+        super().__init__(root_ino)
+        self.id = eid
+        self.base = base
+        self.head = head
+        self.layer = layer
+        self.created_ns = created_ns
+        self.frozen: trio.Event | None = None
+        self.link_inos: dict[int, int] = {}  # base hard-link group -> ino, this layer
+        self.opens = 0
+
+    def record(self) -> bytes:
+        return msgpack.packb({"base": self.base.id, "head": self.head, "layer": self.layer,
+                              "root_ino": self.root_ino, "created_ns": self.created_ns})
+
+
+class Node:
+    """An inode of a view: a base entry (``entry``), an upper record (``upper``), or both."""
+
+    __slots__ = ("ino", "view", "entry", "upper", "parent", "name", "pages", "new_pages",
+                 "dirty", "fd", "opens")
+
+    def __init__(self, ino: int, view: View, entry: Entry | None, upper: UpperInode | None,
+                 parent: int, name: bytes):
+        self.ino = ino
+        self.view = view
+        self.entry = entry
+        self.upper = upper
+        self.parent = parent
+        self.name = name
+        self.pages: set[int] | None = None  # page map, loaded on first use
+        self.new_pages: set[int] = set()  # pages not yet written to the page map
+        self.dirty = False  # upper record changed since it was last stored
+        self.fd: int | None = None  # upper data file, open while the inode is open
+        self.opens = 0
+
+    @property
+    def mode(self) -> int:
+        return self.upper.mode if self.upper else self.entry.mode
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def size(self) -> int:
+        if self.upper:
+            return self.upper.size
+        return self.entry.size if self.entry.is_reg else 0
+
+    @property
+    def tree(self) -> bytes | None:
+        """The base subtree id merged into this directory's listing (None: none or opaque)."""
+        if self.upper:
+            return self.upper.tree
+        return self.entry.ref if self.entry.is_dir else None
+
+    @property
+    def base_content(self) -> bytes | None:
+        """The base content id this file's unchanged pages come from."""
+        e = self.upper.base if self.upper else self.entry
+        return e.ref if e is not None and e.is_reg else None
+
+
+def check_name(name: bytes) -> None:
+    """Raise ENAMETOOLONG for a name over 255 bytes, EINVAL for one with '/' or NUL."""
+    if len(name) > NAME_MAX:
+        raise fs_error(errno.ENAMETOOLONG, f"name of {len(name)} bytes, at most {NAME_MAX}")
+    if b"/" in name or b"\0" in name or name in (b"", b".", b".."):
+        raise InvalidArgument(f"invalid name {name!r}")
+
+
+def assemble(off: int, end: int, pages: set[int], base_limit: int,
+             read_base: Callable[[int, int], bytes], read_upper: Callable[[int, int], bytes]
+             ) -> bytes:
+    """Bytes ``[off, end)`` of a copied-up file, merged from base content and upper data.
+
+    A page in ``pages`` comes from the upper data; otherwise its bytes below ``base_limit``
+    come from the base and the rest from the upper data.  Both readers take ``(offset,
+    length)`` in bytes and may return short (sparse/EOF): the gap reads as zeros.  Adjacent
+    pieces from one source are read with one call.
+    """
+    pieces: list[tuple[bool, int, int]] = []  # (from_upper, start, end)
+    pos = off
+    while pos < end:
+        page = pos // PAGE_SIZE
+        page_end = min(end, (page + 1) * PAGE_SIZE)
+        if page in pages or pos >= base_limit:
+            piece = (True, pos, page_end)
+        elif page_end <= base_limit:
+            piece = (False, pos, page_end)
+        else:
+            piece = (False, pos, base_limit)
+        if pieces and pieces[-1][0] == piece[0] and pieces[-1][2] == piece[1]:
+            pieces[-1] = (piece[0], pieces[-1][1], piece[2])
+        else:
+            pieces.append(piece)
+        pos = piece[2]
+    out = bytearray()
+    for from_upper, start, stop in pieces:
+        data = (read_upper if from_upper else read_base)(start, stop - start)
+        out += data
+        if len(data) < stop - start:
+            out += bytes(stop - start - len(data))
+    return bytes(out)
+
+
+class Overlay:
+    """Every view of one store, and the POSIX operations on their inodes.
+
+    Methods are synchronous and run on the trio thread; each LMDB write transaction is short
+    and opened and closed within the call.  Errors are RametError subclasses carrying errnos.
+    Blocking work (hydrating base content) is in the ``async`` methods, which use threads.
+    """
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.nodes: dict[int, Node] = {}
+        self.snapshot_views: dict[str, SnapshotView] = {}
+        self.executions: dict[str, Execution] = {}
+        with store.read() as txn:
+            meta = store.db["meta"]
+            raw = txn.get(b"next_ino", db=meta)
+            self.next_ino = max(FIRST_DYNAMIC_INO, from_u64(raw) if raw else 0)
+            raw = txn.get(b"next_layer", db=meta)
+            self.next_layer = from_u64(raw) if raw else 1
+            for key, value in txn.cursor(db=store.db["executions"]):
+                self._load_execution(key.decode(), msgpack.unpackb(value))
+        self.stored_next_ino = self.next_ino
+        self.hydrated: dict[bytes, str] = {}
+        self.hydrating: dict[bytes, trio.Event] = {}
+        self.dead_layers = trio.Event()  # set when a layer waits for deletion
+
+    # -- inode numbers and nodes ---------------------------------------------------------
+
+    def _alloc_ino(self) -> int:
+        ino = self.next_ino
+        self.next_ino += 1
+        return ino
+
+    def _persist_counters(self, txn) -> None:
+        if self.next_ino > self.stored_next_ino:
+            txn.put(b"next_ino", u64(self.next_ino), db=self.store.db["meta"])
+            self.stored_next_ino = self.next_ino
+
+    def node(self, ino: int) -> Node:
+        """The node for ``ino``; ESTALE when it belongs to a dropped layer or view."""
+        try:
+            return self.nodes[ino]
+        except KeyError:
+            raise fs_error(errno.ESTALE, f"inode {ino} is stale") from None
+
+    def _add_node(self, node: Node) -> Node:
+        self.nodes[node.ino] = node
+        node.view.inos.add(node.ino)
+        node.view.dcache[(node.parent, node.name)] = node.ino
+        return node
+
+    def _drop_nodes(self, view: View, keep: int | None = None) -> list[int]:
+        """Forget every node of ``view`` (but ``keep``); returns the inode numbers dropped."""
+        dropped = []
+        for ino in view.inos:
+            if ino == keep:
+                continue
+            node = self.nodes.pop(ino, None)
+            if node is not None and node.fd is not None:
+                os.close(node.fd)
+                node.fd = None
+            dropped.append(ino)
+        view.inos = {keep} if keep is not None else set()
+        view.dcache = {}
+        return dropped
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def snapshot_view(self, sid: str) -> SnapshotView:
+        """The view of snapshot ``sid`` (full id); NotFound (ENOENT) if there is none."""
+        view = self.snapshot_views.get(sid)
+        if view is None:
+            try:
+                raw = bytes.fromhex(sid)
+            except ValueError:
+                raise NotFound(f"no snapshot {sid!r}") from None
+            snap = self.store.snapshot_by_raw_id(raw) if len(raw) == 32 else None
+            if snap is None:
+                raise NotFound(f"no snapshot {sid!r}")
+            view = SnapshotView(snap, self._alloc_ino())
+            self.snapshot_views[sid] = view
+            self._add_node(Node(view.root_ino, view, snap.root, None, 0, sid.encode()))
+        return view
+
+    # -- executions ----------------------------------------------------------------------
+
+    def _load_execution(self, eid: str, rec: dict) -> Execution:
+        base = self.store.snapshot(rec["base"])
+        ex = Execution(eid, base, rec["head"], rec["layer"], rec["root_ino"], rec["created_ns"])
+        with self.store.read() as txn:
+            value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
+        upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
+        self.executions[eid] = ex
+        self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
+        return ex
+
+    def _new_layer(self, txn, ex: Execution) -> None:
+        """Give ``ex`` a fresh, empty upper layer whose root is its base's root."""
+        ex.layer = self.next_layer
+        self.next_layer += 1
+        txn.put(b"next_layer", u64(self.next_layer), db=self.store.db["meta"])
+        root = UpperInode.from_entry(ex.base.root)
+        txn.put(inode_key(ex.layer, ex.root_ino), root.pack(), db=self.store.db["inodes"])
+        txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
+        ex.link_inos = {}
+        self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
+
+    def create_execution(self, snap: Snapshot, eid: str) -> Execution:
+        """A new execution of ``snap`` named ``eid``: one record, O(1) in the tree size.
+
+        Raises RametError(EEXIST) when ``eid`` is taken.
+        """
+        if eid in self.executions:
+            raise RametError(f"execution {eid!r} already exists", errno.EEXIST)
+        ex = Execution(eid, snap, snap.id, 0, self._alloc_ino(), time.time_ns())
+        with self.store.write() as txn:
+            self._new_layer(txn, ex)
+            self._persist_counters(txn)
+        self.executions[eid] = ex
+        return ex
+
+    def execution(self, eid: str) -> Execution:
+        try:
+            return self.executions[eid]
+        except KeyError:
+            raise NotFound(f"no execution {eid!r}") from None
+
+    def reset(self, ex: Execution) -> list[tuple[int, bytes]]:
+        """Drop the upper layer of ``ex``: O(1) visible; the old layer is deleted later.
+
+        Returns the ``(parent ino, name)`` dentries and inode numbers the kernel may cache
+        (as ``(ino, b"")`` pairs for inodes), for the adapter to invalidate.
+        """
+        stale = self._stale_entries(ex)
+        old = ex.layer
+        self._drop_nodes(ex)
+        with self.store.write() as txn:
+            txn.put(u64(old), b"", db=self.store.db["dead"])
+            self._new_layer(txn, ex)
+        self.dead_layers.set()
+        return stale
+
+    def release(self, ex: Execution) -> list[tuple[int, bytes]]:
+        """Delete execution ``ex`` and its upper layer; EBUSY while a file in it is open."""
+        if ex.opens:
+            raise RametError(f"execution {ex.id!r} has {ex.opens} open file(s)", errno.EBUSY)
+        stale = self._stale_entries(ex)
+        self._drop_nodes(ex)
+        with self.store.write() as txn:
+            txn.put(u64(ex.layer), b"", db=self.store.db["dead"])
+            txn.delete(ex.id.encode(), db=self.store.db["executions"])
+        del self.executions[ex.id]
+        self.dead_layers.set()
+        return stale
+
+    @staticmethod
+    def _stale_entries(view: View) -> list[tuple[int, bytes]]:
+        return list(view.dcache) + [(ino, b"") for ino in view.inos if ino != view.root_ino]
+
+    def set_head(self, ex: Execution, sid: str) -> None:
+        ex.head = sid
+        with self.store.write() as txn:
+            txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
+
+    def collect_dead_layer(self) -> tuple[int, bool] | None:
+        """Delete a bounded batch of one dead layer's records.
+
+        Returns ``(layer, finished)``, or None when no layer is left.  The caller removes a
+        finished layer's upper data directory, in a thread (``store.remove_upper_dir``).
+        """
+        db = self.store.db
+        with self.store.write() as txn:
+            cur = txn.cursor(db=db["dead"])
+            if not cur.first():
+                return None
+            layer_key = cur.key()
+            budget = 10000
+            for name in ("inodes", "dentries", "links", "pages"):
+                c = txn.cursor(db=db[name])
+                if c.set_range(layer_key):
+                    while budget and c.key()[:8] == layer_key and c.delete():
+                        budget -= 1
+            if budget:
+                txn.delete(layer_key, db=db["dead"])
+            return from_u64(layer_key), budget > 0
+
+    # -- lookup and listing --------------------------------------------------------------
+
+    def lookup(self, parent_ino: int, name: bytes) -> Node:
+        """The node named ``name`` in directory ``parent_ino``; NotFound (ENOENT) if none."""
+        parent = self.node(parent_ino)
+        view = parent.view
+        ino = view.dcache.get((parent_ino, name))
+        if ino is not None and ino in self.nodes:
+            return self.nodes[ino]
+        if not parent.is_dir:
+            raise fs_error(errno.ENOTDIR)
+        if isinstance(view, Execution) and parent.upper is not None:
+            with self.store.read() as txn:
+                raw = txn.get(dentry_key(view.layer, parent_ino, name), db=self.store.db["dentries"])
+            if raw is not None:
+                ino = from_u64(raw)
+                if ino == WHITEOUT:
+                    raise NotFound(f"{name!r} was deleted")
+                return self._load_upper(view, ino, parent_ino, name)
+        tree = parent.tree
+        if tree is None:
+            raise NotFound(f"no {name!r}")
+        entry = self.store.tree(tree).get(name)
+        if entry is None:
+            raise NotFound(f"no {name!r}")
+        if entry.link and isinstance(view, Execution):
+            ino = view.link_inos.get(entry.link)
+            if ino is None:
+                with self.store.read() as txn:
+                    raw = txn.get(link_key(view.layer, entry.link), db=self.store.db["links"])
+                if raw is not None:
+                    return self._load_upper(view, from_u64(raw), parent_ino, name)
+            elif ino in self.nodes:
+                view.dcache[(parent_ino, name)] = ino
+                return self.nodes[ino]
+        node = self._add_node(Node(self._alloc_ino(), view, entry, None, parent_ino, name))
+        if entry.link and isinstance(view, Execution):
+            view.link_inos[entry.link] = node.ino
+        return node
+
+    def _load_upper(self, ex: Execution, ino: int, parent: int, name: bytes) -> Node:
+        node = self.nodes.get(ino)
+        if node is None:
+            with self.store.read() as txn:
+                value = txn.get(inode_key(ex.layer, ino), db=self.store.db["inodes"])
+            if value is None:
+                raise RametError(f"execution {ex.id}: dentry {name!r} names missing inode {ino}",
+                                 errno.EIO)
+            upper = UpperInode.unpack(value)
+            node = Node(ino, ex, upper.base, upper, parent, name)
+            if upper.base is not None and upper.base.link:
+                ex.link_inos[upper.base.link] = ino
+        elif node.is_dir:
+            node.parent, node.name = parent, name
+        self.nodes[ino] = node
+        ex.inos.add(ino)
+        ex.dcache[(parent, name)] = ino
+        return node
+
+    def listdir(self, dir_ino: int) -> list[tuple[bytes, Node]]:
+        """The merged listing of a directory (base names minus whiteouts plus upper names),
+        sorted by name."""
+        d = self.node(dir_ino)
+        if not d.is_dir:
+            raise fs_error(errno.ENOTDIR)
+        names: dict[bytes, int | None] = {}
+        if d.tree is not None:
+            names = dict.fromkeys(self.store.tree(d.tree), None)
+        view = d.view
+        if isinstance(view, Execution) and d.upper is not None:
+            prefix = dentry_key(view.layer, dir_ino, b"")
+            with self.store.read() as txn:
+                cur = txn.cursor(db=self.store.db["dentries"])
+                if cur.set_range(prefix):
+                    for key, value in cur:
+                        if not key.startswith(prefix):
+                            break
+                        ino = from_u64(value)
+                        if ino == WHITEOUT:
+                            names.pop(key[len(prefix):], None)
+                        else:
+                            names[key[len(prefix):]] = ino
+        out = []
+        for name in sorted(names):
+            out.append((name, self.lookup(dir_ino, name)))
+        return out
+
+    # -- attributes ----------------------------------------------------------------------
+
+    def attrs(self, node: Node) -> Attrs:
+        u = node.upper
+        if u is not None:
+            return Attrs(node.ino, u.mode, u.nlink, u.uid, u.gid, u.rdev,
+                         DIR_SIZE if stat.S_ISDIR(u.mode) else
+                         (len(u.target) if stat.S_ISLNK(u.mode) else u.size),
+                         u.atime_ns, u.mtime_ns, u.ctime_ns)
+        e = node.entry
+        if e.is_dir:
+            size, rdev = DIR_SIZE, 0
+        elif e.is_symlink:
+            size, rdev = len(e.ref), 0
+        elif e.is_reg:
+            size, rdev = e.size, 0
+        else:
+            size, rdev = 0, e.size
+        return Attrs(node.ino, e.mode, e.nlink, e.uid, e.gid, rdev, size,
+                     e.mtime_ns, e.mtime_ns, e.mtime_ns)
+
+    def readlink(self, node: Node) -> bytes:
+        if not stat.S_ISLNK(node.mode):
+            raise InvalidArgument("not a symbolic link")
+        return node.upper.target if node.upper else node.entry.ref
+
+    def xattrs(self, node: Node) -> dict[bytes, bytes]:
+        return node.upper.xattrs if node.upper else dict(node.entry.xattrs)
+
+    # -- copy-up -------------------------------------------------------------------------
+
+    def _writable(self, node: Node) -> Execution:
+        view = node.view
+        if view.read_only:
+            raise ReadOnly("snapshots are read-only")
+        return view  # type: ignore[return-value]
+
+    def copy_up(self, node: Node) -> UpperInode:
+        """Materialise ``node`` (and its parent directories) in its execution's upper layer.
+
+        Writes the upper record and the dentry that names it; its inode number stays.
+        """
+        ex = self._writable(node)
+        if node.upper is not None:
+            return node.upper
+        parent = self.node(node.parent)
+        self.copy_up(parent)
+        node.upper = UpperInode.from_entry(node.entry)
+        with self.store.write() as txn:
+            txn.put(inode_key(ex.layer, node.ino), node.upper.pack(), db=self.store.db["inodes"])
+            txn.put(dentry_key(ex.layer, node.parent, node.name), u64(node.ino),
+                    db=self.store.db["dentries"])
+            if node.entry.link:
+                txn.put(link_key(ex.layer, node.entry.link), u64(node.ino),
+                        db=self.store.db["links"])
+            self._persist_counters(txn)
+        return node.upper
+
+    def save(self, node: Node) -> None:
+        """Store ``node``'s upper record and new page-map entries now."""
+        ex = node.view
+        assert isinstance(ex, Execution) and node.upper is not None
+        with self.store.write() as txn:
+            txn.put(inode_key(ex.layer, node.ino), node.upper.pack(), db=self.store.db["inodes"])
+            for page in node.new_pages:
+                txn.put(page_key(ex.layer, node.ino, page), b"", db=self.store.db["pages"])
+            self._persist_counters(txn)
+        node.new_pages.clear()
+        node.dirty = False
+
+    def flush_view(self, view: View) -> None:
+        """Store every dirty upper record of ``view`` (before a capture, a fsync, shutdown)."""
+        for ino in list(view.inos):
+            node = self.nodes.get(ino)
+            if node is not None and (node.dirty or node.new_pages):
+                self.save(node)
+
+    def flush_all(self) -> None:
+        for ex in self.executions.values():
+            self.flush_view(ex)
+
+    def _touch(self, node: Node, mtime: bool = True) -> None:
+        now = time.time_ns()
+        u = node.upper
+        u.ctime_ns = now
+        if mtime:
+            u.mtime_ns = now
+
+    # -- dentries ------------------------------------------------------------------------
+
+    def _set_dentry(self, parent: Node, name: bytes, child: Node) -> None:
+        ex = self._writable(parent)
+        self.copy_up(parent)
+        with self.store.write() as txn:
+            txn.put(dentry_key(ex.layer, parent.ino, name), u64(child.ino),
+                    db=self.store.db["dentries"])
+            if child.upper is not None:
+                txn.put(inode_key(ex.layer, child.ino), child.upper.pack(),
+                        db=self.store.db["inodes"])
+            self._persist_counters(txn)
+        ex.dcache[(parent.ino, name)] = child.ino
+        ex.inos.add(child.ino)
+        self._touch(parent)
+        self.save(parent)
+
+    def _remove_dentry(self, parent: Node, name: bytes) -> None:
+        ex = self._writable(parent)
+        self.copy_up(parent)
+        key = dentry_key(ex.layer, parent.ino, name)
+        in_base = parent.tree is not None and name in self.store.tree(parent.tree)
+        with self.store.write() as txn:
+            if in_base:
+                txn.put(key, u64(WHITEOUT), db=self.store.db["dentries"])
+            else:
+                txn.delete(key, db=self.store.db["dentries"])
+        ex.dcache.pop((parent.ino, name), None)
+        self._touch(parent)
+        self.save(parent)
+
+    def _new_node(self, parent: Node, name: bytes, mode: int, uid: int, gid: int,
+                  **fields) -> Node:
+        ex = self._writable(parent)
+        check_name(name)
+        if ex.root_ino == parent.ino and name == CONTROL_DIR.encode():
+            raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
+        try:
+            self.lookup(parent.ino, name)
+        except NotFound:
+            pass
+        else:
+            raise fs_error(errno.EEXIST, f"{name!r} exists")
+        pmode = parent.mode
+        if pmode & stat.S_ISGID:
+            gid = parent.upper.gid if parent.upper else parent.entry.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        now = time.time_ns()
+        upper = UpperInode(mode=mode, uid=uid, gid=gid, atime_ns=now, mtime_ns=now,
+                           ctime_ns=now, **fields)
+        node = Node(self._alloc_ino(), ex, None, upper, parent.ino, name)
+        self.nodes[node.ino] = node
+        self._set_dentry(parent, name, node)
+        return node
+
+    def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        parent = self.node(parent_ino)
+        node = self._new_node(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid, nlink=2)
+        parent.upper.nlink += 1
+        self.save(parent)
+        return node
+
+    def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
+              ) -> Node:
+        return self._new_node(self.node(parent_ino), name, mode, uid, gid, rdev=rdev)
+
+    def create(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        return self._new_node(self.node(parent_ino), name, stat.S_IFREG | (mode & 0o7777),
+                              uid, gid)
+
+    def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Node:
+        return self._new_node(self.node(parent_ino), name, stat.S_IFLNK | 0o777, uid, gid,
+                              target=target)
+
+    def link(self, ino: int, parent_ino: int, name: bytes) -> Node:
+        node = self.node(ino)
+        parent = self.node(parent_ino)
+        self._writable(parent)
+        check_name(name)
+        if node.is_dir:
+            raise fs_error(errno.EPERM, "hard links to directories are not allowed")
+        try:
+            self.lookup(parent_ino, name)
+        except NotFound:
+            pass
+        else:
+            raise fs_error(errno.EEXIST, f"{name!r} exists")
+        u = self.copy_up(node)
+        u.nlink += 1
+        self._touch(node, mtime=False)
+        self._set_dentry(parent, name, node)
+        return node
+
+    def _is_empty_dir(self, node: Node) -> bool:
+        return not self.listdir(node.ino)
+
+    def _drop_name(self, parent: Node, name: bytes, node: Node) -> None:
+        """Remove ``name`` -> ``node`` from ``parent`` and count the link down."""
+        self._remove_dentry(parent, name)
+        u = self.copy_up(node) if node.upper is None and node.entry.link else node.upper
+        if node.is_dir:
+            parent.upper.nlink -= 1
+            if u is not None:
+                u.nlink = 0
+        elif u is not None:
+            u.nlink -= 1
+            self._touch(node, mtime=False)
+        if u is not None:
+            if u.nlink > 0:
+                self.save(node)
+            else:
+                self._maybe_delete(node)
+        else:
+            node.parent = 0  # an unlinked base inode: readable while open, then gone
+
+    def _maybe_delete(self, node: Node) -> None:
+        """Delete an unlinked inode's upper record and data once nothing has it open."""
+        if node.opens or (node.upper and node.upper.nlink > 0):
+            return
+        ex = node.view
+        if isinstance(ex, Execution) and node.upper is not None:
+            with self.store.write() as txn:
+                txn.delete(inode_key(ex.layer, node.ino), db=self.store.db["inodes"])
+                c = txn.cursor(db=self.store.db["pages"])
+                prefix = inode_key(ex.layer, node.ino)
+                if c.set_range(prefix):
+                    while c.key().startswith(prefix):
+                        if not c.delete():
+                            break
+            try:
+                os.unlink(self._upper_path(ex, node.ino))
+            except FileNotFoundError:
+                pass
+        node.dirty = False
+        node.new_pages.clear()
+
+    def unlink(self, parent_ino: int, name: bytes) -> None:
+        parent = self.node(parent_ino)
+        self._writable(parent)
+        node = self.lookup(parent_ino, name)
+        if node.is_dir:
+            raise fs_error(errno.EISDIR)
+        self._drop_name(parent, name, node)
+
+    def rmdir(self, parent_ino: int, name: bytes) -> None:
+        parent = self.node(parent_ino)
+        self._writable(parent)
+        node = self.lookup(parent_ino, name)
+        if not node.is_dir:
+            raise fs_error(errno.ENOTDIR)
+        if not self._is_empty_dir(node):
+            raise fs_error(errno.ENOTEMPTY)
+        self._drop_name(parent, name, node)
+
+    def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes,
+               flags: int) -> None:
+        """rename(2) with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2); directories from the
+        base move for real (no EXDEV)."""
+        old_parent, new_parent = self.node(old_parent_ino), self.node(new_parent_ino)
+        ex = self._writable(old_parent)
+        self._writable(new_parent)
+        check_name(new_name)
+        if new_parent.ino == ex.root_ino and new_name == CONTROL_DIR.encode():
+            raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
+        src = self.lookup(old_parent_ino, old_name)
+        try:
+            dst: Node | None = self.lookup(new_parent_ino, new_name)
+        except NotFound:
+            dst = None
+        if src.is_dir:
+            p = new_parent
+            while True:
+                if p.ino == src.ino:
+                    raise InvalidArgument("cannot move a directory into itself")
+                if p.ino == ex.root_ino:
+                    break
+                p = self.node(p.parent)
+        exchange, noreplace = flags & 2, flags & 1
+        if exchange:
+            if dst is None:
+                raise NotFound(f"no {new_name!r}")
+            if dst.is_dir:
+                q = old_parent
+                while q.ino != ex.root_ino:
+                    if q.ino == dst.ino:
+                        raise InvalidArgument("cannot move a directory into itself")
+                    q = self.node(q.parent)
+            self.copy_up(src)
+            self.copy_up(dst)
+            self._set_dentry(old_parent, old_name, dst)
+            self._set_dentry(new_parent, new_name, src)
+            if src.is_dir != dst.is_dir and old_parent.ino != new_parent.ino:
+                delta = 1 if src.is_dir else -1
+                new_parent.upper.nlink += delta
+                old_parent.upper.nlink -= delta
+            src.parent, src.name, dst.parent, dst.name = (new_parent.ino, new_name,
+                                                          old_parent.ino, old_name)
+            for n in (src, dst, old_parent, new_parent):
+                self._touch(n, mtime=n.is_dir and n in (old_parent, new_parent))
+                self.save(n)
+            return
+        if dst is not None:
+            if dst.ino == src.ino:
+                return
+            if noreplace:
+                raise fs_error(errno.EEXIST, f"{new_name!r} exists")
+            if dst.is_dir and not src.is_dir:
+                raise fs_error(errno.EISDIR)
+            if src.is_dir and not dst.is_dir:
+                raise fs_error(errno.ENOTDIR)
+            if dst.is_dir and not self._is_empty_dir(dst):
+                raise fs_error(errno.ENOTEMPTY)
+        self.copy_up(src)
+        if dst is not None:
+            self._drop_name(new_parent, new_name, dst)
+        self._remove_dentry(old_parent, old_name)
+        self._set_dentry(new_parent, new_name, src)
+        if src.is_dir and old_parent.ino != new_parent.ino:
+            old_parent.upper.nlink -= 1
+            new_parent.upper.nlink += 1
+            self.save(old_parent)
+            self.save(new_parent)
+        src.parent, src.name = new_parent.ino, new_name
+        self._touch(src, mtime=False)
+        self.save(src)
+
+    # -- attributes and xattrs -----------------------------------------------------------
+
+    def setattr(self, node: Node, *, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, size: int | None = None, atime_ns: int | None = None,
+                mtime_ns: int | None = None) -> Attrs:
+        """chmod/chown/truncate/utimens; ctime is set to now."""
+        self._writable(node)
+        u = self.copy_up(node)
+        if mode is not None:
+            u.mode = stat.S_IFMT(u.mode) | (mode & 0o7777)
+        if uid is not None:
+            u.uid = uid
+        if gid is not None:
+            u.gid = gid
+        if size is not None:
+            if node.is_dir:
+                raise fs_error(errno.EISDIR)
+            self.truncate(node, size)
+        if atime_ns is not None:
+            u.atime_ns = atime_ns
+        if mtime_ns is not None:
+            u.mtime_ns = mtime_ns
+        u.ctime_ns = time.time_ns()
+        self.save(node)
+        return self.attrs(node)
+
+    def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
+        self._writable(node)
+        self.copy_up(node).xattrs[name] = value
+        self._touch(node, mtime=False)
+        self.save(node)
+
+    def removexattr(self, node: Node, name: bytes) -> None:
+        self._writable(node)
+        u = self.copy_up(node)
+        if name not in u.xattrs:
+            raise fs_error(errno.ENODATA)
+        del u.xattrs[name]
+        self._touch(node, mtime=False)
+        self.save(node)
+
+    # -- file data -----------------------------------------------------------------------
+
+    def _upper_path(self, ex: Execution, ino: int) -> str:
+        return str(self.store.root / "upper" / str(ex.layer) / str(ino))
+
+    def _upper_fd(self, node: Node) -> int:
+        if node.fd is None:
+            ex = node.view
+            path = self._upper_path(ex, node.ino)
+            try:
+                node.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                node.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        return node.fd
+
+    def _pages(self, node: Node) -> set[int]:
+        if node.pages is None:
+            node.pages = set()
+            ex = node.view
+            if node.upper is not None and node.upper.base_limit:
+                prefix = inode_key(ex.layer, node.ino)
+                with self.store.read() as txn:
+                    cur = txn.cursor(db=self.store.db["pages"])
+                    if cur.set_range(prefix):
+                        for key in cur.iternext(values=False):
+                            if not key.startswith(prefix):
+                                break
+                            node.pages.add(page_of_key(key))
+        return node.pages
+
+    def base_only(self, node: Node) -> bool:
+        """True when every byte of file ``node`` still comes from its base content."""
+        u = node.upper
+        if u is None:
+            return True
+        return (u.base is not None and u.base.is_reg and u.base_limit == u.base.size == u.size
+                and not self._pages(node))
+
+    def opened(self, node: Node) -> None:
+        node.opens += 1
+        if isinstance(node.view, Execution):
+            node.view.opens += 1
+
+    def closed(self, node: Node) -> None:
+        """The last reference of one open(2) is gone: store the record, maybe delete it."""
+        node.opens -= 1
+        if isinstance(node.view, Execution):
+            node.view.opens -= 1
+        if node.opens == 0:
+            if node.dirty or node.new_pages:
+                if node.upper is not None and node.upper.nlink > 0:
+                    self.save(node)
+            if node.fd is not None:
+                os.close(node.fd)
+                node.fd = None
+            if node.upper is not None and node.upper.nlink == 0:
+                self._maybe_delete(node)
+
+    async def hydrate(self, cid: bytes) -> str:
+        """Path of base content ``cid`` decompressed in the shared cache; one thread builds
+        it however many readers ask at once (a keyed in-flight event)."""
+        path = self.hydrated.get(cid)
+        if path is not None:
+            return path
+        while cid in self.hydrating:
+            await self.hydrating[cid].wait()
+            if cid in self.hydrated:
+                return self.hydrated[cid]
+        event = self.hydrating[cid] = trio.Event()
+        try:
+            path = str(await trio.to_thread.run_sync(self.store.hydrate, cid))
+            self.hydrated[cid] = path
+            return path
+        finally:
+            del self.hydrating[cid]
+            event.set()
+
+    def base_cache_path(self, node: Node) -> str | None:
+        """The hydrated base content of a file node, if hydration is needed and done."""
+        cid = node.base_content
+        if cid is None or cid == EMPTY_CONTENT:
+            return None
+        return self.hydrated.get(cid)
+
+    def read(self, node: Node, off: int, size: int, base_fd: int | None) -> bytes:
+        """Up to ``size`` bytes at ``off``; ``base_fd`` is the hydrated base content, open."""
+        end = min(off + size, node.size)
+        if off >= end:
+            return b""
+        u = node.upper
+        if u is None or self.base_only(node):
+            return os.pread(base_fd, end - off, off)
+
+        def read_base(o: int, n: int) -> bytes:
+            return os.pread(base_fd, n, o) if base_fd is not None else b""
+
+        fd = node.fd if node.fd is not None else self._upper_fd(node)
+
+        def read_upper(o: int, n: int) -> bytes:
+            return os.pread(fd, n, o)
+
+        return assemble(off, end, self._pages(node), u.base_limit, read_base, read_upper)
+
+    def write(self, node: Node, off: int, data: bytes) -> int:
+        """Write ``data`` at ``off`` (bytes), copying up only the pages it touches."""
+        self._writable(node)
+        u = self.copy_up(node)
+        fd = self._upper_fd(node)
+        end = off + len(data)
+        if off < u.base_limit:
+            pages = self._pages(node)
+            for page in range(off // PAGE_SIZE, (min(end, u.base_limit) - 1) // PAGE_SIZE + 1):
+                if page in pages:
+                    continue
+                start = page * PAGE_SIZE
+                limit = min(start + PAGE_SIZE, u.base_limit)
+                if not (off <= start and end >= limit):  # not wholly overwritten: copy up
+                    raw = self.store.read_page(u.base.ref, page)[: limit - start]
+                    os.pwrite(fd, raw, start)
+                pages.add(page)
+                node.new_pages.add(page)
+        try:
+            written = os.pwrite(fd, data, off)
+        except OSError as exc:
+            raise RametError(f"upper data write failed: {exc.strerror}", exc.errno) from None
+        if end > u.size:
+            u.size = end
+        now = time.time_ns()
+        u.mtime_ns = u.ctime_ns = now
+        node.dirty = True
+        return written
+
+    def truncate(self, node: Node, size: int) -> None:
+        """Set the file size (bytes); bytes past a shrink read as zeros if it grows again."""
+        u = self.copy_up(node)
+        ex = node.view
+        if size < u.size:
+            if size < u.base_limit:
+                u.base_limit = size
+            pages = self._pages(node)
+            first_gone = -(-size // PAGE_SIZE)
+            gone = {p for p in pages if p >= first_gone}
+            if gone:
+                pages -= gone
+                node.new_pages -= gone
+                with self.store.write() as txn:
+                    for p in gone:
+                        txn.delete(page_key(ex.layer, node.ino, p), db=self.store.db["pages"])
+            if node.fd is not None or os.path.exists(self._upper_path(ex, node.ino)):
+                os.truncate(self._upper_path(ex, node.ino), size)
+        u.size = size
+        u.mtime_ns = u.ctime_ns = time.time_ns()
+        node.dirty = True
+
+    def fsync(self, node: Node) -> None:
+        """Make the file's data and records durable (fsync the upper data, sync LMDB)."""
+        if node.upper is not None and isinstance(node.view, Execution):
+            if node.fd is not None:
+                os.fsync(node.fd)
+            self.save(node)
+            self.store.sync()
+
+    def upper_bytes(self, ex: Execution) -> int:
+        """Bytes the execution's upper data files take on disk."""
+        total = 0
+        top = self.store.root / "upper" / str(ex.layer)
+        try:
+            with os.scandir(top) as it:
+                for e in it:
+                    total += e.stat().st_blocks * 512
+        except FileNotFoundError:
+            pass
+        return total
+
+
+def walk_names(overlay: Overlay, ino: int, prefix: bytes = b"") -> Iterator[tuple[bytes, Node]]:
+    """Every path below directory ``ino`` (depth first, sorted), with its node."""
+    for name, child in overlay.listdir(ino):
+        path = prefix + name
+        yield path, child
+        if child.is_dir:
+            yield from walk_names(overlay, child.ino, path + b"/")

@@ -1,0 +1,152 @@
+"""The control protocol: the magic files under ``.ramet/`` and the commands they take.
+
+This module is the whole contract between the daemon and its clients (the Python wrapper,
+the CLI, a shell).  It imports only the standard library, so a client can depend on it
+without pulling in FUSE, LMDB or trio.
+
+Layout (paths relative to the mountpoint)::
+
+    .ramet/ctl                       root control file (mode 0600)
+    .ramet/status                    JSON: snapshots, executions, last root reply
+    .ramet/error                     text: message of the last failed root command
+    snapshots/<snapshot-id>/         read-only tree
+    executions/<execution-id>/       writable copy-on-write view
+    executions/<id>/.ramet/ctl       this execution's control file
+    executions/<id>/.ramet/promote   write anything to promote; read: last promoted id
+    executions/<id>/.ramet/status    JSON: id, base, head, state, last reply
+    executions/<id>/.ramet/diff      ``A|M|D <path>`` lines, like ``git status --porcelain``
+    executions/<id>/.ramet/error     text: message of the last failed command here
+
+A command is one line written to a ``ctl`` file, split like a POSIX shell does (``shlex``), so
+arguments with spaces are quoted.  The ``write()`` returns once the command is done: the
+written length on success, else -1 with a precise errno (:data:`EINVAL` malformed,
+:data:`ENOENT` unknown id or path, :data:`EBUSY` busy, :data:`ENOSPC` no room, :data:`EIO`
+store failure).  After the write, reading the same open file descriptor from offset 0 gives
+the reply as one JSON object followed by a newline: ``{"ok": true, ...}`` or
+``{"ok": false, "errno": 22, "error": "..."}``.
+
+Root commands and their replies::
+
+    snapshot <abs-path> [--label L] [--message M]  -> {"ok", "snapshot", "stats"}
+    create <snapshot-id> [--name N]                -> {"ok", "execution", "path"}
+    release <execution-id>                         -> {"ok", "execution"}
+
+Execution commands::
+
+    promote [--label L] [--message M]   -> {"ok", "snapshot", "stats"}   (execution continues on it)
+    checkpoint [--label L] [--message M] -> {"ok", "snapshot", "stats"}  (base stays; not a new head)
+    reset                               -> {"ok", "snapshot"}            (back to its base)
+
+Snapshot ids are 64 hex digits (BLAKE3); any unique prefix of at least
+:data:`MIN_ID_PREFIX` digits is accepted where an id is expected.  Execution ids are
+names matching :data:`EXECUTION_NAME_RE`.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import json
+import re
+import shlex
+
+CONTROL_DIR = ".ramet"
+CTL = "ctl"
+STATUS = "status"
+ERROR = "error"
+PROMOTE = "promote"
+DIFF = "diff"
+SNAPSHOTS_DIR = "snapshots"
+EXECUTIONS_DIR = "executions"
+
+ROOT_CONTROL_FILES = (CTL, STATUS, ERROR)
+EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR)
+
+MIN_ID_PREFIX = 8
+EXECUTION_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_COMMAND_BYTES = 64 * 1024
+
+EINVAL = _errno.EINVAL
+ENOENT = _errno.ENOENT
+EBUSY = _errno.EBUSY
+ENOSPC = _errno.ENOSPC
+EIO = _errno.EIO
+
+# name -> (positional argument names, allowed options)
+ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "snapshot": (("path",), frozenset({"label", "message"})),
+    "create": (("snapshot",), frozenset({"name"})),
+    "release": (("execution",), frozenset()),
+}
+EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "promote": ((), frozenset({"label", "message"})),
+    "checkpoint": ((), frozenset({"label", "message"})),
+    "reset": ((), frozenset()),
+}
+
+
+class ProtocolError(ValueError):
+    """A command line that does not parse; ``errno`` is always EINVAL."""
+
+    errno = EINVAL
+
+
+def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[str]]]
+                  ) -> tuple[str, dict[str, str]]:
+    """Split one command line into ``(name, arguments)``.
+
+    ``arguments`` maps each positional name and each given ``--option`` to its string value.
+    Raises :class:`ProtocolError` (EINVAL) for an unknown command, a missing or extra
+    argument, an unknown or repeated option, or unbalanced quotes.
+    """
+    try:
+        words = shlex.split(line)
+    except ValueError as exc:
+        raise ProtocolError(f"cannot split command {line.strip()!r}: {exc}") from None
+    if not words:
+        raise ProtocolError("empty command")
+    name, rest = words[0], words[1:]
+    if name not in table:
+        raise ProtocolError(f"unknown command {name!r}; expected one of {', '.join(sorted(table))}")
+    positional, options = table[name]
+    args: dict[str, str] = {}
+    values: list[str] = []
+    i = 0
+    while i < len(rest):
+        word = rest[i]
+        if word.startswith("--"):
+            option = word[2:]
+            if option not in options:
+                raise ProtocolError(f"{name}: unknown option {word!r}")
+            if option in args:
+                raise ProtocolError(f"{name}: option {word!r} given twice")
+            if i + 1 >= len(rest):
+                raise ProtocolError(f"{name}: option {word!r} needs a value")
+            args[option] = rest[i + 1]
+            i += 2
+        else:
+            values.append(word)
+            i += 1
+    if len(values) != len(positional):
+        want = " ".join(f"<{p}>" for p in positional) or "no arguments"
+        raise ProtocolError(f"{name}: expected {want}, got {len(values)} argument(s)")
+    args.update(zip(positional, values))
+    return name, args
+
+
+def format_command(name: str, *positional: str, **options: str | None) -> str:
+    """Build one command line (with a trailing newline), quoting every word."""
+    words = [name, *positional]
+    for key, value in options.items():
+        if value is not None:
+            words += [f"--{key}", value]
+    return " ".join(shlex.quote(w) for w in words) + "\n"
+
+
+def encode_reply(reply: dict) -> bytes:
+    """Serialise a reply: compact JSON, one line."""
+    return (json.dumps(reply, sort_keys=True) + "\n").encode()
+
+
+def decode_reply(data: bytes) -> dict:
+    """Parse a reply read back from a ``ctl`` file descriptor."""
+    return json.loads(data.decode() or "{}")

@@ -1,0 +1,113 @@
+"""Every stored record: the LMDB databases, their key and value layouts, and the chunk envelope.
+
+Format version :data:`FORMAT_VERSION` (stored under ``meta[b"format"]``; a store with another
+version is refused).  docs/format.md describes the same layout for readers of the data directory.
+
+Integers in keys are unsigned big-endian so LMDB's byte order is numeric order.  Values are
+msgpack (``use_bin_type``) lists or maps; names and symlink targets are raw bytes, never decoded.
+
+Databases (one LMDB environment, ``<data>/meta``):
+
+``meta``       ``b"format"`` -> u32 version; ``b"next_ino"`` -> u64, above every stored inode number.
+``chunks``     chunk id (32 B BLAKE3 of the raw bytes) -> chunk envelope (below).
+``contents``   content id (32 B) -> msgpack ``[size_bytes, chunk_ids]`` (``chunk_ids``: 32 B each,
+               concatenated; chunk i holds bytes ``[i*page_size, (i+1)*page_size)``).
+``trees``      tree id (32 B BLAKE3 of the value) -> msgpack list of entries sorted by name,
+               each ``[name, mode, uid, gid, mtime_ns, size, ref, xattrs, link, nlink, flags]``
+               (:class:`rametfs.store.trees.Entry`).  ``ref`` is the content id (regular file),
+               the target (symlink), the subtree id (directory) or ``b""``; ``rdev`` of a device
+               node is ``size``.  ``link`` is 0, or a 63-bit id shared by the hard links of one
+               inode within the snapshot; ``flags`` bit 0 marks a directory holding hard links
+               somewhere below.
+``snapshots``  snapshot id (32 B BLAKE3 of the value) -> msgpack map ``{root, parents, created_ns,
+               label, message, source, stats}``.  Written last, in the same transaction as
+               anything it needs: a snapshot is listed only when it is whole.
+``sources``    absolute source path -> msgpack ``[dev, ino, size, mtime_ns, ctime_ns, content id]``,
+               the stat cache that makes re-importing an unchanged file free.
+``executions`` execution id (utf-8) -> msgpack map ``{base, head, layer, root_ino, created_ns}``.
+``inodes``     layer (u64) + ino (u64) -> msgpack map, an execution's upper inode record
+               (:class:`rametfs.overlay.UpperInode`).
+``dentries``   layer (u64) + parent ino (u64) + name -> child ino (u64); ino 0 is a whiteout.
+``links``      layer (u64) + link id (u64) -> ino (u64): the upper inode of a base hard-link group.
+``pages``      layer (u64) + ino (u64) + page (u64) -> ``b""``: that page of the file lives in the
+               upper data file ``<data>/upper/<layer>/<ino>``, not in the base chunks.
+``dead``       layer (u64) -> ``b""``: layers left by reset or release, deleted in the background.
+
+Chunk envelope (after BorgBackup's ``repoobj``): ``b"RMC"``, u8 version (1), u8 codec
+(0 raw, 1 zstd), u32 raw length, then the payload.  The chunk id is the BLAKE3 hash of the raw
+bytes and is checked on every read (:class:`rametfs.errors.IntegrityError`, EIO).
+"""
+
+from __future__ import annotations
+
+import struct
+
+FORMAT_VERSION = 1
+PAGE_SIZE = 64 * 1024  # bytes; one chunk holds at most one page
+ID_BYTES = 32
+
+DATABASES = ("meta", "chunks", "contents", "trees", "snapshots", "sources", "executions",
+             "inodes", "dentries", "links", "pages", "dead")
+
+ENVELOPE_MAGIC = b"RMC"
+ENVELOPE_VERSION = 1
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+_ENVELOPE = struct.Struct(">3sBBI")
+ENVELOPE_HEADER_BYTES = _ENVELOPE.size
+
+_U64 = struct.Struct(">Q")
+_U64x2 = struct.Struct(">QQ")
+_U64x3 = struct.Struct(">QQQ")
+
+WHITEOUT = 0
+
+
+def u64(value: int) -> bytes:
+    """Encode an unsigned 64-bit integer as 8 big-endian bytes."""
+    return _U64.pack(value)
+
+
+def from_u64(data: bytes) -> int:
+    """Decode 8 big-endian bytes."""
+    return _U64.unpack(data)[0]
+
+
+def inode_key(layer: int, ino: int) -> bytes:
+    """Key of ``inodes``: layer + ino (16 bytes)."""
+    return _U64x2.pack(layer, ino)
+
+
+def dentry_key(layer: int, parent: int, name: bytes) -> bytes:
+    """Key of ``dentries``: layer + parent ino + name."""
+    return _U64x2.pack(layer, parent) + name
+
+
+def link_key(layer: int, link: int) -> bytes:
+    """Key of ``links``: layer + link id (16 bytes)."""
+    return _U64x2.pack(layer, link)
+
+
+def page_key(layer: int, ino: int, page: int) -> bytes:
+    """Key of ``pages``: layer + ino + page number (24 bytes)."""
+    return _U64x3.pack(layer, ino, page)
+
+
+def page_of_key(key: bytes) -> int:
+    """The page number in a ``pages`` key."""
+    return _U64x3.unpack(key)[2]
+
+
+def pack_envelope(codec: int, raw_length: int, payload: bytes) -> bytes:
+    """Build a chunk envelope around ``payload`` (``raw_length`` in bytes, before compression)."""
+    return _ENVELOPE.pack(ENVELOPE_MAGIC, ENVELOPE_VERSION, codec, raw_length) + payload
+
+
+def unpack_envelope(data: bytes) -> tuple[int, int, memoryview]:
+    """Split an envelope into ``(codec, raw_length, payload)``; ValueError if malformed."""
+    if len(data) < ENVELOPE_HEADER_BYTES:
+        raise ValueError("chunk envelope too short")
+    magic, version, codec, raw_length = _ENVELOPE.unpack_from(data)
+    if magic != ENVELOPE_MAGIC or version != ENVELOPE_VERSION or codec not in (CODEC_RAW, CODEC_ZSTD):
+        raise ValueError(f"bad chunk envelope header {bytes(data[:ENVELOPE_HEADER_BYTES])!r}")
+    return codec, raw_length, memoryview(data)[ENVELOPE_HEADER_BYTES:]

@@ -1,0 +1,256 @@
+"""The local store: one LMDB environment for metadata and chunks, plus the hydration cache.
+
+``Store`` owns the data directory (mode 0700)::
+
+    <data>/meta/          LMDB environment (rametfs.store.format lists its databases)
+    <data>/cache/<cid>    hydrated (decompressed) base content, shared by every view
+    <data>/upper/<layer>/ upper data files of an execution layer, one sparse file per inode
+
+Read methods open their own read transaction and may be called from any thread.  Write
+transactions (``write()``) are short and never span an ``await`` (docs/concurrency.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import lmdb
+import msgpack
+
+from ..errors import IntegrityError, NoSpace, NotFound, RametError
+from . import chunks
+from .format import (DATABASES, FORMAT_VERSION, ID_BYTES, PAGE_SIZE, from_u64, u64)
+from .trees import Entry, decode_tree, encode_tree
+
+MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is written
+EMPTY_CONTENT = chunks.content_id(0, b"")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot record; ``id`` is 64 hex digits, times in ns, stats a plain dict."""
+
+    id: str
+    root: Entry
+    parents: tuple[str, ...]
+    created_ns: int
+    label: str
+    message: str
+    source: str
+    stats: dict
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "label": self.label, "message": self.message,
+                "parents": list(self.parents), "created_ns": self.created_ns,
+                "source": self.source, **self.stats}
+
+
+class Store:
+    """Chunks, contents, trees and snapshots under one data directory.
+
+    Raises RametError (EIO) when the directory holds a store of another format version.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike):
+        self.root = Path(data_dir).absolute()
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        for sub in ("meta", "cache", "upper"):
+            (self.root / sub).mkdir(mode=0o700, exist_ok=True)
+        # sync=False: commits reach the OS page cache (safe against a daemon crash); fsync and
+        # promote call sync() for durability against power loss.
+        self.env = lmdb.open(str(self.root / "meta"), map_size=MAP_SIZE, max_dbs=len(DATABASES),
+                             sync=False, metasync=False, readahead=False, max_readers=1024)
+        self.db = {name: self.env.open_db(name.encode()) for name in DATABASES}
+        with self.write() as txn:
+            version = txn.get(b"format", db=self.db["meta"])
+            if version is None:
+                txn.put(b"format", u64(FORMAT_VERSION), db=self.db["meta"])
+            elif from_u64(version) != FORMAT_VERSION:
+                raise RametError(f"{self.root}: store format {from_u64(version)}, "
+                                 f"this rametfs reads {FORMAT_VERSION}", errno.EIO)
+        self.page_size = PAGE_SIZE
+
+    def close(self) -> None:
+        self.env.sync(True)
+        self.env.close()
+
+    def sync(self) -> None:
+        """Flush LMDB to disk (fsync)."""
+        self.env.sync(True)
+
+    @contextmanager
+    def write(self) -> Iterator[lmdb.Transaction]:
+        """A write transaction; ENOSPC from LMDB becomes NoSpace and nothing is committed."""
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+        except lmdb.MapFullError:
+            raise NoSpace("metadata store is full") from None
+        except lmdb.Error as exc:
+            if "No space left" in str(exc):
+                raise NoSpace(f"no space left for metadata: {exc}") from None
+            raise
+
+    def read(self) -> lmdb.Transaction:
+        return self.env.begin()
+
+    # -- chunks and contents -------------------------------------------------------------
+
+    def has_chunk(self, cid: bytes) -> bool:
+        with self.env.begin(db=self.db["chunks"]) as txn:
+            return txn.get(cid) is not None
+
+    def chunk(self, cid: bytes) -> bytes:
+        """Raw bytes of chunk ``cid``; IntegrityError (EIO) when missing or corrupt."""
+        with self.env.begin(db=self.db["chunks"], buffers=True) as txn:
+            envelope = txn.get(cid)
+            if envelope is None:
+                raise IntegrityError(f"chunk {cid.hex()} is missing")
+            return chunks.decode_chunk(cid, envelope)
+
+    def content(self, cid: bytes) -> tuple[int, list[bytes]]:
+        """``(size in bytes, [chunk id, ...])`` of content ``cid``."""
+        if cid == EMPTY_CONTENT:
+            return 0, []
+        with self.env.begin(db=self.db["contents"]) as txn:
+            value = txn.get(cid)
+        if value is None:
+            raise IntegrityError(f"content {cid.hex()} is missing")
+        size, ids = msgpack.unpackb(value)
+        return size, [ids[i:i + ID_BYTES] for i in range(0, len(ids), ID_BYTES)]
+
+    @staticmethod
+    def put_content(txn: lmdb.Transaction, db, size: int, chunk_ids: list[bytes]) -> bytes:
+        """Record a content (its chunks already stored) in ``txn``; returns its id."""
+        joined = b"".join(chunk_ids)
+        cid = chunks.content_id(size, joined)
+        if cid != EMPTY_CONTENT:
+            txn.put(cid, msgpack.packb([size, joined]), db=db, overwrite=False)
+        return cid
+
+    def hydrate(self, cid: bytes) -> Path:
+        """Path of the decompressed content ``cid`` in the shared cache, building it if absent.
+
+        Blocking (reads every chunk): call it from a worker thread.  The file appears
+        atomically (written to a temporary name, then renamed).  Raises IntegrityError (EIO),
+        NoSpace (ENOSPC).
+        """
+        path = self.root / "cache" / cid.hex()
+        if path.exists():
+            return path
+        size, ids = self.content(cid)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+        try:
+            with open(tmp, "wb") as f:
+                for i in ids:
+                    f.write(self.chunk(i))
+                if f.tell() != size:
+                    raise IntegrityError(f"content {cid.hex()}: {f.tell()} bytes, expected {size}")
+            os.chmod(tmp, 0o400)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise NoSpace(f"no space left to hydrate content {cid.hex()}") from None
+            raise
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
+
+    def read_page(self, cid: bytes, page: int) -> bytes:
+        """Raw bytes of page ``page`` of content ``cid`` (b"" past the end). Blocking."""
+        cached = self.root / "cache" / cid.hex()
+        try:
+            with open(cached, "rb") as f:
+                return os.pread(f.fileno(), self.page_size, page * self.page_size)
+        except FileNotFoundError:
+            pass
+        _, ids = self.content(cid)
+        return self.chunk(ids[page]) if page < len(ids) else b""
+
+    # -- trees ---------------------------------------------------------------------------
+
+    def tree(self, tid: bytes) -> dict[bytes, Entry]:
+        """Entries of tree ``tid`` by name; IntegrityError (EIO) when missing."""
+        with self.env.begin(db=self.db["trees"], buffers=True) as txn:
+            value = txn.get(tid)
+            if value is None:
+                raise IntegrityError(f"tree {tid.hex()} is missing")
+            return decode_tree(value)
+
+    def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
+        tid, value = encode_tree(entries)
+        txn.put(tid, value, db=self.db["trees"], overwrite=False)
+        return tid
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def put_snapshot(self, txn: lmdb.Transaction, root: Entry, parents: list[str], label: str,
+                     message: str, source: str, stats: dict) -> Snapshot:
+        """Record a snapshot whose trees are stored (in ``txn`` or before); returns it.
+
+        ``root`` is the entry of the top directory (its ``ref`` the root tree id).
+        """
+        record = {"root": root.pack(), "parents": parents, "created_ns": time.time_ns(),
+                  "label": label, "message": message, "source": source, "stats": stats}
+        value = msgpack.packb(record, use_bin_type=True)
+        sid = chunks.chunk_id(value)
+        txn.put(sid, value, db=self.db["snapshots"])
+        return self._snapshot(sid, value)
+
+    @staticmethod
+    def _snapshot(sid: bytes, value: bytes) -> Snapshot:
+        r = msgpack.unpackb(value)
+        return Snapshot(sid.hex(), Entry.unpack(r["root"]), tuple(r["parents"]), r["created_ns"], r["label"],
+                        r["message"], r["source"], r["stats"])
+
+    def snapshot(self, ref: str) -> Snapshot:
+        """The snapshot with id, or unique id prefix (>= 8 hex digits), ``ref``.
+
+        Raises NotFound (ENOENT) when none or several match.
+        """
+        try:
+            prefix = bytes.fromhex(ref[: len(ref) // 2 * 2])
+        except ValueError:
+            raise NotFound(f"no snapshot {ref!r}: not a hex id") from None
+        if len(ref) < 8:
+            raise NotFound(f"no snapshot {ref!r}: give at least 8 hex digits")
+        found = []
+        with self.env.begin(db=self.db["snapshots"]) as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for key, value in cur:
+                    if not key.startswith(prefix) or len(found) > 1:
+                        break
+                    if key.hex().startswith(ref.lower()):
+                        found.append((key, value))
+        if len(found) != 1:
+            raise NotFound(f"no snapshot {ref!r}" if not found
+                           else f"snapshot prefix {ref!r} is ambiguous")
+        return self._snapshot(*found[0])
+
+    def snapshot_by_raw_id(self, sid: bytes) -> Snapshot | None:
+        with self.env.begin(db=self.db["snapshots"]) as txn:
+            value = txn.get(sid)
+        return None if value is None else self._snapshot(sid, value)
+
+    def snapshots(self) -> list[Snapshot]:
+        """Every snapshot, oldest first."""
+        with self.env.begin(db=self.db["snapshots"]) as txn:
+            items = [self._snapshot(k, v) for k, v in txn.cursor()]
+        return sorted(items, key=lambda s: s.created_ns)
+
+    # -- maintenance ---------------------------------------------------------------------
+
+    def remove_upper_dir(self, layer: int) -> None:
+        """Delete an upper layer's data files. Blocking."""
+        shutil.rmtree(self.root / "upper" / str(layer), ignore_errors=True)

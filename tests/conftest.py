@@ -1,0 +1,364 @@
+"""Fixtures for tests that mount the real filesystem through the kernel.
+
+The daemon always runs as a subprocess through the CLI (``python -m rametfs serve ...
+--background``), so a test may block in any syscall on the mount, restart or kill the daemon,
+and run several mounts at once.  Clean-up follows the house rule: ``rametfs umount``; failing
+that ``fusermount3 -u -z``, then SIGTERM, then SIGKILL of the daemon's own pid.
+
+Fixtures:
+
+- ``daemon``: a fresh daemon (own data dir and mountpoint) for one test.
+- ``shared_daemon``: one daemon for the whole session, for tests that only need their own
+  executions.
+- a session janitor that lazily unmounts whatever is still mounted under pytest's basetemp.
+
+After a test, the log of its daemon must have no line containing ``Traceback``, `` ERROR ``
+or ``WARNING`` unless the test allows it with ``@pytest.mark.allow_log(regex, ...)``; each
+line is matched on its own (``re.search``), so allowing a logged exception means allowing its
+traceback lines too.
+
+Tests import helpers with ``from conftest import Daemon, run``.  Mounting needs /dev/fuse; the
+mounted tests are skipped, with the reason, only when it is absent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rametfs import protocol
+
+RUN_TIMEOUT_S = 600
+START_TIMEOUT_S = 60
+STOP_TIMEOUT_S = 30
+BAD_LOG_LINE = re.compile(r"Traceback| ERROR |WARNING")
+
+
+class RunError(subprocess.CalledProcessError):
+    """A program exited non-zero; ``str()`` carries its output, so the test report shows it."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def run(*argv: str | os.PathLike, cwd=None, check: bool = True, env: dict | None = None,
+        user: str | int | None = None) -> subprocess.CompletedProcess:
+    """Run a real program (git, tar, cp ...) to completion, output captured as text.
+
+    Raises :class:`RunError` (a ``CalledProcessError``) on a non-zero exit when ``check``,
+    and ``subprocess.TimeoutExpired`` after 600 s.
+    """
+    argv = [os.fspath(a) for a in argv]
+    proc = subprocess.run(argv, cwd=cwd, env=env, user=user, text=True, capture_output=True,
+                          timeout=RUN_TIMEOUT_S)
+    if check and proc.returncode != 0:
+        raise RunError(proc.returncode, argv, proc.stdout, proc.stderr)
+    return proc
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    """Poll ``predicate()`` until true; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a reparented daemon may stay one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def lazy_unmount(path: str | os.PathLike) -> subprocess.CompletedProcess:
+    """``fusermount3 -u -z path``, without checking: the mount may already be gone."""
+    return subprocess.run(["fusermount3", "-u", "-z", os.fspath(path)], text=True,
+                          capture_output=True, timeout=RUN_TIMEOUT_S)
+
+
+def read_reply(fd: int) -> dict:
+    """Read a control reply back from an open ``ctl`` descriptor, from offset 0 to EOF."""
+    data = b""
+    while chunk := os.pread(fd, 65536, len(data)):
+        data += chunk
+    return protocol.decode_reply(data)
+
+
+def ctl_command(path: Path, line: str) -> dict:
+    """Write one command to the ``ctl`` file at ``path``; return its JSON reply.
+
+    On failure the ``OSError`` of the write (errno as the daemon chose it) is re-raised with
+    the reply attached as ``exc.reply`` (``{"ok": false, "errno": ..., "error": ...}``).
+    """
+    if not line.endswith("\n"):
+        line += "\n"
+    fd = os.open(path, os.O_RDWR)
+    try:
+        try:
+            written = os.write(fd, line.encode())
+        except OSError as exc:
+            exc.reply = read_reply(fd)
+            raise
+        assert written == len(line.encode()), f"short write to {path}: {written}"
+        return read_reply(fd)
+    finally:
+        os.close(fd)
+
+
+class Daemon:
+    """One rametfs daemon run through the CLI: ``Daemon(data_dir, mountpoint).start()``.
+
+    Each start logs to its own file next to the data dir (``<data>.log.1``, ``.2`` ...), so
+    :meth:`log_text` covers every run whatever ``--log`` does with an existing file.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, mountpoint: str | os.PathLike):
+        self.data_dir = Path(data_dir)
+        self._mnt = Path(mountpoint)
+        self.pid: int | None = None
+        self._logs: list[Path] = []
+        self._runs = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"Daemon(data={str(self.data_dir)!r}, mnt={str(self._mnt)!r}, pid={self.pid})"
+
+    @property
+    def mnt(self) -> Path:
+        return self._mnt
+
+    def _python_m(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rametfs", *args], text=True,
+                              capture_output=True, timeout=timeout)
+
+    def start(self) -> None:
+        """Mount in the background; returns once mounted with :attr:`pid` read from status."""
+        assert self.pid is None, f"{self!r} is already running"
+        self._mnt.mkdir(parents=True, exist_ok=True)
+        log = self.data_dir.with_name(f"{self.data_dir.name}.log.{next(self._runs)}")
+        self._logs.append(log)
+        proc = self._python_m("serve", "--data", str(self.data_dir), str(self._mnt),
+                              "--background", "--log", str(log), timeout=START_TIMEOUT_S)
+        assert proc.returncode == 0, (
+            f"rametfs serve exited {proc.returncode}\n--- stdout\n{proc.stdout}"
+            f"\n--- stderr\n{proc.stderr}\n--- log\n{self.log_text()}")
+        wait_until(lambda: os.path.ismount(self._mnt), START_TIMEOUT_S, f"{self._mnt} mounted")
+        self.pid = self.status()["pid"]
+
+    def stop(self) -> None:
+        """Unmount cleanly and wait for the daemon to exit.
+
+        If ``rametfs umount`` fails or the daemon outlives it, falls back to a lazy unmount,
+        SIGTERM and SIGKILL, then raises AssertionError saying what went wrong.
+        """
+        if self.pid is None:
+            return
+        pid, self.pid = self.pid, None
+        problems = []
+        try:
+            proc = self._python_m("umount", str(self._mnt), timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            problems.append(f"rametfs umount took more than {STOP_TIMEOUT_S} s")
+        else:
+            if proc.returncode != 0:
+                problems.append(f"rametfs umount exited {proc.returncode}: {proc.stderr}")
+        if not problems:
+            try:
+                wait_until(lambda: not pid_alive(pid), STOP_TIMEOUT_S, f"daemon {pid} to exit")
+            except AssertionError as exc:
+                problems.append(str(exc))
+        if problems:
+            lazy_unmount(self._mnt)
+            _end_process(pid)
+            raise AssertionError(f"{self!r} (was pid {pid}) did not stop cleanly: "
+                                 f"{'; '.join(problems)}")
+        assert not os.path.ismount(self._mnt), f"{self._mnt} still mounted after stop"
+
+    def kill(self) -> None:
+        """SIGKILL the daemon (a crash), lazily unmount, wait until the pid is gone."""
+        assert self.pid is not None, f"{self!r} is not running"
+        pid, self.pid = self.pid, None
+        os.kill(pid, signal.SIGKILL)
+        lazy_unmount(self._mnt)
+        wait_until(lambda: not pid_alive(pid), STOP_TIMEOUT_S, f"daemon {pid} to die")
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def is_alive(self) -> bool:
+        return self.pid is not None and pid_alive(self.pid) and os.path.ismount(self._mnt)
+
+    def log_text(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in self._logs if p.exists())
+
+    def status(self) -> dict:
+        """The root ``.ramet/status`` JSON."""
+        return json.loads((self._mnt / protocol.CONTROL_DIR / protocol.STATUS).read_text())
+
+    def exec_status(self, exec_id: str) -> dict:
+        """An execution's ``.ramet/status`` JSON."""
+        return json.loads((self.exec_path(exec_id) / protocol.CONTROL_DIR
+                           / protocol.STATUS).read_text())
+
+    def exec_path(self, exec_id: str) -> Path:
+        return self._mnt / protocol.EXECUTIONS_DIR / exec_id
+
+    def snap_path(self, snap_id: str) -> Path:
+        return self._mnt / protocol.SNAPSHOTS_DIR / snap_id
+
+    def ctl(self, line: str) -> dict:
+        """Run a root command (see :func:`ctl_command` for the reply and errors)."""
+        return ctl_command(self._mnt / protocol.CONTROL_DIR / protocol.CTL, line)
+
+    def exec_ctl(self, exec_id: str, line: str) -> dict:
+        """Run a command on one execution (see :func:`ctl_command`)."""
+        return ctl_command(self.exec_path(exec_id) / protocol.CONTROL_DIR / protocol.CTL, line)
+
+    def snapshot(self, src: str | os.PathLike, label: str | None = None) -> str:
+        """Snapshot the tree at ``src``; returns the snapshot id."""
+        line = protocol.format_command("snapshot", os.path.abspath(src), label=label)
+        return self.ctl(line)["snapshot"]
+
+    def create(self, snap: str) -> str:
+        """Create an execution of snapshot ``snap``; returns the execution id."""
+        return self.ctl(protocol.format_command("create", snap))["execution"]
+
+
+def _end_process(pid: int) -> None:
+    """SIGTERM, then SIGKILL after a grace period; returns once ``pid`` is gone."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            wait_until(lambda: not pid_alive(pid), STOP_TIMEOUT_S / 3, f"{pid} to end")
+            return
+        except AssertionError:
+            continue
+
+
+def bad_log_lines(text: str, allowed: list[str]) -> list[str]:
+    """Lines of ``text`` that look like trouble and that no ``allowed`` regex matches."""
+    patterns = [re.compile(a) for a in allowed]
+    return [line for line in text.splitlines()
+            if BAD_LOG_LINE.search(line) and not any(p.search(line) for p in patterns)]
+
+
+def allowed_log(request) -> list[str]:
+    return [regex for m in request.node.iter_markers("allow_log") for regex in m.args]
+
+
+def check_log(text: str, allowed: list[str], who: str) -> None:
+    bad = bad_log_lines(text, allowed)
+    if bad:
+        pytest.fail(f"{who} logged {len(bad)} unexpected line(s):\n" + "\n".join(bad),
+                    pytrace=False)
+
+
+def require_fuse() -> None:
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("/dev/fuse is absent: these tests mount rametfs through the kernel")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "allow_log(regex, ...): daemon log lines matching a regex may contain "
+                   "Traceback, ' ERROR ' or WARNING without failing the test")
+
+
+@pytest.fixture
+def daemon(tmp_path, request):
+    """A freshly started daemon of its own (data dir and mountpoint under ``tmp_path``)."""
+    require_fuse()
+    d = Daemon(tmp_path / "data", tmp_path / "mnt")
+    d.start()
+    yield d  # pytest resumes here whatever the test's outcome
+    try:
+        d.stop()
+    finally:
+        check_log(d.log_text(), allowed_log(request), repr(d))
+
+
+@pytest.fixture(scope="session")
+def _shared_daemon(tmp_path_factory):
+    """``(daemon, state)``; ``state["checked"]``: length of the log already checked."""
+    require_fuse()
+    base = tmp_path_factory.mktemp("shared")
+    d = Daemon(base / "data", base / "mnt")
+    d.start()
+    state = {"checked": 0}
+    yield d, state
+    try:
+        d.stop()
+    finally:
+        # What the tests logged was checked after each; what is left is the shutdown.
+        check_log(d.log_text()[state["checked"]:], [], f"shared {d!r} at shutdown")
+
+
+@pytest.fixture
+def shared_daemon(_shared_daemon, request):
+    """One daemon for the whole session; each test checks the log lines logged during it.
+
+    A test that leaves it dead fails, and the daemon is started again for the next test.
+    """
+    d, state = _shared_daemon
+    if not d.is_alive():
+        pytest.fail(f"shared {d!r} is not running (an earlier test killed it?)")
+    state["checked"] = len(d.log_text())
+    yield d
+    alive = d.is_alive()
+    if not alive:
+        if d.pid is not None:
+            _end_process(d.pid)
+            d.pid = None
+        lazy_unmount(d.mnt)
+        d.start()
+    text = d.log_text()
+    new, state["checked"] = text[state["checked"]:], len(text)
+    check_log(new, allowed_log(request), f"shared {d!r}")
+    if not alive:
+        pytest.fail(f"the shared daemon died during the test (started again); its log:\n{new}",
+                    pytrace=False)
+
+
+def _mounts_under(base: str) -> list[tuple[str, str]]:
+    """(mountpoint, fstype) of /proc/mounts entries at or under ``base``, deepest first."""
+    found = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            # /proc/mounts escapes space, tab, newline and backslash as octal (\040 ...).
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+            if point == base or point.startswith(base + "/"):
+                found.append((point, fields[2]))
+    return sorted(found, key=lambda m: len(m[0]), reverse=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _janitor(tmp_path_factory):
+    """At session end, lazily unmount anything still mounted under pytest's basetemp."""
+    yield
+    base = os.path.realpath(tmp_path_factory.getbasetemp())
+    for point, fstype in _mounts_under(base):
+        print(f"\njanitor: lazily unmounting leftover {fstype} mount {point}", file=sys.stderr)
+        if fstype.startswith("fuse"):
+            lazy_unmount(point)
+        else:
+            subprocess.run(["umount", "-l", point], capture_output=True, timeout=RUN_TIMEOUT_S)
