@@ -192,7 +192,7 @@ class Capture:
 
     def commit(self, plan: Entry | _DirPlan, parents: list[str], label: str, message: str,
                started_ns: int) -> Snapshot:
-        """Store the trees and the snapshot record in one transaction, then sync."""
+        """Store the trees and the snapshot record in one transaction."""
         store = self.overlay.store
         stats = {"changed_files": len(self.jobs),
                  "new_chunks": sum(j.new_chunks for j in self.jobs),
@@ -200,10 +200,8 @@ class Capture:
         with store.write() as txn:
             root = self._entry(txn, b"", plan)
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
-            snap = store.put_snapshot(txn, root, parents, label, message,
+            return store.put_snapshot(txn, root, parents, label, message,
                                       f"execution:{self.ex.id}", stats)
-        store.sync()
-        return snap
 
 
 async def capture(overlay: Overlay, ex: Execution, label: str, message: str) -> Snapshot:
@@ -218,7 +216,9 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str) -> 
         cap = Capture(overlay, ex)
         plan = cap.plan()
         await cap.hash()
-        return cap.commit(plan, [ex.head], label, message, started)
+        snap = cap.commit(plan, [ex.head], label, message, started)
+        await trio.to_thread.run_sync(overlay.store.sync)
+        return snap
     finally:
         frozen, ex.frozen = ex.frozen, None
         frozen.set()
@@ -235,7 +235,7 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
     def base_paths(entry: Entry, path: bytes):
         yield path + (b"/" if entry.is_dir else b"")
         if entry.is_dir:
-            for name, child in store.tree(entry.ref).items():
+            for name, child in overlay.tree(entry.ref).items():
                 yield from base_paths(child, path + b"/" + name)
 
     def node_paths(node: Node, path: bytes):
@@ -262,7 +262,7 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
     def walk(node: Node, base: Entry, path: bytes) -> None:
         if node.upper is None and not (descend_links and base.flags & FLAG_HAS_LINKS):
             return
-        base_entries = store.tree(base.ref)
+        base_entries = overlay.tree(base.ref)
         current = dict(overlay.listdir(node.ino))
         for name in sorted(set(base_entries) | set(current)):
             b, c = base_entries.get(name), current.get(name)

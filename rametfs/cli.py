@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import click
 
 from rametfs import __version__, protocol
-from rametfs.client import MOUNT_ENV, Ramet, RametError
+from rametfs.client import MOUNT_ENV, NotMountedError, Ramet, RametError
 
 EXIT_CODES = {
     errno.ENOENT: 3,
@@ -109,6 +109,7 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
     (then it is terminated); either way the tail of its log is in the message.
     """
     with open(log_file, "ab") as log:
+        start = log.tell()  # show only what this run logs
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                  start_new_session=True)
     deadline = time.monotonic() + WAIT_SECONDS
@@ -119,10 +120,10 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
             child.terminate()
             child.wait()
             raise RametError(errno.ETIMEDOUT, f"daemon not ready after {WAIT_SECONDS:.0f} s; "
-                             f"{log_file} ends with:\n{_tail(log_file)}")
+                             f"{log_file} ends with:\n{_tail(log_file, start)}")
         time.sleep(_POLL_SECONDS)
     raise RametError(errno.EIO, f"daemon exited with status {child.returncode}; "
-                     f"{log_file} ends with:\n{_tail(log_file)}")
+                     f"{log_file} ends with:\n{_tail(log_file, start)}")
 
 
 def _answers(mountpoint: str) -> bool:
@@ -135,9 +136,12 @@ def _answers(mountpoint: str) -> bool:
     return True
 
 
-def _tail(path: str, lines: int = 20) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:]).rstrip()
+def _tail(path: str, start: int, lines: int = 20) -> str:
+    """The last ``lines`` lines of ``path`` after byte offset ``start``."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
 
 
 @main.command()
@@ -148,13 +152,21 @@ def umount(mountpoint: str, lazy: bool) -> None:
 
     When it returns, the daemon has flushed its state.
     """
-    pid = Ramet(mountpoint).status()["pid"]
+    mountpoint = os.path.abspath(mountpoint)
+    try:
+        pid = Ramet(mountpoint).status()["pid"]
+    except NotMountedError:
+        pid = None  # no daemon answers, but a crashed one's mount may still need removing
     argv = ["fusermount3", "-u", *(["-z"] * lazy), mountpoint]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
+        if pid is None:
+            raise NotMountedError(mountpoint)
         busy = "busy" in done.stderr
         raise RametError(errno.EBUSY if busy else errno.EIO,
                          done.stderr.strip() or f"{' '.join(argv)} failed")
+    if pid is None:
+        return
     deadline = time.monotonic() + WAIT_SECONDS
     while _alive(pid):
         if time.monotonic() > deadline:
@@ -266,7 +278,8 @@ def list_(ramet: Ramet, as_json: bool) -> None:
     now = time.time_ns()
     click.echo(format_table(
         ("SNAPSHOT", "LABEL", "FILES", "BYTES", "AGE"),
-        [(s["id"][:12], s["label"] or "", str(s["files"]), human_bytes(s["bytes"]),
+        [(s["id"][:12], s["label"] or "", str(s.get("files", "-")),
+          human_bytes(s["bytes"]) if "bytes" in s else "-",
           human_age(now - s["created_ns"])) for s in state["snapshots"]]))
     click.echo()
     click.echo(format_table(

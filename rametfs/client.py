@@ -88,12 +88,9 @@ class Ramet:
     def create(self, snapshot: str, name: str | None = None) -> Execution:
         """Create a writable execution of ``snapshot`` (id or unique prefix).
 
-        Errors: ENOENT unknown snapshot, EINVAL bad name, EBUSY name taken.
+        Errors: ENOENT unknown snapshot, EINVAL bad name, EEXIST name taken.
         """
-        # The option goes as plain words: format_command's own ``name`` parameter shadows
-        # a ``name=`` keyword (it formats them the same way).
-        options = ("--name", name) if name is not None else ()
-        reply = self._root_command("create", snapshot, *options)
+        reply = self._root_command("create", snapshot, name=name)
         return Execution(self, reply["execution"])
 
     def release(self, execution: str | Execution) -> None:

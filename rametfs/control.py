@@ -25,12 +25,12 @@ from .store import import_tree
 
 log = logging.getLogger(__name__)
 
-Invalidate = Callable[[list[tuple[int, bytes]]], None]
+Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
 
 
 class Control:
     """Runs control commands against an Overlay; ``invalidate`` drops kernel caches of
-    ``(parent ino, name)`` dentries and ``(ino, b"")`` inodes."""
+    ``(parent ino, name)`` dentries and ``(ino, b"")`` inodes, and returns when done."""
 
     def __init__(self, overlay: Overlay, mountpoint: str, invalidate: Invalidate):
         self.overlay = overlay
@@ -117,7 +117,7 @@ class Control:
         ex = self.overlay.execution(args["execution"])
         if ex.id in self.busy:
             raise Busy(f"execution {ex.id!r} is running a command")
-        self.invalidate(self.overlay.release(ex))
+        await self.invalidate(self.overlay.release(ex))
         for table in (self.last, self.errors, self.promoted):
             table.pop(ex.id, None)
         return {"ok": True, "execution": ex.id}
@@ -136,7 +136,7 @@ class Control:
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
         started = time.monotonic_ns()
-        self.invalidate(self.overlay.reset(ex))
+        await self.invalidate(self.overlay.reset(ex))
         return {"ok": True, "snapshot": ex.base.id,
                 "reset_ms": round((time.monotonic_ns() - started) / 1e6, 3)}
 

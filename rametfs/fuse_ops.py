@@ -7,8 +7,10 @@ its traceback and answered with EIO so one bad request cannot take the daemon do
 
 Fixed inode numbers: 1 the mount root, 2 ``snapshots/``, 3 ``executions/``, 4 ``.ramet/`` and
 5-7 its files.  Each execution's ``.ramet/`` directory and files get numbers on first lookup.
-Snapshot inodes are cached by the kernel for a day (immutable); execution inodes for
-:data:`EXEC_TIMEOUT` and invalidated on reset and release; control files never (direct I/O).
+Snapshot inodes are cached by the kernel for :data:`CACHE_TIMEOUT` (immutable).  So are
+execution inodes: every change to them passes through this kernel mount, which keeps its
+caches coherent, except reset and release, which invalidate what the kernel may hold.
+Control files are never cached (timeout 0, direct I/O).
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from . import protocol
 from .control import Control
 from .errors import RametError, ReadOnly
 from .overlay import Attrs, Execution, Node, Overlay
+from .store import EMPTY_CONTENT
 
 log = logging.getLogger(__name__)
 
 ROOT, SNAPSHOTS, EXECUTIONS, CONTROL = 1, 2, 3, 4
-SNAPSHOT_TIMEOUT = 86400.0  # seconds
-EXEC_TIMEOUT = 1.0
+CACHE_TIMEOUT = 86400.0  # seconds
 TOP = {b"snapshots": SNAPSHOTS, b"executions": EXECUTIONS}
 CONTROL_NAME = protocol.CONTROL_DIR.encode()
 
@@ -106,15 +108,21 @@ class Operations(pyfuse3.Operations):
     def _add_virtual(self, v: Virtual) -> None:
         self.virtual[v.ino] = v
 
-    def _invalidate(self, entries: list[tuple[int, bytes]]) -> None:
+    async def _invalidate(self, entries: list[tuple[int, bytes]]) -> None:
+        # The kernel calls block until related requests finish: run them in a thread while
+        # the loop goes on serving, and reply to the command only when they are done.
+        await trio.to_thread.run_sync(self._invalidate_now, entries)
+
+    @staticmethod
+    def _invalidate_now(entries: list[tuple[int, bytes]]) -> None:
         for ino, name in entries:
-            if name:
-                pyfuse3.invalidate_entry_async(ino, name, ignore_enoent=True)
-            else:
-                try:
+            try:
+                if name:  # parent 0 is an execution root's entry in executions/
+                    pyfuse3.invalidate_entry(ino or EXECUTIONS, name)
+                else:
                     pyfuse3.invalidate_inode(ino)
-                except OSError:
-                    pass  # the kernel no longer knows it
+            except OSError:
+                pass  # the kernel does not know it
 
     def _fh(self, handle: object) -> int:
         fh = self.next_fh
@@ -147,8 +155,7 @@ class Operations(pyfuse3.Operations):
         return self._entry(a, 0)
 
     def _node_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        timeout = EXEC_TIMEOUT if isinstance(node.view, Execution) else SNAPSHOT_TIMEOUT
-        return self._entry(self.overlay.attrs(node), timeout)
+        return self._entry(self.overlay.attrs(node), CACHE_TIMEOUT)
 
     def _attrs(self, ino: int) -> pyfuse3.EntryAttributes:
         v = self.virtual.get(ino)
@@ -330,9 +337,9 @@ class Operations(pyfuse3.Operations):
     async def _open_node(self, node: Node) -> pyfuse3.FileInfo:
         base_fd = None
         cid = node.base_content
-        if cid is not None and not (node.upper is not None and node.upper.base_limit == 0):
-            path = self.overlay.base_cache_path(node) or await self.overlay.hydrate(cid)
-            base_fd = os.open(path, os.O_RDONLY)
+        if cid is not None and cid != EMPTY_CONTENT and \
+                not (node.upper is not None and node.upper.base_limit == 0):
+            base_fd = os.open(await self.overlay.hydrate(cid), os.O_RDONLY)
         self.overlay.opened(node)
         return pyfuse3.FileInfo(fh=self._fh(FileHandle(node, base_fd)), keep_cache=True)
 
@@ -342,26 +349,33 @@ class Operations(pyfuse3.Operations):
         node = self.overlay.create(parent_inode, name, mode, ctx.uid, ctx.gid)
         return await self._open_node(node), self._node_attrs(node)
 
+    def _live(self, h: FileHandle) -> Node:
+        if not self.overlay.is_live(h.node):
+            raise pyfuse3.FUSEError(errno.ESTALE)  # its execution was reset or released
+        return h.node
+
     @_errors
     async def read(self, fh, off, size):
         h = self.handles[fh]
         if isinstance(h, ControlHandle):
             return h.data[off:off + size]
-        return self.overlay.read(h.node, off, size, h.base_fd)
+        return self.overlay.read(self._live(h), off, size, h.base_fd)
 
     @_errors
     async def write(self, fh, off, buf):
         h = self.handles[fh]
         if isinstance(h, ControlHandle):
             return await self._control_write(h, buf)
-        await self._hold(h.node)
-        return self.overlay.write(h.node, off, buf)
+        node = self._live(h)
+        await self._hold(node)
+        return self.overlay.write(self._live(h), off, buf)
 
     @_errors
     async def flush(self, fh):
         h = self.handles[fh]
-        if isinstance(h, FileHandle) and (h.node.dirty or h.node.new_pages) \
-                and h.node.upper is not None and h.node.upper.nlink > 0:
+        if isinstance(h, FileHandle) and self.overlay.is_live(h.node) \
+                and (h.node.dirty or h.node.new_pages) and h.node.upper is not None \
+                and h.node.upper.nlink > 0:
             self.overlay.save(h.node)
 
     @_errors
@@ -370,20 +384,23 @@ class Operations(pyfuse3.Operations):
         if isinstance(h, FileHandle):
             if h.base_fd is not None:
                 os.close(h.base_fd)
-            if h.node.ino in self.overlay.nodes:
+            if self.overlay.is_live(h.node):
                 self.overlay.closed(h.node)
 
     @_errors
     async def fsync(self, fh, datasync):
         h = self.handles[fh]
-        if isinstance(h, FileHandle):
-            await trio.to_thread.run_sync(os.fsync, h.node.fd) if h.node.fd is not None else None
-            self.overlay.fsync(h.node)
+        if isinstance(h, FileHandle) and h.node.upper is not None:
+            self._live(h)
+            if h.node.fd is not None:
+                await trio.to_thread.run_sync(os.fsync, h.node.fd)
+            self.overlay.save(h.node)
+            await trio.to_thread.run_sync(self.overlay.store.sync)
 
     @_errors
     async def fsyncdir(self, fh, datasync):
         self.overlay.flush_all()
-        self.overlay.store.sync()
+        await trio.to_thread.run_sync(self.overlay.store.sync)
 
     @_errors
     async def statfs(self, ctx):
@@ -457,18 +474,15 @@ class Operations(pyfuse3.Operations):
             text = buf.decode()
         except UnicodeDecodeError:
             raise pyfuse3.FUSEError(errno.EINVAL) from None
-        lines = [line for line in text.splitlines() if line.strip()] or [""]
-        if v.kind == protocol.PROMOTE:
-            lines = ["promote"]
+        # One write is one command: a quoted argument may hold a newline.
+        line = "promote" if v.kind == protocol.PROMOTE else text
         try:
-            for line in lines:
-                if v.execution is None:
-                    reply = await self.control.run_root(line)
-                else:
-                    reply = await self.control.run_execution(
-                        self.overlay.execution(v.execution), line)
-                h.data = protocol.encode_reply(reply)
+            if v.execution is None:
+                reply = await self.control.run_root(line)
+            else:
+                reply = await self.control.run_execution(self.overlay.execution(v.execution), line)
         except RametError as exc:
             h.data = protocol.encode_reply({"ok": False, "errno": exc.errno, "error": str(exc)})
             raise
+        h.data = protocol.encode_reply(reply)
         return len(buf)

@@ -26,6 +26,7 @@ Non-standard behaviour (also in docs/architecture.md):
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
 import time
@@ -43,6 +44,7 @@ from .store.format import (dentry_key, from_u64, inode_key, link_key, page_key, 
 NAME_MAX = 255
 FIRST_DYNAMIC_INO = 1000  # inode numbers below are the mount's fixed virtual nodes
 DIR_SIZE = 4096
+TREE_CACHE = 4096  # decoded base trees kept in memory
 
 
 @dataclass
@@ -149,7 +151,6 @@ class Execution(View):
         self.created_ns = created_ns
         self.frozen: trio.Event | None = None
         self.link_inos: dict[int, int] = {}  # base hard-link group -> ino, this layer
-        self.opens = 0
 
     def record(self) -> bytes:
         return msgpack.packb({"base": self.base.id, "head": self.head, "layer": self.layer,
@@ -260,6 +261,7 @@ class Overlay:
         self.nodes: dict[int, Node] = {}
         self.snapshot_views: dict[str, SnapshotView] = {}
         self.executions: dict[str, Execution] = {}
+        self._tree_cache = functools.lru_cache(maxsize=TREE_CACHE)(store.tree)
         with store.read() as txn:
             meta = store.db["meta"]
             raw = txn.get(b"next_ino", db=meta)
@@ -273,6 +275,10 @@ class Overlay:
         self.hydrating: dict[bytes, trio.Event] = {}
         self.dead_layers = trio.Event()  # set when a layer waits for deletion
 
+    def tree(self, tid: bytes) -> dict[bytes, Entry]:
+        """Entries of base tree ``tid`` (immutable, so cached; see ``TREE_CACHE``)."""
+        return self._tree_cache(tid)
+
     # -- inode numbers and nodes ---------------------------------------------------------
 
     def _alloc_ino(self) -> int:
@@ -284,6 +290,10 @@ class Overlay:
         if self.next_ino > self.stored_next_ino:
             txn.put(b"next_ino", u64(self.next_ino), db=self.store.db["meta"])
             self.stored_next_ino = self.next_ino
+
+    def is_live(self, node: Node) -> bool:
+        """False once ``node`` was dropped by a reset or release of its execution."""
+        return self.nodes.get(node.ino) is node
 
     def node(self, ino: int) -> Node:
         """The node for ``ino``; ESTALE when it belongs to a dropped layer or view."""
@@ -378,9 +388,10 @@ class Overlay:
         """Drop the upper layer of ``ex``: O(1) visible; the old layer is deleted later.
 
         Returns the ``(parent ino, name)`` dentries and inode numbers the kernel may cache
-        (as ``(ino, b"")`` pairs for inodes), for the adapter to invalidate.
+        (as ``(ino, b"")`` pairs for inodes), for the adapter to invalidate.  The root keeps
+        its dentry and inode number, so a bind mount of the execution stays valid.
         """
-        stale = self._stale_entries(ex)
+        stale = self._stale_entries(ex, keep_root_entry=True)
         old = ex.layer
         self._drop_nodes(ex)
         with self.store.write() as txn:
@@ -390,10 +401,11 @@ class Overlay:
         return stale
 
     def release(self, ex: Execution) -> list[tuple[int, bytes]]:
-        """Delete execution ``ex`` and its upper layer; EBUSY while a file in it is open."""
-        if ex.opens:
-            raise RametError(f"execution {ex.id!r} has {ex.opens} open file(s)", errno.EBUSY)
-        stale = self._stale_entries(ex)
+        """Delete execution ``ex`` and its upper layer (files still open turn stale).
+
+        Returns what the kernel may cache, as ``reset`` does; the root's dentry has parent 0.
+        """
+        stale = self._stale_entries(ex, keep_root_entry=False)
         self._drop_nodes(ex)
         with self.store.write() as txn:
             txn.put(u64(ex.layer), b"", db=self.store.db["dead"])
@@ -403,8 +415,9 @@ class Overlay:
         return stale
 
     @staticmethod
-    def _stale_entries(view: View) -> list[tuple[int, bytes]]:
-        return list(view.dcache) + [(ino, b"") for ino in view.inos if ino != view.root_ino]
+    def _stale_entries(view: View, keep_root_entry: bool) -> list[tuple[int, bytes]]:
+        entries = [key for key in view.dcache if not (keep_root_entry and key[0] == 0)]
+        return entries + [(ino, b"") for ino in view.inos]
 
     def set_head(self, ex: Execution, sid: str) -> None:
         ex.head = sid
@@ -453,22 +466,25 @@ class Overlay:
                     raise NotFound(f"{name!r} was deleted")
                 return self._load_upper(view, ino, parent_ino, name)
         tree = parent.tree
-        if tree is None:
-            raise NotFound(f"no {name!r}")
-        entry = self.store.tree(tree).get(name)
+        entry = self.tree(tree).get(name) if tree is not None else None
         if entry is None:
             raise NotFound(f"no {name!r}")
+        return self._base_child(parent, name, entry)
+
+    def _base_child(self, parent: Node, name: bytes, entry: Entry) -> Node:
+        """The node of base entry ``entry`` named ``name`` in ``parent`` (no upper dentry)."""
+        view = parent.view
         if entry.link and isinstance(view, Execution):
             ino = view.link_inos.get(entry.link)
             if ino is None:
                 with self.store.read() as txn:
                     raw = txn.get(link_key(view.layer, entry.link), db=self.store.db["links"])
                 if raw is not None:
-                    return self._load_upper(view, from_u64(raw), parent_ino, name)
+                    return self._load_upper(view, from_u64(raw), parent.ino, name)
             elif ino in self.nodes:
-                view.dcache[(parent_ino, name)] = ino
+                view.dcache[(parent.ino, name)] = ino
                 return self.nodes[ino]
-        node = self._add_node(Node(self._alloc_ino(), view, entry, None, parent_ino, name))
+        node = self._add_node(Node(self._alloc_ino(), view, entry, None, parent.ino, name))
         if entry.link and isinstance(view, Execution):
             view.link_inos[entry.link] = node.ino
         return node
@@ -498,9 +514,9 @@ class Overlay:
         d = self.node(dir_ino)
         if not d.is_dir:
             raise fs_error(errno.ENOTDIR)
-        names: dict[bytes, int | None] = {}
+        names: dict[bytes, Entry | int] = {}
         if d.tree is not None:
-            names = dict.fromkeys(self.store.tree(d.tree), None)
+            names = dict(self.tree(d.tree))
         view = d.view
         if isinstance(view, Execution) and d.upper is not None:
             prefix = dentry_key(view.layer, dir_ino, b"")
@@ -517,7 +533,15 @@ class Overlay:
                             names[key[len(prefix):]] = ino
         out = []
         for name in sorted(names):
-            out.append((name, self.lookup(dir_ino, name)))
+            ino = view.dcache.get((dir_ino, name))
+            node = self.nodes.get(ino) if ino is not None else None
+            if node is None:
+                item = names[name]
+                if isinstance(item, int):
+                    node = self._load_upper(view, item, dir_ino, name)
+                else:
+                    node = self._base_child(d, name, item)
+            out.append((name, node))
         return out
 
     # -- attributes ----------------------------------------------------------------------
@@ -629,7 +653,7 @@ class Overlay:
         ex = self._writable(parent)
         self.copy_up(parent)
         key = dentry_key(ex.layer, parent.ino, name)
-        in_base = parent.tree is not None and name in self.store.tree(parent.tree)
+        in_base = parent.tree is not None and name in self.tree(parent.tree)
         with self.store.write() as txn:
             if in_base:
                 txn.put(key, u64(WHITEOUT), db=self.store.db["dentries"])
@@ -917,14 +941,10 @@ class Overlay:
 
     def opened(self, node: Node) -> None:
         node.opens += 1
-        if isinstance(node.view, Execution):
-            node.view.opens += 1
 
     def closed(self, node: Node) -> None:
         """The last reference of one open(2) is gone: store the record, maybe delete it."""
         node.opens -= 1
-        if isinstance(node.view, Execution):
-            node.view.opens -= 1
         if node.opens == 0:
             if node.dirty or node.new_pages:
                 if node.upper is not None and node.upper.nlink > 0:
@@ -941,6 +961,10 @@ class Overlay:
         path = self.hydrated.get(cid)
         if path is not None:
             return path
+        cached = self.store.cache_path(cid)
+        if os.path.exists(cached):  # hydrated by an earlier daemon: no thread needed
+            self.hydrated[cid] = cached
+            return cached
         while cid in self.hydrating:
             await self.hydrating[cid].wait()
             if cid in self.hydrated:
@@ -953,13 +977,6 @@ class Overlay:
         finally:
             del self.hydrating[cid]
             event.set()
-
-    def base_cache_path(self, node: Node) -> str | None:
-        """The hydrated base content of a file node, if hydration is needed and done."""
-        cid = node.base_content
-        if cid is None or cid == EMPTY_CONTENT:
-            return None
-        return self.hydrated.get(cid)
 
     def read(self, node: Node, off: int, size: int, base_fd: int | None) -> bytes:
         """Up to ``size`` bytes at ``off``; ``base_fd`` is the hydrated base content, open."""
@@ -1030,14 +1047,6 @@ class Overlay:
         u.size = size
         u.mtime_ns = u.ctime_ns = time.time_ns()
         node.dirty = True
-
-    def fsync(self, node: Node) -> None:
-        """Make the file's data and records durable (fsync the upper data, sync LMDB)."""
-        if node.upper is not None and isinstance(node.view, Execution):
-            if node.fd is not None:
-                os.fsync(node.fd)
-            self.save(node)
-            self.store.sync()
 
     def upper_bytes(self, ex: Execution) -> int:
         """Bytes the execution's upper data files take on disk."""

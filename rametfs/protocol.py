@@ -133,7 +133,7 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
     return name, args
 
 
-def format_command(name: str, *positional: str, **options: str | None) -> str:
+def format_command(name: str, /, *positional: str, **options: str | None) -> str:
     """Build one command line (with a trailing newline), quoting every word."""
     words = [name, *positional]
     for key, value in options.items():

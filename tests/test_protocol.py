@@ -30,12 +30,8 @@ DAY_NS = 86400 * 10**9
     ("snapshot", ("/src/my project",), {"label": "it's", "message": None},
      "snapshot '/src/my project' --label 'it'\"'\"'s'\n",
      {"path": "/src/my project", "label": "it's"}),
-    pytest.param(
-        "create", (ID_A[:8],), {"name": "run-1"},
-        "create aaaaaaaa --name run-1\n", {"snapshot": ID_A[:8], "name": "run-1"},
-        marks=pytest.mark.xfail(raises=TypeError, strict=True, reason=(
-            "format_command's own `name` parameter takes the --name keyword; "
-            "fix: make it positional-only (name, /, *positional, **options)"))),
+    ("create", (ID_A[:8],), {"name": "run-1"},
+     "create aaaaaaaa --name run-1\n", {"snapshot": ID_A[:8], "name": "run-1"}),
     ("create", (ID_A[:8], "--name", "run 1"), {},
      "create aaaaaaaa --name 'run 1'\n", {"snapshot": ID_A[:8], "name": "run 1"}),
     ("release", ("run-1",), {}, "release run-1\n", {"execution": "run-1"}),

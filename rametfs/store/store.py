@@ -143,7 +143,7 @@ class Store:
         atomically (written to a temporary name, then renamed).  Raises IntegrityError (EIO),
         NoSpace (ENOSPC).
         """
-        path = self.root / "cache" / cid.hex()
+        path = Path(self.cache_path(cid))
         if path.exists():
             return path
         size, ids = self.content(cid)
@@ -166,9 +166,13 @@ class Store:
             raise
         return path
 
+    def cache_path(self, cid: bytes) -> str:
+        """Where the hydrated copy of content ``cid`` lives (it may not exist yet)."""
+        return f"{self.root}/cache/{cid.hex()}"
+
     def read_page(self, cid: bytes, page: int) -> bytes:
         """Raw bytes of page ``page`` of content ``cid`` (b"" past the end). Blocking."""
-        cached = self.root / "cache" / cid.hex()
+        cached = self.cache_path(cid)
         try:
             with open(cached, "rb") as f:
                 return os.pread(f.fileno(), self.page_size, page * self.page_size)

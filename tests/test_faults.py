@@ -1,0 +1,271 @@
+"""Faults: malformed commands, unknown ids, bad sources, a daemon killed in the middle of a
+promote, and a data directory that runs out of space."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import Daemon, check_log, run, wait_until
+from rametfs import protocol
+from test_snapshots import tree_signature, write_tree
+
+MIB = 1 << 20
+KILL_PROMOTE_MIB = 200  # fresh random data the killed promote must store
+BATCH_BYTES = 32 * MIB  # capture commits chunks in batches of about this size
+
+
+def control(path: Path, name: str) -> Path:
+    return path / protocol.CONTROL_DIR / name
+
+
+@pytest.fixture
+def source(tmp_path) -> Path:
+    return write_tree(tmp_path / "src", {"a.txt": b"alpha\n", "d/b.bin": os.urandom(100_000)})
+
+
+def snapshot_ids(daemon: Daemon) -> list[str]:
+    return [s["id"] for s in daemon.status()["snapshots"]]
+
+
+def assert_fails(fn, err: int) -> OSError:
+    with pytest.raises(OSError) as caught:
+        fn()
+    assert caught.value.errno == err, caught.value
+    return caught.value
+
+
+# ----- malformed commands and unknown ids ----------------------------------------------------
+
+@pytest.mark.parametrize("line", ["", "   ", "frobnicate", "snapshot '/tmp", "snapshot /a /b",
+                                  "create", "create a b", "release", "release a b",
+                                  "create 00000000 --bogus 1", "snapshot /tmp --label",
+                                  "snapshot /tmp --label a --label b", "promote", "reset"])
+def test_malformed_root_command_is_einval(shared_daemon, line):
+    before = shared_daemon.status()
+    exc = assert_fails(lambda: shared_daemon.ctl(line), errno.EINVAL)
+
+    assert (exc.reply["ok"], exc.reply["errno"]) == (False, errno.EINVAL)
+    message = control(shared_daemon.mnt, "error").read_text()
+    assert message == f"{line.strip()}: {exc.reply['error']}\n"
+    after = shared_daemon.status()
+    assert (after["snapshots"], after["executions"]) == (before["snapshots"], before["executions"])
+    assert after["last"] == exc.reply
+
+
+def test_bad_execution_name_is_einval(shared_daemon, source):
+    snap = shared_daemon.snapshot(source)
+    for name in ["bad name", "-leading-dash", "a/b", "x" * 65]:
+        assert_fails(lambda: shared_daemon.ctl(protocol.format_command("create", snap, name=name)),
+                     errno.EINVAL)
+    assert not [e for e in shared_daemon.status()["executions"] if e["base"] == snap]
+
+
+def test_create_with_a_name_in_use_is_eexist(shared_daemon, source):
+    snap = shared_daemon.snapshot(source)
+    name = f"taken-{snap[:12]}"
+    shared_daemon.ctl(f"create {snap} --name {name}")
+    try:
+        (shared_daemon.exec_path(name) / "mine").write_bytes(b"kept")
+        assert_fails(lambda: shared_daemon.ctl(f"create {snap} --name {name}"), errno.EEXIST)
+        assert (shared_daemon.exec_path(name) / "mine").read_bytes() == b"kept"
+    finally:
+        shared_daemon.ctl(f"release {name}")
+
+
+@pytest.mark.parametrize("ref", ["0" * 64, "00000000", "0000000", "zzzzzzzz", "not-an-id"])
+def test_create_of_an_unknown_snapshot_is_enoent(shared_daemon, ref):
+    exc = assert_fails(lambda: shared_daemon.ctl(f"create {ref}"), errno.ENOENT)
+    assert exc.reply["errno"] == errno.ENOENT
+    assert ref in control(shared_daemon.mnt, "error").read_text()
+
+
+def test_unknown_names_under_the_mount_are_enoent(shared_daemon):
+    mnt = shared_daemon.mnt
+    for path in [mnt / "snapshots" / ("0" * 64), mnt / "snapshots" / "not-hex",
+                 mnt / "executions" / "no-such-execution", mnt / "nothing",
+                 mnt / ".ramet" / "promote"]:
+        assert_fails(lambda: os.stat(path), errno.ENOENT)
+    assert_fails(lambda: shared_daemon.ctl("release no-such-execution"), errno.ENOENT)
+
+
+def test_commands_on_a_released_execution_are_enoent(shared_daemon, source):
+    eid = shared_daemon.create(shared_daemon.snapshot(source))
+    ctl = control(shared_daemon.exec_path(eid), "ctl")
+    fd = os.open(ctl, os.O_RDWR)
+    try:
+        shared_daemon.ctl(f"release {eid}")
+        assert_fails(lambda: os.write(fd, b"promote\n"), errno.ENOENT)
+    finally:
+        os.close(fd)
+    assert_fails(lambda: shared_daemon.exec_ctl(eid, "promote"), errno.ENOENT)
+
+
+def test_shell_write_to_a_snapshot_is_erofs(shared_daemon, source):
+    snap = shared_daemon.snap_path(shared_daemon.snapshot(source))
+    proc = run("bash", "-c", "echo x > a.txt", cwd=snap, check=False)
+
+    assert proc.returncode == 1
+    assert "Read-only file system" in proc.stderr
+    assert (snap / "a.txt").read_bytes() == b"alpha\n"
+
+
+# ----- bad sources ---------------------------------------------------------------------------
+
+def test_snapshot_of_a_missing_source_is_enoent(shared_daemon, tmp_path):
+    before = snapshot_ids(shared_daemon)
+    missing = tmp_path / "missing"
+    assert_fails(lambda: shared_daemon.ctl(f"snapshot {missing}"), errno.ENOENT)
+
+    assert str(missing) in control(shared_daemon.mnt, "error").read_text()
+    assert snapshot_ids(shared_daemon) == before
+
+
+@pytest.mark.parametrize("kind", ["dir", "file", "symlink"])
+def test_snapshot_of_a_source_holding_ramet_is_einval(shared_daemon, source, kind):
+    reserved = source / protocol.CONTROL_DIR
+    if kind == "dir":
+        reserved.mkdir()
+    elif kind == "file":
+        reserved.write_bytes(b"")
+    else:
+        reserved.symlink_to("/nowhere")
+    before = snapshot_ids(shared_daemon)
+    assert_fails(lambda: shared_daemon.ctl(f"snapshot {source}"), errno.EINVAL)
+
+    assert ".ramet" in control(shared_daemon.mnt, "error").read_text()
+    assert snapshot_ids(shared_daemon) == before
+
+
+@pytest.mark.parametrize("path", ["relative/path", ".", "a.txt"])
+def test_snapshot_of_a_relative_source_is_einval(shared_daemon, source, path):
+    before = snapshot_ids(shared_daemon)
+    assert_fails(lambda: shared_daemon.ctl(f"snapshot {path}"), errno.EINVAL)
+    assert "not absolute" in control(shared_daemon.mnt, "error").read_text()
+    assert snapshot_ids(shared_daemon) == before
+
+
+def test_snapshot_of_a_regular_file_is_einval(shared_daemon, source):
+    assert_fails(lambda: shared_daemon.ctl(f"snapshot {source / 'a.txt'}"), errno.EINVAL)
+
+
+def test_cli_reports_errors_with_exit_codes(shared_daemon, tmp_path):
+    proc = run(sys.executable, "-m", "rametfs", "snapshot", "-m", shared_daemon.mnt,
+               tmp_path / "missing", check=False)
+    assert (proc.returncode, proc.stdout) == (3, "")
+    assert proc.stderr.startswith("rametfs: ") and str(tmp_path / "missing") in proc.stderr
+    proc = run(sys.executable, "-m", "rametfs", "create", "-m", shared_daemon.mnt, "0" * 64,
+               check=False)
+    assert (proc.returncode, proc.stdout) == (3, "")
+
+
+# ----- crash in the middle of a promote ------------------------------------------------------
+
+def test_sigkill_during_a_large_promote_keeps_every_snapshot(daemon, source):
+    first = daemon.snapshot(source)
+    eid = daemon.create(first)
+    ex = daemon.exec_path(eid)
+    (ex / "a.txt").write_bytes(b"promoted once\n")
+    second = daemon.exec_ctl(eid, "promote")["snapshot"]
+    expected = {first: tree_signature(daemon.snap_path(first)),
+                second: tree_signature(daemon.snap_path(second))}
+    assert expected[first] == tree_signature(source)
+    digest = hashlib.sha256()
+    with open(ex / "large.bin", "wb") as f:
+        for _ in range(KILL_PROMOTE_MIB):
+            block = os.urandom(MIB)
+            digest.update(block)
+            f.write(block)
+    old_list = snapshot_ids(daemon)
+    lmdb_file = daemon.data_dir / "meta" / "data.mdb"
+    size_before = lmdb_file.stat().st_size
+
+    outcome = []
+
+    def promote() -> None:
+        try:
+            outcome.append(daemon.exec_ctl(eid, "promote"))
+        except OSError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=promote)
+    thread.start()
+    try:
+        # Kill once the promote has stored part of its chunks (or has finished).
+        wait_until(lambda: outcome or lmdb_file.stat().st_size >= size_before + BATCH_BYTES,
+                   120, "the promote to store its first batch of chunks")
+        daemon.kill()
+    finally:
+        thread.join(60)
+    assert not thread.is_alive()
+
+    daemon.start()
+    new_list = snapshot_ids(daemon)
+    assert new_list in (old_list, old_list + new_list[len(old_list):])
+    assert len(new_list) - len(old_list) in (0, 1)
+    for sid, signature in expected.items():
+        assert tree_signature(daemon.snap_path(sid)) == signature
+    for sid in new_list[len(old_list):]:  # a promote that made it is whole
+        sha = hashlib.sha256()
+        with open(daemon.snap_path(sid) / "large.bin", "rb") as f:
+            while block := f.read(MIB):
+                sha.update(block)
+        assert sha.hexdigest() == digest.hexdigest()
+        assert (daemon.snap_path(sid) / "a.txt").read_bytes() == b"promoted once\n"
+    # The daemon still works after the crash.
+    again = daemon.create(second)
+    assert (daemon.exec_path(again) / "a.txt").read_bytes() == b"promoted once\n"
+
+
+# ----- a full disk ---------------------------------------------------------------------------
+
+def test_full_disk_write_fails_with_enospc_and_snapshots_survive(tmp_path, source, request):
+    data = tmp_path / "data"
+    data.mkdir()
+    run("mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", data)
+    d = Daemon(data, tmp_path / "mnt")
+    try:
+        d.start()
+        first = d.snapshot(source)
+        eid = d.create(first)
+        ex = d.exec_path(eid)
+        (ex / "a.txt").write_bytes(b"before the disk filled\n")
+        second = d.exec_ctl(eid, "promote")["snapshot"]
+        expected = {first: tree_signature(d.snap_path(first)),
+                    second: tree_signature(d.snap_path(second))}
+
+        written = 0
+        fd = os.open(ex / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with pytest.raises(OSError) as caught:
+                for _ in range(128):  # 128 MiB: twice the file system
+                    written += os.write(fd, os.urandom(MIB))
+        finally:
+            os.close(fd)
+        assert caught.value.errno == errno.ENOSPC
+        assert 0 < written < 64 * MIB
+
+        os.unlink(ex / "filler")
+        d.exec_ctl(eid, "reset")
+        for sid, signature in expected.items():
+            assert tree_signature(d.snap_path(sid)) == signature
+        (ex / "after").write_bytes(b"room again")
+        third = d.exec_ctl(eid, "promote")["snapshot"]
+        d.restart()
+        for sid, signature in expected.items():
+            assert tree_signature(d.snap_path(sid)) == signature
+        assert (d.snap_path(third) / "after").read_bytes() == b"room again"
+    finally:
+        try:
+            if d.pid is not None:
+                d.stop()
+        finally:
+            run("umount", data)
+            check_log(d.log_text(), [m for mark in request.node.iter_markers("allow_log")
+                                     for m in mark.args], repr(d))
