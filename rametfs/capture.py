@@ -128,7 +128,7 @@ class Capture:
     def __init__(self, overlay: Overlay, ex: Execution):
         self.overlay = overlay
         self.ex = ex
-        self.jobs: list[_FileJob] = []
+        self.jobs: dict[int, _FileJob] = {}  # ino -> job: hard links share one
         self.descend_links = False
 
     def plan(self) -> _DirPlan:
@@ -147,10 +147,12 @@ class Capture:
             elif child.upper is None:
                 plan.children.append((name, child.entry))
             elif stat.S_ISREG(child.upper.mode) and not self.overlay.base_only(child):
-                job = _FileJob(child.upper.size, frozenset(self.overlay._pages(child)),
-                               child.upper.base_limit, child.upper.base,
-                               self.overlay._upper_path(self.ex, child.ino))
-                self.jobs.append(job)
+                job = self.jobs.get(child.ino)
+                if job is None:
+                    job = self.jobs[child.ino] = _FileJob(
+                        child.upper.size, frozenset(self.overlay._pages(child)),
+                        child.upper.base_limit, child.upper.base,
+                        self.overlay._upper_path(self.ex, child.ino))
                 plan.children.append((name, (child, job)))
             else:
                 plan.children.append((name, (child, None)))
@@ -160,7 +162,7 @@ class Capture:
         """Hash and store the changed files on every core."""
         limiter = trio.CapacityLimiter(os.cpu_count() or 2)
         async with trio.open_nursery() as nursery:
-            for job in self.jobs:
+            for job in self.jobs.values():
                 nursery.start_soon(lambda j=job: trio.to_thread.run_sync(
                     _hash_file, self.overlay.store, j, limiter=limiter))
 
@@ -195,8 +197,8 @@ class Capture:
         """Store the trees and the snapshot record in one transaction."""
         store = self.overlay.store
         stats = {"changed_files": len(self.jobs),
-                 "new_chunks": sum(j.new_chunks for j in self.jobs),
-                 "new_chunk_bytes": sum(j.new_bytes for j in self.jobs)}
+                 "new_chunks": sum(j.new_chunks for j in self.jobs.values()),
+                 "new_chunk_bytes": sum(j.new_bytes for j in self.jobs.values())}
         with store.write() as txn:
             root = self._entry(txn, b"", plan)
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
@@ -248,10 +250,11 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
         u = node.upper
         if u is None:
             return node.entry != b
-        same_attrs = (u.mode == b.mode and u.uid == b.uid and u.gid == b.gid
-                      and u.mtime_ns == b.mtime_ns and tuple(sorted(u.xattrs.items())) == b.xattrs)
-        if b.is_dir:
-            return not same_attrs
+        same_owner = (u.mode == b.mode and u.uid == b.uid and u.gid == b.gid
+                      and tuple(sorted(u.xattrs.items())) == b.xattrs)
+        if b.is_dir:  # its mtime moves with every change inside: not a change of its own
+            return not same_owner
+        same_attrs = same_owner and u.mtime_ns == b.mtime_ns
         if b.is_symlink:
             return not same_attrs or u.target != b.ref
         if b.is_reg:

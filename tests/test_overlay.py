@@ -1,0 +1,183 @@
+"""Model tests of the overlay without a kernel: copy-up, page maps, whiteouts, persistence."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import trio
+
+from rametfs.capture import Capture, diff
+from rametfs.errors import NotFound, ReadOnly, RametError
+from rametfs.overlay import Overlay, assemble
+from rametfs.store import PAGE_SIZE, Store, import_tree
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = tmp_path / "src"
+    (root / "dir" / "sub").mkdir(parents=True)
+    (root / "small").write_bytes(b"0123456789" * 2)
+    (root / "big").write_bytes(bytes(range(256)) * (3 * PAGE_SIZE // 256) + b"tail")
+    (root / "dir" / "a").write_bytes(b"a")
+    (root / "dir" / "sub" / "b").write_bytes(b"b")
+    os.link(root / "small", root / "dir" / "small-link")
+    return root
+
+
+@pytest.fixture
+def model(tmp_path, src):
+    store = Store(tmp_path / "data")
+    snap = import_tree(store, src)
+    overlay = Overlay(store)
+    ex = overlay.create_execution(snap, "e")
+    yield store, overlay, ex
+    store.close()
+
+
+def path_node(overlay, ex, path):
+    node = overlay.node(ex.root_ino)
+    for part in path.split("/"):
+        node = overlay.lookup(node.ino, part.encode())
+    return node
+
+
+def read_all(overlay, node):
+    cid = node.base_content
+    fd = os.open(overlay.store.hydrate(cid), os.O_RDONLY) if cid and node.entry.size else None
+    try:
+        return overlay.read(node, 0, node.size + 10, fd)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def test_assemble_merges_base_upper_and_zeros():
+    base = bytes([1]) * (2 * PAGE_SIZE)
+    upper = {PAGE_SIZE: b"\x02" * 10}
+
+    def read_upper(o, n):
+        return upper.get(o, b"")[:n]
+
+    out = assemble(0, 2 * PAGE_SIZE, {1}, 2 * PAGE_SIZE, lambda o, n: base[o:o + n], read_upper)
+    assert out == base[:PAGE_SIZE] + b"\x02" * 10 + bytes(PAGE_SIZE - 10)
+    # past base_limit every byte comes from the upper data (zeros where it is short)
+    out = assemble(0, 100, set(), 30, lambda o, n: base[o:o + n], lambda o, n: b"")
+    assert out == base[:30] + bytes(70)
+
+
+def test_write_copies_up_one_page(model, src):
+    store, overlay, ex = model
+    node = path_node(overlay, ex, "big")
+    ino = node.ino
+    overlay.write(node, PAGE_SIZE + 5, b"XYZ")
+    assert node.ino == ino
+    assert overlay._pages(node) == {1}
+    upper = os.stat(overlay._upper_path(ex, ino))
+    assert upper.st_blocks * 512 <= 2 * PAGE_SIZE
+    expected = bytearray((src / "big").read_bytes())
+    expected[PAGE_SIZE + 5:PAGE_SIZE + 8] = b"XYZ"
+    assert read_all(overlay, node) == bytes(expected)
+
+
+def test_truncate_then_grow_reads_zeros(model):
+    store, overlay, ex = model
+    node = path_node(overlay, ex, "small")
+    overlay.truncate(node, 4)
+    overlay.truncate(node, 12)
+    assert read_all(overlay, node) == b"0123" + bytes(8)
+
+
+def test_hard_link_group_has_one_upper_inode(model):
+    store, overlay, ex = model
+    a = path_node(overlay, ex, "small")
+    b = path_node(overlay, ex, "dir/small-link")
+    assert a.ino == b.ino and overlay.attrs(a).nlink == 2
+    overlay.write(a, 0, b"ZZ")
+    assert read_all(overlay, path_node(overlay, ex, "dir/small-link"))[:4] == b"ZZ23"
+
+
+def test_rename_base_directory_and_recreate(model):
+    store, overlay, ex = model
+    d = path_node(overlay, ex, "dir")
+    overlay.rename(ex.root_ino, b"dir", ex.root_ino, b"moved", 0)
+    assert path_node(overlay, ex, "moved").ino == d.ino
+    assert path_node(overlay, ex, "moved/sub/b").entry.ref
+    with pytest.raises(NotFound):
+        overlay.lookup(ex.root_ino, b"dir")
+    overlay.mkdir(ex.root_ino, b"dir", 0o755, 0, 0)
+    assert overlay.listdir(path_node(overlay, ex, "dir").ino) == []
+
+
+def test_state_survives_a_new_overlay(model, tmp_path):
+    store, overlay, ex = model
+    overlay.write(path_node(overlay, ex, "small"), 0, b"AB")
+    overlay.unlink(path_node(overlay, ex, "dir").ino, b"a")
+    new = overlay.create(ex.root_ino, b"new", 0o644, 0, 0)
+    overlay.write(new, 0, b"fresh")
+    overlay.flush_all()
+    reopened = Overlay(store)
+    ex2 = reopened.execution("e")
+    assert read_all(reopened, path_node(reopened, ex2, "small")) == b"AB" + b"23456789" + \
+        b"0123456789"
+    assert read_all(reopened, path_node(reopened, ex2, "new")) == b"fresh"
+    assert [n for n, _ in reopened.listdir(path_node(reopened, ex2, "dir").ino)] == \
+        [b"small-link", b"sub"]
+    assert [(k, p) for k, p in diff(reopened, ex2)] == [
+        ("D", b"dir/a"), ("M", b"dir/small-link"), ("A", b"new"), ("M", b"small")]
+
+
+def test_reset_drops_the_layer(model):
+    store, overlay, ex = model
+    overlay.create(ex.root_ino, b"x", 0o644, 0, 0)
+    overlay.reset(ex)
+    assert [n for n, _ in overlay.listdir(ex.root_ino)] == [b"big", b"dir", b"small"]
+    assert diff(overlay, ex) == []
+    while (done := overlay.collect_dead_layer()) is not None:
+        pass
+    with store.read() as txn:
+        keys = [k for k, _ in txn.cursor(db=store.db["inodes"])]
+    assert [k[:8] for k in keys] == [ex.layer.to_bytes(8, "big")]
+
+
+def test_snapshot_view_is_read_only(model):
+    store, overlay, ex = model
+    view = overlay.snapshot_view(ex.base.id)
+    node = overlay.lookup(view.root_ino, b"small")
+    with pytest.raises(ReadOnly):
+        overlay.write(node, 0, b"x")
+    with pytest.raises(ReadOnly):
+        overlay.mkdir(view.root_ino, b"d", 0o755, 0, 0)
+
+
+def test_errors_carry_errnos(model):
+    store, overlay, ex = model
+    with pytest.raises(RametError) as e:
+        overlay.create(ex.root_ino, b"n" * 256, 0o644, 0, 0)
+    assert e.value.errno == 36  # ENAMETOOLONG
+    with pytest.raises(RametError) as e:
+        overlay.rmdir(ex.root_ino, b"dir")
+    assert e.value.errno == 39  # ENOTEMPTY
+    with pytest.raises(RametError) as e:
+        overlay.create(ex.root_ino, b".ramet", 0o644, 0, 0)
+    assert e.value.errno == 17  # EEXIST
+
+
+def test_capture_reuses_unchanged_subtrees(model):
+    store, overlay, ex = model
+    overlay.write(path_node(overlay, ex, "small"), 0, b"Q")
+    cap = Capture(overlay, ex)
+    plan = cap.plan()
+    trio.run(cap.hash)
+    snap = cap.commit(plan, [ex.head], "l", "m", 0)
+    new_root = store.tree(snap.root.ref)
+    old_root = store.tree(ex.base.root.ref)
+    # dir holds the other name of small (a hard link), so it changes; its sub does not
+    assert store.tree(new_root[b"dir"].ref)[b"sub"].ref == \
+        store.tree(old_root[b"dir"].ref)[b"sub"].ref
+    assert store.tree(new_root[b"dir"].ref)[b"small-link"].ref == new_root[b"small"].ref
+    assert new_root[b"big"] == old_root[b"big"]
+    assert new_root[b"small"].ref != old_root[b"small"].ref
+    assert [j.new_chunks for j in cap.jobs.values()] == [1]
+    assert stat.S_ISREG(new_root[b"small"].mode)
