@@ -188,6 +188,25 @@ def _alive(pid: int) -> bool:
 # ----- snapshots and executions --------------------------------------------------------------
 
 @main.command()
+@click.option("--data", required=True, type=click.Path(file_okay=False, exists=True),
+              help="Data directory to check (a live daemon may be serving it).")
+def fsck(data: str) -> None:
+    """Verify every snapshot: trees, contents and each chunk's BLAKE3 id.  Exit 1 on damage."""
+    from rametfs.store import Store, fsck as check_store
+    store = Store(data)
+    try:
+        report = check_store(store)
+    finally:
+        store.close()
+    for line in report.problems:
+        click.echo(line)
+    click.echo(f"{report.snapshots} snapshots, {report.trees} trees, {report.contents} contents, "
+               f"{report.chunks} chunks checked; {len(report.problems)} problems", err=True)
+    if report.problems:
+        raise click.exceptions.Exit(EXIT_OTHER)
+
+
+@main.command()
 @click.argument("source", type=click.Path(file_okay=False))
 @label_option
 @message_option

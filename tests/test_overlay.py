@@ -11,7 +11,7 @@ import trio
 from rametfs.capture import Capture, diff
 from rametfs.errors import NotFound, ReadOnly, RametError
 from rametfs.overlay import Overlay, assemble
-from rametfs.store import PAGE_SIZE, Store, import_tree
+from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
 
 
 @pytest.fixture
@@ -181,3 +181,16 @@ def test_capture_reuses_unchanged_subtrees(model):
     assert new_root[b"small"].ref != old_root[b"small"].ref
     assert [j.new_chunks for j in cap.jobs.values()] == [1]
     assert stat.S_ISREG(new_root[b"small"].mode)
+
+
+def test_fsck_finds_a_corrupt_chunk(model):
+    store, overlay, ex = model
+    assert fsck(store).problems == []
+    _, ids = store.content(store.tree(ex.base.root.ref)[b"small"].ref)
+    with store.write() as txn:
+        envelope = bytearray(txn.get(ids[0], db=store.db["chunks"]))
+        envelope[-1] ^= 0xFF
+        txn.put(ids[0], bytes(envelope), db=store.db["chunks"])
+    report = fsck(store)
+    assert len(report.problems) == 1
+    assert "/small" in report.problems[0] and ids[0].hex() in report.problems[0]
