@@ -122,6 +122,7 @@ class View:
         self.root_ino = root_ino
         self.inos: set[int] = {root_ino}
         self.dcache: dict[tuple[int, bytes], int] = {}  # (parent ino, name) -> ino
+        self.link_inos: dict[int, int] = {}  # base hard-link group -> ino
 
 
 class SnapshotView(View):
@@ -150,7 +151,6 @@ class Execution(View):
         self.layer = layer
         self.created_ns = created_ns
         self.frozen: trio.Event | None = None
-        self.link_inos: dict[int, int] = {}  # base hard-link group -> ino, this layer
 
     def record(self) -> bytes:
         return msgpack.packb({"base": self.base.id, "head": self.head, "layer": self.layer,
@@ -472,20 +472,23 @@ class Overlay:
         return self._base_child(parent, name, entry)
 
     def _base_child(self, parent: Node, name: bytes, entry: Entry) -> Node:
-        """The node of base entry ``entry`` named ``name`` in ``parent`` (no upper dentry)."""
+        """The node of base entry ``entry`` named ``name`` in ``parent`` (no upper dentry).
+
+        The names of one base hard-link group share one node (and inode number).
+        """
         view = parent.view
-        if entry.link and isinstance(view, Execution):
+        if entry.link:
             ino = view.link_inos.get(entry.link)
-            if ino is None:
+            if ino is not None and ino in self.nodes:
+                view.dcache[(parent.ino, name)] = ino
+                return self.nodes[ino]
+            if isinstance(view, Execution):
                 with self.store.read() as txn:
                     raw = txn.get(link_key(view.layer, entry.link), db=self.store.db["links"])
                 if raw is not None:
                     return self._load_upper(view, from_u64(raw), parent.ino, name)
-            elif ino in self.nodes:
-                view.dcache[(parent.ino, name)] = ino
-                return self.nodes[ino]
         node = self._add_node(Node(self._alloc_ino(), view, entry, None, parent.ino, name))
-        if entry.link and isinstance(view, Execution):
+        if entry.link:
             view.link_inos[entry.link] = node.ino
         return node
 
@@ -730,23 +733,23 @@ class Overlay:
         return not self.listdir(node.ino)
 
     def _drop_name(self, parent: Node, name: bytes, node: Node) -> None:
-        """Remove ``name`` -> ``node`` from ``parent`` and count the link down."""
+        """Remove ``name`` -> ``node`` from ``parent`` and count the link down.
+
+        The inode is copied up first: one still open keeps its attributes (nlink 0) and
+        stays readable and writable until it is closed.
+        """
+        u = self.copy_up(node)
         self._remove_dentry(parent, name)
-        u = self.copy_up(node) if node.upper is None and node.entry.link else node.upper
         if node.is_dir:
             parent.upper.nlink -= 1
-            if u is not None:
-                u.nlink = 0
-        elif u is not None:
+            u.nlink = 0
+        else:
             u.nlink -= 1
             self._touch(node, mtime=False)
-        if u is not None:
-            if u.nlink > 0:
-                self.save(node)
-            else:
-                self._maybe_delete(node)
+        if u.nlink > 0:
+            self.save(node)
         else:
-            node.parent = 0  # an unlinked base inode: readable while open, then gone
+            self._maybe_delete(node)
 
     def _maybe_delete(self, node: Node) -> None:
         """Delete an unlinked inode's upper record and data once nothing has it open."""
@@ -886,7 +889,11 @@ class Overlay:
         return self.attrs(node)
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
+        """Set an xattr; POSIX ACLs are refused (EOPNOTSUPP) since they would not change the
+        mode bits as they do on ext4, and tools then fall back to chmod."""
         self._writable(node)
+        if name.startswith(b"system.posix_acl_"):
+            raise fs_error(errno.EOPNOTSUPP, "POSIX ACLs are not supported")
         self.copy_up(node).xattrs[name] = value
         self._touch(node, mtime=False)
         self.save(node)

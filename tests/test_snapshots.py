@@ -26,44 +26,49 @@ SNAPSHOT_ID = re.compile(r"[0-9a-f]{64}")
 TIMES_NS = (1_600_000_000_123_456_789, 1_500_000_000_987_654_321)  # (atime, mtime)
 
 
-def tree_signature(root: str | os.PathLike, *, times: bool = True) -> dict[str, tuple]:
-    """Everything rametfs must keep of the tree at ``root``, by path relative to it.
+def tree_signature(root: str | os.PathLike, *, times: bool = True) -> dict[str, str]:
+    """Everything rametfs must keep of the tree at ``root``: relative path -> one short line.
 
-    Per entry: type, permission bits, uid, gid, nlink (files), size and SHA-256 (files),
-    target (symlinks), sorted ``user.*`` xattrs, and with ``times`` the mtime in ns.  Hard
-    links show as the sorted paths sharing one inode.  Symlinks are never followed, and the
-    ``.ramet`` control directory is invisible to the walk (readdir never lists it).
+    A line holds the type, permission bits, uid:gid, link count, ``user.*`` xattrs, with
+    ``times`` the mtime in ns, then the size and content hash (files) or the target
+    (symlinks), and for a file with hard links in the tree the paths sharing its inode.
+    Lines stay short so that a failed comparison shows every differing field.  Symlinks are
+    never followed; ``.ramet`` is invisible (readdir never lists it).
     """
     root = Path(root)
-    out: dict[str, tuple] = {}
-    by_inode: dict[int, list[str]] = {}
-    names: dict[str, int] = {}
+    out: dict[str, str] = {}
+    inodes: dict[str, int] = {}
 
     def visit(path: Path, rel: str) -> None:
         st = os.lstat(path)
-        xattrs = tuple(sorted((n, os.getxattr(path, n, follow_symlinks=False))
-                              for n in os.listxattr(path, follow_symlinks=False)
-                              if n.startswith("user.")))
-        fields: tuple = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
-                         st.st_gid, xattrs)
+        kind = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}.get(
+            stat.S_IFMT(st.st_mode), oct(stat.S_IFMT(st.st_mode)))
+        xattrs = {n: os.getxattr(path, n, follow_symlinks=False)
+                  for n in sorted(os.listxattr(path, follow_symlinks=False))
+                  if n.startswith("user.")}
+        line = (f"{kind} {stat.S_IMODE(st.st_mode):04o} {st.st_uid}:{st.st_gid} "
+                f"nlink={st.st_nlink}")
+        if xattrs:
+            line += f" xattrs={xattrs}"
         if times:
-            fields += (st.st_mtime_ns,)
+            line += f" mtime={st.st_mtime_ns}"
         if stat.S_ISREG(st.st_mode):
-            fields += (st.st_nlink, st.st_size, hashlib.sha256(path.read_bytes()).hexdigest())
-            by_inode.setdefault(st.st_ino, []).append(rel)
-            names[rel] = st.st_ino
+            line += f" {st.st_size}B sha256={hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
+            inodes[rel] = st.st_ino
         elif stat.S_ISLNK(st.st_mode):
-            fields += (os.readlink(path),)
-        elif stat.S_ISDIR(st.st_mode):
-            fields += (st.st_nlink,)
+            line += f" -> {os.readlink(path)}"
+        out[rel] = line
+        if stat.S_ISDIR(st.st_mode):
             for name in sorted(os.listdir(path)):
                 visit(path / name, f"{rel}/{name}" if rel != "." else name)
-        out[rel] = fields
 
     visit(root, ".")
-    for rel, ino in names.items():
+    by_inode: dict[int, list[str]] = {}
+    for rel, ino in inodes.items():
+        by_inode.setdefault(ino, []).append(rel)
+    for rel, ino in inodes.items():
         if len(by_inode[ino]) > 1:
-            out[rel] += (tuple(sorted(by_inode[ino])),)
+            out[rel] += f" links={','.join(sorted(by_inode[ino]))}"
     return out
 
 
