@@ -449,7 +449,10 @@ class Overlay:
     # -- lookup and listing --------------------------------------------------------------
 
     def lookup(self, parent_ino: int, name: bytes) -> Node:
-        """The node named ``name`` in directory ``parent_ino``; NotFound (ENOENT) if none."""
+        """The node named ``name`` in directory ``parent_ino``; NotFound (ENOENT) if none,
+        ENAMETOOLONG for a name over 255 bytes (the kernel leaves that check to FUSE)."""
+        if len(name) > NAME_MAX:
+            check_name(name)
         parent = self.node(parent_ino)
         view = parent.view
         ino = view.dcache.get((parent_ino, name))

@@ -128,9 +128,11 @@ class Daemon:
     :meth:`log_text` covers every run whatever ``--log`` does with an existing file.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, mountpoint: str | os.PathLike):
+    def __init__(self, data_dir: str | os.PathLike, mountpoint: str | os.PathLike,
+                 serve_args: tuple[str, ...] = ()):
         self.data_dir = Path(data_dir)
         self._mnt = Path(mountpoint)
+        self.serve_args = tuple(serve_args)  # extra ``serve`` flags, e.g. ("--allow-other",)
         self.pid: int | None = None
         self._logs: list[Path] = []
         self._runs = itertools.count(1)
@@ -153,7 +155,8 @@ class Daemon:
         log = self.data_dir.with_name(f"{self.data_dir.name}.log.{next(self._runs)}")
         self._logs.append(log)
         proc = self._python_m("serve", "--data", str(self.data_dir), str(self._mnt),
-                              "--background", "--log", str(log), timeout=START_TIMEOUT_S)
+                              "--background", "--log", str(log), *self.serve_args,
+                              timeout=START_TIMEOUT_S)
         assert proc.returncode == 0, (
             f"rametfs serve exited {proc.returncode}\n--- stdout\n{proc.stdout}"
             f"\n--- stderr\n{proc.stderr}\n--- log\n{self.log_text()}")

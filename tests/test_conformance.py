@@ -1,0 +1,854 @@
+"""POSIX conformance inside executions: the numbered cases from the field (issue 3).
+
+Each ``test_caseN_*`` is the regression test of case N.  Set-up steps run in the source tree
+before it is snapshotted, so every case acts on entries that come from the snapshot (and, where
+it matters, on entries made inside the execution too).  The right value is the one ext4 gives:
+where a result is not obvious, the same steps also run on a ``cp -a`` copy of the source on the
+host file system (ext4) and the two results must be equal, besides the exact values written out.
+
+Cases 5 and 6 run as uid 65534 against a daemon started with ``--allow-other`` (which mounts
+with ``allow_other`` and ``default_permissions``); its mountpoint and the ext4 copies live in a
+0755 directory under /tmp, because pytest's basetemp is 0700 and uid 65534 could not reach it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sqlite3
+import stat
+import subprocess
+import sys
+import tempfile
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from conftest import RUN_TIMEOUT_S, Daemon, check_log, require_fuse, run
+from test_snapshots import tree_signature, write_tree
+
+NOBODY = 65534
+# uid 65534 cannot reach the test venv's interpreter (it lives under /root, mode 0700).
+SYSTEM_PYTHON = "/usr/bin/python3"
+TWENTY = b"0123456789abcdefghij"
+
+
+@pytest.fixture
+def executions(shared_daemon):
+    """``new(source) -> Path``: snapshot ``source`` and create an execution of it; every
+    execution made is released after the test."""
+    made: list[str] = []
+
+    def new(source: Path) -> Path:
+        eid = shared_daemon.create(shared_daemon.snapshot(source))
+        made.append(eid)
+        return shared_daemon.exec_path(eid)
+
+    yield new
+    live = {e["id"] for e in shared_daemon.status()["executions"]}
+    for eid in made:
+        if eid in live:
+            shared_daemon.ctl(f"release {eid}")
+
+
+def ext4_copy(source: Path, dest: Path) -> Path:
+    run("cp", "-a", source, dest)
+    return dest
+
+
+def errno_of(fn, *args) -> str:
+    """``"ok"`` when ``fn(*args)`` returns, else the errno name of the OSError it raises."""
+    try:
+        fn(*args)
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+    return "ok"
+
+
+# ----- case 1: rename of a snapshot directory with children ---------------------------------------
+
+def test_case1_rename_of_a_snapshot_directory_with_children(executions, tmp_path):
+    src = write_tree(tmp_path / "src", {
+        "proj/src/main.py": b"main\n", "proj/src/pkg/mod.py": b"mod\n",
+        "proj/src/pkg/data/x.bin": bytes(range(256)), "proj/src/gone/old": b"old\n",
+        "proj/README": b"readme\n"})
+    ex, ext4 = executions(src), ext4_copy(src, tmp_path / "ext4")
+
+    def steps(root: Path) -> list:
+        out = []
+        os.rename(root / "proj" / "src", root / "proj" / "lib")
+        out.append(sorted(os.listdir(root / "proj")))
+        out.append((root / "proj" / "lib" / "pkg" / "data" / "x.bin").read_bytes())
+        os.mkdir(root / "proj" / "src")
+        out.append(os.listdir(root / "proj" / "src"))
+        (root / "proj" / "src" / "main.py").write_bytes(b"new main\n")
+        out.append((root / "proj" / "lib" / "main.py").read_bytes())
+        os.rename(root / "proj" / "lib" / "pkg", root / "pkg")  # out of the moved tree
+        out.append(sorted(os.listdir(root / "proj" / "lib")))
+        os.unlink(root / "proj" / "src" / "main.py")
+        os.rename(root / "proj" / "lib", root / "proj" / "src")  # back over the empty new one
+        out.append(sorted(os.listdir(root / "proj" / "src")))
+        os.mkdir(root / "proj" / "lib")
+        out.append(os.listdir(root / "proj" / "lib"))
+        return out
+
+    assert steps(ex) == steps(ext4) == [
+        ["README", "lib"], bytes(range(256)), [], b"main\n", ["gone", "main.py"],
+        ["gone", "main.py"], []]
+    assert tree_signature(ex, times=False) == tree_signature(ext4, times=False)
+    assert sorted(os.listdir(ex / "pkg")) == ["data", "mod.py"]
+
+
+def test_case1_rename_of_a_directory_whose_children_changed(executions, tmp_path):
+    src = write_tree(tmp_path / "src", {
+        "proj/src/main.py": b"main\n", "proj/src/pkg/mod.py": b"mod\n",
+        "proj/src/gone/x": b"x\n", "proj/src/deleted": b"deleted\n"})
+    ex, ext4 = executions(src), ext4_copy(src, tmp_path / "ext4")
+
+    def steps(root: Path) -> list:
+        d = root / "proj" / "src"
+        with open(d / "main.py", "ab") as f:  # copied up
+            f.write(b"more\n")
+        os.unlink(d / "deleted")  # a whiteout
+        run("rm", "-rf", d / "gone")
+        os.mkdir(d / "gone")  # an opaque directory under the old name
+        (d / "gone" / "y").write_bytes(b"y\n")
+        (d / "new").write_bytes(b"new\n")
+        os.rename(d, root / "proj" / "lib")
+        os.mkdir(d)
+        out = [os.listdir(d), sorted(run("find", root / "proj", "-printf", "%P %y %s\n"
+                                         ).stdout.splitlines())]
+        os.rename(root / "proj" / "lib", root / "moved")
+        os.rename(root / "moved" / "pkg", d / "pkg")
+        out += [sorted(os.listdir(d)), sorted(os.listdir(root / "moved")),
+                os.listdir(root / "moved" / "gone"), (root / "moved" / "main.py").read_bytes()]
+        return out
+
+    got = steps(ex)
+    assert got == steps(ext4)
+    assert got[0] == [] and got[2:] == [["pkg"], ["gone", "main.py", "new"], ["y"],
+                                        b"main\nmore\n"]
+    assert got[1] == [
+        " d 4096", "lib d 4096", "lib/gone d 4096", "lib/gone/y f 2", "lib/main.py f 10",
+        "lib/new f 4", "lib/pkg d 4096", "lib/pkg/mod.py f 4", "src d 4096"]
+    assert tree_signature(ex, times=False) == tree_signature(ext4, times=False)
+
+
+# ----- case 2: hard links -------------------------------------------------------------------------
+
+def test_case2_hard_links_from_the_snapshot_and_made_inside(executions, tmp_path):
+    src = write_tree(tmp_path / "src", {"f": b"a\n", "sub/other": b"other\n"})
+    os.link(src / "f", src / "g")
+    ex, ext4 = executions(src), ext4_copy(src, tmp_path / "ext4")
+
+    def steps(root: Path) -> list:
+        def links(*names: str) -> list:
+            sts = [os.stat(root / n) for n in names]
+            return [len({s.st_ino for s in sts}), [s.st_nlink for s in sts]]
+
+        out = [links("f", "g")]
+        run("bash", "-c", "echo b >> f", cwd=root)
+        out.append((root / "g").read_bytes())
+        run("ln", "f", "h", cwd=root)
+        out.append(links("f", "g", "h"))
+        (root / "n").write_bytes(b"new\n")
+        os.link(root / "n", root / "m")
+        os.link(root / "n", root / "sub" / "o")
+        out.append(links("n", "m", "sub/o"))
+        os.unlink(root / "m")
+        out.append(links("n", "sub/o"))
+        os.link(root / "sub" / "other", root / "other-too")  # a snapshot file, linked late
+        out.append(links("sub/other", "other-too"))
+        os.unlink(root / "f")
+        out.append(links("g", "h"))
+        out.append((root / "h").read_bytes())
+        return out
+
+    assert steps(ex) == steps(ext4) == [
+        [1, [2, 2]], b"a\nb\n", [1, [3, 3, 3]], [1, [3, 3, 3]], [1, [2, 2]], [1, [2, 2]],
+        [1, [2, 2]], b"a\nb\n"]
+    assert tree_signature(ex, times=False) == tree_signature(ext4, times=False)
+
+
+# ----- case 3: appends ----------------------------------------------------------------------------
+
+def test_case3_appends_to_a_snapshot_file(executions, tmp_path):
+    src = write_tree(tmp_path / "src", {"log": b"one\n", "other": b"0123456789"})
+    ex, ext4 = executions(src), ext4_copy(src, tmp_path / "ext4")
+
+    def steps(root: Path) -> list:
+        run("bash", "-c", "echo two >> log", cwd=root)
+        run("bash", "-c", "echo two >> log", cwd=root)
+        out = [(root / "log").read_bytes()]
+        fd = os.open(root / "log", os.O_WRONLY | os.O_APPEND)
+        try:
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, b"three\n")
+            out.append(os.lseek(fd, 0, os.SEEK_CUR))
+            os.pwrite(fd, b"four\n", 0)  # Linux: pwrite on O_APPEND appends too
+        finally:
+            os.close(fd)
+        out.append((root / "log").read_bytes())
+        out.append(os.stat(root / "log").st_size)
+        # The end moves under an O_APPEND descriptor: a truncate, then a write past it.
+        fd = os.open(root / "other", os.O_WRONLY | os.O_APPEND)
+        try:
+            os.truncate(root / "other", 3)
+            os.write(fd, b"A")
+            with open(root / "other", "r+b") as f:
+                f.write(b"wxyz-extended")
+            os.write(fd, b"B")
+        finally:
+            os.close(fd)
+        out.append((root / "other").read_bytes())
+        return out
+
+    assert steps(ex) == steps(ext4) == [
+        b"one\ntwo\ntwo\n", 18, b"one\ntwo\ntwo\nthree\nfour\n", 23, b"wxyz-extendedB"]
+
+
+# ----- case 4: truncation, also after a restart ---------------------------------------------------
+
+def test_case4_truncation_gives_exact_bytes_also_after_restart(daemon, tmp_path):
+    names = ["redirect", "o_trunc", "grow", "shrink", "shrink-grow", "big"]
+    big = os.urandom(3 * 65536 + 100)
+    src = write_tree(tmp_path / "src", {n: TWENTY for n in names if n != "big"} | {"big": big})
+    snap = daemon.snapshot(src)
+    ex = daemon.exec_path(daemon.create(snap))
+
+    run("bash", "-c", "printf BB > redirect", cwd=ex)
+    fd = os.open(ex / "o_trunc", os.O_WRONLY | os.O_TRUNC)
+    try:
+        size_after_open = os.fstat(fd).st_size
+        os.write(fd, b"xyz")
+    finally:
+        os.close(fd)
+    os.truncate(ex / "grow", 30)
+    with open(ex / "shrink", "r+b") as f:
+        os.ftruncate(f.fileno(), 7)
+    with open(ex / "shrink-grow", "r+b") as f:
+        os.ftruncate(f.fileno(), 5)
+        os.ftruncate(f.fileno(), 12)  # the cut bytes must not come back
+    with open(ex / "big", "r+b") as f:
+        os.ftruncate(f.fileno(), 65536 + 10)
+        os.ftruncate(f.fileno(), 2 * 65536 + 3)
+    expected = {
+        "redirect": b"BB", "o_trunc": b"xyz", "grow": TWENTY + bytes(10), "shrink": TWENTY[:7],
+        "shrink-grow": TWENTY[:5] + bytes(7), "big": big[:65536 + 10] + bytes(65536 - 7)}
+
+    def contents() -> dict:
+        return {n: ((ex / n).read_bytes(), os.stat(ex / n).st_size) for n in names}
+
+    assert size_after_open == 0
+    assert contents() == {n: (data, len(data)) for n, data in expected.items()}
+    daemon.restart()
+    assert contents() == {n: (data, len(data)) for n, data in expected.items()}
+    assert (daemon.snap_path(snap) / "redirect").read_bytes() == TWENTY
+
+
+# ----- cases 5 and 6: callers other than root -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def _other_users_daemon():
+    """``(daemon, base, state)``: a daemon serving ``--allow-other`` in a 0755 dir under /tmp;
+    ``state["checked"]``: length of its log already checked."""
+    require_fuse()
+    base = Path(tempfile.mkdtemp(prefix="rametfs-conformance-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    d = Daemon(base / "data", base / "mnt", serve_args=("--allow-other",))
+    state = {"checked": 0}
+    try:
+        d.start()
+        yield d, base, state
+        d.stop()
+        check_log(d.log_text()[state["checked"]:], [], f"{d!r} at shutdown")
+    finally:
+        if d.pid is not None:
+            d.kill()
+        if not os.path.ismount(d.mnt):
+            shutil.rmtree(base)
+
+
+@pytest.fixture
+def other_users(_other_users_daemon, request):
+    """``(new(source) -> execution path, ext4 dir reachable by uid 65534)``; releases the
+    executions made and checks the log lines the daemon wrote during the test."""
+    d, base, state = _other_users_daemon
+    state["checked"] = len(d.log_text())
+    ext4 = Path(tempfile.mkdtemp(prefix="ext4-", dir=base))
+    os.chmod(ext4, 0o755)
+    made: list[str] = []
+
+    def new(source: Path) -> Path:
+        eid = d.create(d.snapshot(source))
+        made.append(eid)
+        return d.exec_path(eid)
+
+    yield new, ext4
+    for eid in made:
+        d.ctl(f"release {eid}")
+    shutil.rmtree(ext4)
+    text = d.log_text()
+    new_lines, state["checked"] = text[state["checked"]:], len(text)
+    check_log(new_lines, [r for m in request.node.iter_markers("allow_log") for r in m.args],
+              repr(d))
+
+
+def as_nobody(*argv, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``argv`` as uid/gid 65534 with no supplementary groups, no stdin, umask 022."""
+    return subprocess.run([os.fspath(a) for a in argv], cwd=cwd, user=NOBODY, group=NOBODY,
+                          extra_groups=[], umask=0o022, stdin=subprocess.DEVNULL, text=True,
+                          capture_output=True, timeout=RUN_TIMEOUT_S,
+                          env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "HOME": "/nonexistent"})
+
+
+def nobody_python(code: str, *args, cwd: Path):
+    """Run ``code`` with the system Python as uid 65534; returns the JSON it prints."""
+    proc = as_nobody(SYSTEM_PYTHON, "-c", code, *args, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+CREATE_UNWRITABLE = r"""
+import errno, json, os, sys
+
+def attempt(fn, *args):
+    try:
+        value = fn(*args)
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+    return value.decode() if isinstance(value, bytes) else value
+
+def opens(path, flags):
+    os.close(os.open(path, flags, 0o644))
+    return "ok"
+
+out = []
+for mode in (0o444, 0o000):
+    name = f"made-{mode:03o}"
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        steps = [attempt(os.write, fd, b"hello world"), attempt(os.fsync, fd),
+                 attempt(os.ftruncate, fd, 5), attempt(os.pwrite, fd, b"!", 5),
+                 attempt(os.pread, fd, 100, 0)]
+        st = os.fstat(fd)
+        steps.append([oct(st.st_mode), st.st_size, st.st_uid, st.st_gid])
+    finally:
+        os.close(fd)
+    steps.append(attempt(os.rename, name, name + ".renamed"))
+    st = os.stat(name + ".renamed")
+    steps.append([oct(st.st_mode), st.st_size, st.st_uid, st.st_gid])
+    steps.append(attempt(opens, name + ".renamed", os.O_WRONLY))
+    steps.append(attempt(opens, name, os.O_RDWR | os.O_CREAT | os.O_EXCL))
+    out.append(steps)
+print(json.dumps(out))
+"""
+
+
+def test_case5_other_user_creates_unwritable_files_and_uses_the_fd(other_users, tmp_path):
+    new, ext4_base = other_users
+    src = write_tree(tmp_path / "src", {"owned/keep": b"k\n"})
+    os.chmod(src, 0o755)
+    os.chown(src / "owned", NOBODY, NOBODY)
+    ex, ext4 = new(src), ext4_copy(src, ext4_base / "tree")
+
+    def steps(root: Path) -> list:
+        made = as_nobody("mkdir", "made-here", cwd=root / "owned")
+        assert made.returncode == 0, made.stderr
+        return [nobody_python(CREATE_UNWRITABLE, cwd=root / "owned"),
+                nobody_python(CREATE_UNWRITABLE, cwd=root / "owned" / "made-here")]
+
+    got_ex, got_ext4 = steps(ex), steps(ext4)
+    assert got_ex == got_ext4
+    # write, fsync, ftruncate, pwrite, pread, fstat, rename, stat, reopen for writing,
+    # O_EXCL again
+    assert got_ex == [[
+        [11, None, None, 1, "hello!", ["0o100444", 6, NOBODY, NOBODY], None,
+         ["0o100444", 6, NOBODY, NOBODY], "EACCES", "ok"],
+        [11, None, None, 1, "hello!", ["0o100000", 6, NOBODY, NOBODY], None,
+         ["0o100000", 6, NOBODY, NOBODY], "EACCES", "ok"]]] * 2
+    assert tree_signature(ex / "owned", times=False) == tree_signature(ext4 / "owned",
+                                                                       times=False)
+
+
+NOBODY_STEPS = [
+    "chmod u+w ro-chmod",
+    "chmod u+w none-chmod",
+    "rm ro-rm",
+    "rm none-rm",
+    "mv ro-mv ro-moved",
+    "mv none-mv sub/none-moved",
+    "sed -i s/x/y/ ro-sed",
+    "sed -i s/x/y/ none-sed",  # no read permission: refused on ext4 too
+    "chmod u+rw none-sed && sed -i s/x/y/ none-sed",
+    "echo more >> ro-write",
+    "cat ro-write",
+    "cat none-read",
+    "mkdir -m 0555 d555",
+    "touch d555/inside",
+    "mkdir -m 0555 d555/inside",
+    "cat ../root-only",
+    "touch ../not-mine",
+    "rm ../root-file",
+    "chmod 0777 ../root-file",
+]
+
+OPEN_ATTEMPTS = r"""
+import errno, json, os
+
+def attempt(path, flags):
+    try:
+        os.close(os.open(path, flags, 0o644))
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+    return "ok"
+
+print(json.dumps([attempt("ro-write", os.O_WRONLY), attempt("ro-write", os.O_RDWR),
+                  attempt("ro-write", os.O_WRONLY | os.O_TRUNC), attempt("ro-write", os.O_RDONLY),
+                  attempt("none-read", os.O_RDONLY), attempt("none-read", os.O_WRONLY),
+                  attempt("../root-only", os.O_RDONLY),
+                  attempt("d555/new", os.O_WRONLY | os.O_CREAT)]))
+"""
+
+
+def test_case6_other_user_on_unwritable_snapshot_files(other_users, tmp_path):
+    new, ext4_base = other_users
+    files = {f"owned/{pre}-{op}": b"x\n" for pre in ("ro", "none")
+             for op in ("chmod", "rm", "mv", "sed")}
+    src = write_tree(tmp_path / "src", files | {
+        "owned/ro-write": b"x\n", "owned/none-read": b"x\n", "owned/sub/keep": b"",
+        "root-only": b"secret\n", "root-file": b"root\n"})
+    os.chmod(src, 0o755)
+    for path in [src / "owned", src / "owned" / "sub"] + list((src / "owned").iterdir()):
+        os.chown(path, NOBODY, NOBODY)
+    for path in (src / "owned").glob("ro-*"):
+        os.chmod(path, 0o444)
+    for path in (src / "owned").glob("none-*"):
+        os.chmod(path, 0o000)
+    os.chmod(src / "root-only", 0o600)
+    ex, ext4 = new(src), ext4_copy(src, ext4_base / "tree")
+
+    def steps(root: Path) -> list:
+        out = []
+        for line in NOBODY_STEPS:
+            proc = as_nobody("sh", "-c", line, cwd=root / "owned")
+            out.append([line, proc.returncode, proc.stdout, proc.stderr])
+        out.append(nobody_python(OPEN_ATTEMPTS, cwd=root / "owned"))
+        return out
+
+    got_ex, got_ext4 = steps(ex), steps(ext4)
+    assert got_ex == got_ext4
+    assert [(row[0], row[1]) for row in got_ex[:-1]] == list(zip(NOBODY_STEPS, [
+        0, 0, 0, 0, 0, 0, 0, 2, 0, 2, 0, 1, 0, 1, 1, 1, 1, 1, 1]))
+    assert got_ex[-1] == ["EACCES", "EACCES", "EACCES", "ok", "EACCES", "EACCES", "EACCES",
+                          "EACCES"]
+    mode = {rel: line.split()[1] for rel, line in tree_signature(ex / "owned").items()}
+    assert mode == {".": "0755", "ro-chmod": "0644", "none-chmod": "0200", "ro-moved": "0444",
+                    "sub": "0755", "sub/keep": "0644", "sub/none-moved": "0000",
+                    "ro-sed": "0444", "none-sed": "0600", "ro-write": "0444",
+                    "none-read": "0000", "d555": "0555"}
+    assert (ex / "owned" / "ro-sed").read_bytes() == (ex / "owned" / "none-sed").read_bytes() \
+        == b"y\n"
+    assert (ex / "owned" / "ro-write").read_bytes() == b"x\n"
+    assert tree_signature(ex, times=False) == tree_signature(ext4, times=False)
+
+
+PERMISSION_STEPS = [
+    "touch sg/f && mkdir sg/d && mkdir sg/d/inner && ln -s f sg/l && mkfifo sg/p",
+    "echo y >> w/suid",  # a write by another user clears set-user-ID
+    "echo y >> w/sgid",  # and set-group-ID with group execute
+    "rm sticky/rootfile",
+    "rm sticky/mine",
+    "touch -d @100 w/rootfile",  # explicit times: owner only
+    "touch w/rootfile",  # the current time: write permission is enough
+    "chmod 0600 w/rootfile",
+    "chown 65534 w/rootfile",
+    "chown 0 w/mine",
+    "chgrp 100 w/mine",
+    "chmod 2755 w/mine100",  # not in group 100: set-group-ID is dropped
+    "ln w/rootfile w/hl",
+    "ln w/suid-kept w/hl2",  # fs.protected_hardlinks: not the owner
+]
+
+
+def test_other_user_permission_checks_match_ext4(other_users, tmp_path):
+    new, ext4_base = other_users
+    src = write_tree(tmp_path / "src", {
+        "sg/keep": b"", "w/suid": b"x\n", "w/sgid": b"x\n", "w/suid-kept": b"x\n",
+        "w/rootfile": b"x\n", "w/mine": b"x\n", "w/mine100": b"x\n",
+        "sticky/rootfile": b"x\n", "sticky/mine": b"x\n"})
+    os.chmod(src, 0o755)
+    os.chown(src / "sg", 0, 100)
+    for rel, mode in [("sg", 0o2777), ("w", 0o777), ("sticky", 0o1777), ("w/suid", 0o4777),
+                      ("w/sgid", 0o2777), ("w/suid-kept", 0o4755), ("w/rootfile", 0o666),
+                      ("sticky/rootfile", 0o666)]:
+        os.chmod(src / rel, mode)
+    os.chown(src / "w" / "sgid", 0, 100)
+    for rel in ("w/mine", "sticky/mine"):
+        os.chown(src / rel, NOBODY, NOBODY)
+    os.chown(src / "w" / "mine100", NOBODY, 100)
+    ex, ext4 = new(src), ext4_copy(src, ext4_base / "tree")
+
+    def steps(root: Path) -> list:
+        return [[line, proc.returncode, proc.stderr] for line in PERMISSION_STEPS
+                for proc in [as_nobody("sh", "-c", line, cwd=root)]]
+
+    got = steps(ex)
+    assert got == steps(ext4)
+    assert [row[1] for row in got] == [0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 1, 0, 0, 1]
+    sig = tree_signature(ex, times=False)
+    assert {rel: " ".join(sig[rel].split()[:3]) for rel in [
+        "sg/f", "sg/d", "sg/d/inner", "sg/l", "w/suid", "w/sgid", "w/mine100", "w/hl"]} == {
+        "sg/f": "file 0644 65534:100", "sg/d": "dir 2755 65534:100",
+        "sg/d/inner": "dir 2755 65534:100", "sg/l": "link 0777 65534:100",
+        "w/suid": "file 0777 0:0", "w/sgid": "file 0777 0:100",
+        "w/mine100": "file 0755 65534:100", "w/hl": "file 0666 0:0"}
+    assert sorted(os.listdir(ex / "sticky")) == ["rootfile"]
+    assert sig == tree_signature(ext4, times=False)
+
+
+# ----- case 7: write, rename, stat ----------------------------------------------------------------
+
+def test_case7_writes_through_an_fd_opened_before_a_rename(executions, tmp_path):
+    src = write_tree(tmp_path / "src", {"orig": b"orig\n", "target": b"old target\n"})
+    ex, ext4 = executions(src), ext4_copy(src, tmp_path / "ext4")
+
+    def steps(root: Path) -> list:
+        run("bash", "-c", "echo a > tmp; mv tmp final; stat -c '%s %h %F' final", cwd=root)
+        out = [(root / "final").read_bytes(), os.path.lexists(root / "tmp")]
+        fd = os.open(root / "tmp2", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, b"1")
+            os.rename(root / "tmp2", root / "final")  # replaces the first final
+            os.write(fd, b"2")
+            out.append(os.fstat(fd).st_nlink)
+        finally:
+            os.close(fd)
+        out.append((root / "final").read_bytes())
+        old = os.open(root / "target", os.O_RDONLY)  # the file the rename replaces
+        fd = os.open(root / "orig", os.O_WRONLY | os.O_APPEND)  # a snapshot file
+        try:
+            os.rename(root / "orig", root / "target")
+            os.write(fd, b"after\n")
+            out.append([os.fstat(old).st_nlink, os.pread(old, 100, 0)])
+        finally:
+            os.close(fd)
+            os.close(old)
+        out.append((root / "target").read_bytes())
+        out.append(sorted(os.listdir(root)))
+        return out
+
+    assert steps(ex) == steps(ext4) == [
+        b"a\n", False, 1, b"12", [0, b"old target\n"], b"orig\nafter\n", ["final", "target"]]
+    proc = run("stat", "-c", "%s %h %F", ex / "final")
+    assert proc.stdout == "2 1 regular file\n"
+
+
+# ----- case 8: large directories ------------------------------------------------------------------
+
+def test_case8_unlink_every_entry_while_iterating_then_rmdir(executions, tmp_path):
+    from_snapshot = [f"s{n:04d}" for n in range(4000)]
+    src = write_tree(tmp_path / "src", {f"big/{n}": n.encode() for n in from_snapshot})
+    ex = executions(src)
+    made_here = [f"n{n:04d}" for n in range(1000)]
+    for name in made_here:
+        (ex / "big" / name).write_bytes(b"")
+
+    everything = sorted(from_snapshot + made_here)
+    assert sorted(os.listdir(ex / "big")) == everything
+    seen = []
+    with os.scandir(ex / "big") as entries:
+        for entry in entries:
+            seen.append(entry.name)
+            os.unlink(entry.path)
+    assert sorted(seen) == everything  # each entry exactly once
+    assert os.listdir(ex / "big") == []
+    os.rmdir(ex / "big")
+    assert os.listdir(ex) == []
+
+
+def test_case8_rm_rf_of_a_snapshot_directory_of_3000_files(executions, tmp_path):
+    files = {f"bulk/f{n:04d}": b"x" for n in range(2500)}
+    files |= {f"bulk/sub{d}/g{n:03d}": b"y" for d in range(5) for n in range(100)}
+    src = write_tree(tmp_path / "src", files | {"keep": b"keep\n"})
+    ex = executions(src)
+
+    run("rm", "-rf", ex / "bulk")
+    assert os.listdir(ex) == ["keep"]
+    assert not os.path.lexists(ex / "bulk")
+    os.mkdir(ex / "bulk")
+    assert os.listdir(ex / "bulk") == []
+
+
+# ----- case 9: symlinks ---------------------------------------------------------------------------
+
+def test_case9_symlinks(executions, tmp_path):
+    src = write_tree(tmp_path / "src", {"target/t1": b"1", "target/t2": b"2",
+                                        "tree/file": b"f", "links/plain": b"p", "other/o": b""})
+    os.symlink("../target", src / "tree" / "to-target")
+    os.symlink("../target", src / "links" / "cur")
+    os.symlink("../target/t1", src / "links" / "old")
+    os.utime(src / "target" / "t1", ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    ex, ext4 = executions(src), ext4_copy(src, tmp_path / "ext4")
+    link_ns = 1_500_000_000_123_456_789
+
+    def steps(root: Path) -> list:
+        out = [stat.S_ISLNK(os.lstat(root / "tree" / "to-target").st_mode),
+               stat.S_ISDIR(os.stat(root / "tree" / "to-target").st_mode),
+               os.path.islink(root / "links" / "cur")]
+        run("rm", "-rf", root / "tree")
+        out += [os.path.lexists(root / "tree"), sorted(os.listdir(root / "target"))]
+        run("ln", "-s", "../target/t2", "new", cwd=root / "links")
+        run("ln", "-sfn", "../other", "cur", cwd=root / "links")  # replaces the link itself
+        run("ln", "-sf", "../target/t2", "plain", cwd=root / "links")  # over a regular file
+        out += [os.readlink(root / "links" / n) for n in ("new", "cur", "plain")]
+        out += [sorted(os.listdir(root / "target")), sorted(os.listdir(root / "links" / "cur"))]
+        run("touch", "-h", "-d", "@1500000000.123456789", root / "links" / "old")
+        link, target = os.lstat(root / "links" / "old"), os.stat(root / "links" / "old")
+        out += [link.st_mtime_ns, link.st_atime_ns, target.st_mtime_ns]
+        out.append(stat.S_IMODE(os.lstat(root / "links" / "new").st_mode))
+        return out
+
+    assert steps(ex) == steps(ext4) == [
+        True, True, True, False, ["t1", "t2"], "../target/t2", "../other", "../target/t2",
+        ["t1", "t2"], ["o"], link_ns, link_ns, 1_000_000_000_000_000_000, 0o777]
+    assert tree_signature(ex, times=False) == tree_signature(ext4, times=False)
+
+
+# ----- case 10: sqlite in WAL mode ----------------------------------------------------------------
+
+SQLITE_WRITER = r"""
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], timeout=120, isolation_level=None)
+assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+assert db.execute("SELECT count(*) FROM t").fetchone() >= (100,)  # the -shm is mapped now
+print("ready", flush=True)
+sys.stdin.readline()  # both writers start together
+for batch in range(200):
+    db.execute("BEGIN IMMEDIATE")
+    db.executemany("INSERT INTO t (who, n) VALUES (?, ?)",
+                   [(sys.argv[2], batch * 25 + i) for i in range(25)])
+    db.execute("COMMIT")
+db.close()
+"""
+
+
+def test_case10_sqlite_wal_with_two_writers(executions, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    db = sqlite3.connect(src / "app.db")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, who TEXT, n INTEGER)")
+    with db:
+        db.executemany("INSERT INTO t (who, n) VALUES ('seed', ?)", [(n,) for n in range(100)])
+    db.close()
+    assert sorted(os.listdir(src)) == ["app.db"]  # the WAL was checkpointed away at close
+    ex = executions(src)
+
+    writers = [subprocess.Popen([sys.executable, "-c", SQLITE_WRITER, ex / "app.db", who],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for who in ("a", "b")]
+    assert [w.stdout.readline() for w in writers] == ["ready\n", "ready\n"]
+    for w in writers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    results = [w.communicate(timeout=RUN_TIMEOUT_S) for w in writers]
+    assert [(w.returncode, err) for w, (_, err) in zip(writers, results)] == [(0, ""), (0, "")]
+
+    db = sqlite3.connect(ex / "app.db")
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        assert db.execute("SELECT who, count(*), sum(n) FROM t GROUP BY who ORDER BY who"
+                          ).fetchall() == [("a", 5000, 12_497_500), ("b", 5000, 12_497_500),
+                                           ("seed", 100, 4950)]
+        assert db.execute("SELECT count(DISTINCT id), max(id) FROM t").fetchone() == (
+            10_100, 10_100)
+    finally:
+        db.close()
+    assert sorted(os.listdir(ex)) == ["app.db"]
+
+
+# ----- case 11: unlinked open files ---------------------------------------------------------------
+
+def test_case11_unlinked_open_file_then_rmdir(executions, tmp_path):
+    src = write_tree(tmp_path / "src", {"d/f": b"from the snapshot\n", "keep": b""})
+    ex = executions(src)
+    os.mkdir(ex / "n")
+    (ex / "n" / "g").write_bytes(b"made here\n")
+
+    for rel, data in [("d/f", b"from the snapshot\n"), ("n/g", b"made here\n")]:
+        parent = (ex / rel).parent
+        fd = os.open(ex / rel, os.O_RDWR)
+        try:
+            os.unlink(ex / rel)
+            assert os.listdir(parent) == []  # no hidden leftover entry
+            assert os.fstat(fd).st_nlink == 0
+            os.rmdir(parent)
+            assert not os.path.lexists(parent)
+            assert os.pread(fd, 100, 0) == data
+            os.pwrite(fd, b"+", len(data))
+            assert os.pread(fd, 100, 0) == data + b"+"
+            assert (os.fstat(fd).st_nlink, os.fstat(fd).st_size) == (0, len(data) + 1)
+        finally:
+            os.close(fd)
+    assert os.listdir(ex) == ["keep"]
+    os.mkdir(ex / "d")
+    assert os.listdir(ex / "d") == []
+
+
+# ----- case 12: names -----------------------------------------------------------------------------
+
+NFC = unicodedata.normalize("NFC", "café").encode()
+NFD = unicodedata.normalize("NFD", "café").encode()
+LATIN1 = b"latin1-\xe9\xff.txt"  # not UTF-8
+LONGEST = b"n" * 251 + b".txt"
+LONGEST_MULTIBYTE = "é".encode() * 127 + b"x"
+
+
+def test_case12_names(executions, tmp_path):
+    assert NFC != NFD and len(LONGEST) == len(LONGEST_MULTIBYTE) == 255
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, data in [(NFC, b"nfc"), (NFD, b"nfd"), (LATIN1, b"latin1"), (LONGEST, b"long"),
+                       (LONGEST_MULTIBYTE, b"multi")]:
+        with open(os.path.join(bytes(src), name), "wb") as f:
+            f.write(data)
+    ex, ext4 = executions(src), ext4_copy(src, tmp_path / "ext4")
+    too_long = b"m" * 256
+
+    def steps(root: Path) -> list:
+        r = bytes(root)
+
+        def p(*names: bytes) -> bytes:
+            return os.path.join(r, *names)
+
+        def read(path: bytes) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        out = [sorted(os.listdir(r))]
+        out += [read(p(n)) for n in (NFC, NFD, LATIN1, LONGEST, LONGEST_MULTIBYTE)]
+        new_nfc, new_nfd = b"new-" + NFC, b"new-" + NFD
+        for name in (new_nfc, new_nfd, b"new-\x80\xfe", b"d" * 255):
+            with open(p(name), "wb") as f:
+                f.write(name)
+        os.mkdir(p(b"D" * 255))
+        os.rename(p(LATIN1), p(b"renamed-\xc0"))
+        os.symlink(LATIN1, p(b"L" * 255))
+        out.append([errno_of(os.open, p(too_long), os.O_WRONLY | os.O_CREAT, 0o644),
+                    errno_of(os.mkdir, p(too_long)),
+                    errno_of(os.symlink, b"t", p(too_long)),
+                    errno_of(os.link, p(NFC), p(too_long)),
+                    errno_of(os.rename, p(NFC), p(too_long)),
+                    errno_of(os.stat, p(too_long)),
+                    errno_of(os.lstat, p(b"D" * 255, too_long))])
+        out.append(sorted(os.listdir(r)))
+        out += [read(p(n)) for n in (new_nfc, new_nfd, b"renamed-\xc0")]
+        out.append(os.readlink(p(b"L" * 255)))
+        os.unlink(p(NFD))
+        out.append(sorted(os.listdir(r)))
+        out.append(read(p(NFC)))
+        return out
+
+    got, on_ext4 = steps(ex), steps(ext4)
+    assert got[0] == sorted([NFC, NFD, LATIN1, LONGEST, LONGEST_MULTIBYTE])
+    assert got[1:6] == [b"nfc", b"nfd", b"latin1", b"long", b"multi"]
+    assert got[7] == sorted([NFC, NFD, b"renamed-\xc0", LONGEST, LONGEST_MULTIBYTE,
+                             b"new-" + NFC, b"new-" + NFD, b"new-\x80\xfe", b"d" * 255,
+                             b"D" * 255, b"L" * 255])
+    assert got[8:11] == [b"new-" + NFC, b"new-" + NFD, b"latin1"]
+    assert got[11] == LATIN1
+    assert NFD not in got[12] and NFC in got[12] and got[13] == b"nfc"
+    # open(O_CREAT), mkdir, symlink, link, rename, stat, lstat below a 255-byte directory
+    assert got[6] == ["ENAMETOOLONG"] * 7
+    assert got == on_ext4
+
+
+# ----- case 13: durability across a restart -------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["restart", "kill"])
+def test_case13_deletion_and_fsynced_file_survive(daemon, tmp_path, how):
+    src = write_tree(tmp_path / "src", {"gone.txt": b"delete me\n", "keep.txt": b"keep\n",
+                                        "d/also-gone": b"x", "sub/deep/s": b"s"})
+    eid = daemon.create(daemon.snapshot(src))
+    ex = daemon.exec_path(eid)
+    payload = os.urandom(200_000)
+
+    os.unlink(ex / "gone.txt")
+    os.unlink(ex / "d" / "also-gone")
+    fd = os.open(ex / "d" / "new.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    try:
+        os.write(fd, payload)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    # More kinds of change, made durable by the directory fsyncs below.
+    os.rename(ex / "sub", ex / "d" / "sub-moved")
+    os.mkdir(ex / "sub")
+    os.link(ex / "keep.txt", ex / "d" / "keep-link")
+    os.symlink("d/new.bin", ex / "new-link")
+    (ex / os.fsdecode(b"raw-\xff")).write_bytes(b"raw")
+    os.setxattr(ex / "d", "user.k", b"v")
+    os.chmod(ex / "keep.txt", 0o600)
+    for directory in (ex, ex / "d"):
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    before = tree_signature(ex)
+    if how == "restart":
+        daemon.restart()
+    else:
+        daemon.kill()
+        daemon.start()
+
+    assert [e["id"] for e in daemon.status()["executions"]] == [eid]
+    assert os.listdir(daemon.mnt / "executions") == [eid]
+    assert sorted(os.listdir(ex)) == ["d", "keep.txt", "new-link", os.fsdecode(b"raw-\xff"),
+                                      "sub"]
+    assert sorted(os.listdir(ex / "d")) == ["keep-link", "new.bin", "sub-moved"]
+    assert (ex / "d" / "sub-moved" / "deep" / "s").read_bytes() == b"s"
+    assert os.listdir(ex / "sub") == []
+    assert (ex / "d" / "new.bin").read_bytes() == payload
+    assert stat.S_IMODE(os.stat(ex / "d" / "new.bin").st_mode) == 0o640
+    assert tree_signature(ex) == before
+
+
+# ----- what FUSE (through pyfuse3 3.5) cannot do: pinned so docs/conformance.md stays true ------
+
+def test_limits_under_fuse_are_the_documented_ones(executions, tmp_path):
+    ex = executions(write_tree(tmp_path / "src", {"keep": b""}))
+
+    # O_TMPFILE: pyfuse3 has no tmpfile handler; callers such as tmpfile(3) fall back.
+    assert errno_of(os.open, ex, os.O_TMPFILE | os.O_RDWR, 0o600) == errno.errorcode[
+        errno.EOPNOTSUPP]
+    # fallocate(2): no handler; posix_fallocate(3) falls back to writing zeros.
+    fd = os.open(ex / "alloc", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, 100_000)
+        assert (os.fstat(fd).st_size, os.pread(fd, 200_000, 0)) == (100_000, bytes(100_000))
+    finally:
+        os.close(fd)
+    proc = run("fallocate", "-l", "1M", ex / "alloc", check=False,
+               env={"PATH": os.environ["PATH"], "LC_ALL": "C"})
+    assert (proc.returncode, proc.stderr) == (
+        1, "fallocate: fallocate failed: Operation not supported\n")
+    # No lseek handler: the kernel reports the whole file as data, holes included (POSIX
+    # allows it); the bytes read are exact.
+    fd = os.open(ex / "sparse", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        assert (os.lseek(fd, 0, os.SEEK_DATA), os.lseek(fd, 0, os.SEEK_HOLE)) == (0, 1 << 20)
+    finally:
+        os.close(fd)
+    # The kernel marks FUSE inodes S_NOATIME and serves cached reads itself: reads never
+    # move atime (explicit utimensat does, see case 9).
+    (ex / "read-me").write_bytes(b"data\n")
+    os.utime(ex / "read-me", ns=(1_000_000_000_000_000_000, 1_500_000_000_000_000_000))
+    assert (ex / "read-me").read_bytes() == b"data\n"
+    assert os.stat(ex / "read-me").st_atime_ns == 1_000_000_000_000_000_000
