@@ -34,13 +34,20 @@ def _check_mountpoint(mountpoint: str) -> None:
 
 
 async def _collect_dead_layers(overlay: Overlay) -> None:
-    """Delete the records and data of layers left by reset and release, in the background."""
+    """Free what reset and release left behind, in the background: the nodes, then the
+    records and upper data of dead layers."""
     while True:
         overlay.dead_layers = trio.Event()
-        while (done := overlay.collect_dead_layer()) is not None:
-            layer, finished = done
-            if finished:
-                await trio.to_thread.run_sync(overlay.store.remove_upper_dir, layer)
+        while overlay.drop_stale_nodes():
+            await trio.sleep(0)
+        while (batch := overlay.collect_dead_layer()) is not None:
+            layer, records_left = batch
+            if not records_left:
+                # Abandoned on unmount: the layer stays marked dead and the next start
+                # finishes it.
+                await trio.to_thread.run_sync(overlay.store.remove_upper_dir, layer,
+                                              abandon_on_cancel=True)
+                overlay.forget_dead_layer(layer)
             await trio.sleep(0)
         await overlay.dead_layers.wait()
 

@@ -57,6 +57,12 @@ class ControlHandle:
 
 
 @dataclass
+class DirHandle:
+    node: Node | None  # None for the daemon's own directories
+    listing: list[tuple[bytes, pyfuse3.EntryAttributes]]
+
+
+@dataclass
 class FileHandle:
     node: Node
     base_fd: int | None
@@ -298,15 +304,16 @@ class Operations(pyfuse3.Operations):
                            for eid, ex in sorted(self.overlay.executions.items())]
             else:  # .ramet is found by lookup, never listed
                 entries = sorted((n, i) for n, i in v.children.items() if n != CONTROL_NAME)
-            listing = [(name, self._attrs(ino)) for name, ino in entries]
-        else:
-            listing = [(name, self._node_attrs(node))
-                       for name, node in self.overlay.listdir(inode)]
-        return self._fh(listing)
+            return self._fh(DirHandle(None, [(name, self._attrs(ino)) for name, ino in entries]))
+        return self._fh(DirHandle(self.overlay.node(inode), [
+            (name, self._node_attrs(node)) for name, node in self.overlay.listdir(inode)]))
 
     @_errors
     async def readdir(self, fh, start_id, token):
-        listing = self.handles[fh]
+        h = self.handles[fh]
+        if h.node is not None and not self.overlay.is_live(h.node):
+            raise pyfuse3.FUSEError(errno.ESTALE)  # its execution was reset or released
+        listing = h.listing
         for i in range(start_id, len(listing)):
             name, attrs = listing[i]
             if not pyfuse3.readdir_reply(token, name, attrs, i + 1):

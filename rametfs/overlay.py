@@ -42,7 +42,8 @@ from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (dentry_key, from_u64, inode_key, link_key, page_key, page_of_key, u64)
 
 NAME_MAX = 255
-FIRST_DYNAMIC_INO = 1000  # inode numbers below are the mount's fixed virtual nodes
+FIRST_DYNAMIC_INO = 1000
+RELEASED = -1  # the layer of a released execution: every node of it is stale  # inode numbers below are the mount's fixed virtual nodes
 DIR_SIZE = 4096
 TREE_CACHE = 4096  # decoded base trees kept in memory
 
@@ -117,6 +118,7 @@ class View:
     """A tree mounted under the root: a snapshot (read-only) or an execution."""
 
     read_only = True
+    layer = 0  # snapshot views have one layer, which never changes
 
     def __init__(self, root_ino: int):
         self.root_ino = root_ino
@@ -160,13 +162,14 @@ class Execution(View):
 class Node:
     """An inode of a view: a base entry (``entry``), an upper record (``upper``), or both."""
 
-    __slots__ = ("ino", "view", "entry", "upper", "parent", "name", "pages", "new_pages",
-                 "dirty", "fd", "opens")
+    __slots__ = ("ino", "view", "layer", "entry", "upper", "parent", "name", "pages",
+                 "new_pages", "dirty", "fd", "opens")
 
     def __init__(self, ino: int, view: View, entry: Entry | None, upper: UpperInode | None,
                  parent: int, name: bytes):
         self.ino = ino
         self.view = view
+        self.layer = view.layer  # the node is stale once its view moves to another layer
         self.entry = entry
         self.upper = upper
         self.parent = parent
@@ -273,7 +276,8 @@ class Overlay:
         self.stored_next_ino = self.next_ino
         self.hydrated: dict[bytes, str] = {}
         self.hydrating: dict[bytes, trio.Event] = {}
-        self.dead_layers = trio.Event()  # set when a layer waits for deletion
+        self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
+        self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
         """Entries of base tree ``tid`` (immutable, so cached; see ``TREE_CACHE``)."""
@@ -292,15 +296,15 @@ class Overlay:
             self.stored_next_ino = self.next_ino
 
     def is_live(self, node: Node) -> bool:
-        """False once ``node`` was dropped by a reset or release of its execution."""
-        return self.nodes.get(node.ino) is node
+        """False once ``node``'s layer was dropped by a reset or release of its execution."""
+        return node.layer == node.view.layer and self.nodes.get(node.ino) is node
 
     def node(self, ino: int) -> Node:
         """The node for ``ino``; ESTALE when it belongs to a dropped layer or view."""
-        try:
-            return self.nodes[ino]
-        except KeyError:
-            raise fs_error(errno.ESTALE, f"inode {ino} is stale") from None
+        node = self.nodes.get(ino)
+        if node is None or node.layer != node.view.layer:
+            raise fs_error(errno.ESTALE, f"inode {ino} is stale")
+        return node
 
     def _add_node(self, node: Node) -> Node:
         self.nodes[node.ino] = node
@@ -308,20 +312,28 @@ class Overlay:
         node.view.dcache[(node.parent, node.name)] = node.ino
         return node
 
-    def _drop_nodes(self, view: View, keep: int | None = None) -> list[int]:
-        """Forget every node of ``view`` (but ``keep``); returns the inode numbers dropped."""
-        dropped = []
-        for ino in view.inos:
-            if ino == keep:
-                continue
-            node = self.nodes.pop(ino, None)
-            if node is not None and node.fd is not None:
-                os.close(node.fd)
-                node.fd = None
-            dropped.append(ino)
-        view.inos = {keep} if keep is not None else set()
-        view.dcache = {}
-        return dropped
+    def _drop_layer_nodes(self, view: View) -> None:
+        """Forget the nodes of ``view``'s current layer: O(1) now, as their layer no longer
+        matches; ``drop_stale_nodes`` frees them later, in batches."""
+        self.stale_inos.append(view.inos)
+        view.inos, view.dcache, view.link_inos = set(), {}, {}
+
+    def drop_stale_nodes(self, budget: int = 10000) -> bool:
+        """Free up to ``budget`` nodes of dropped layers; True when some are left."""
+        while self.stale_inos and budget:
+            inos = self.stale_inos[-1]
+            while inos and budget:
+                ino = inos.pop()
+                budget -= 1
+                node = self.nodes.get(ino)
+                if node is not None and not self.is_live(node):
+                    del self.nodes[ino]
+                    if node.fd is not None:
+                        os.close(node.fd)
+                        node.fd = None
+            if not inos:
+                self.stale_inos.pop()
+        return bool(self.stale_inos)
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -361,7 +373,6 @@ class Overlay:
         root = UpperInode.from_entry(ex.base.root)
         txn.put(inode_key(ex.layer, ex.root_ino), root.pack(), db=self.store.db["inodes"])
         txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
-        ex.link_inos = {}
         self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
 
     def create_execution(self, snap: Snapshot, eid: str) -> Execution:
@@ -393,7 +404,7 @@ class Overlay:
         """
         stale = self._stale_entries(ex, keep_root_entry=True)
         old = ex.layer
-        self._drop_nodes(ex)
+        self._drop_layer_nodes(ex)
         with self.store.write() as txn:
             txn.put(u64(old), b"", db=self.store.db["dead"])
             self._new_layer(txn, ex)
@@ -406,18 +417,24 @@ class Overlay:
         Returns what the kernel may cache, as ``reset`` does; the root's dentry has parent 0.
         """
         stale = self._stale_entries(ex, keep_root_entry=False)
-        self._drop_nodes(ex)
+        self._drop_layer_nodes(ex)
         with self.store.write() as txn:
             txn.put(u64(ex.layer), b"", db=self.store.db["dead"])
             txn.delete(ex.id.encode(), db=self.store.db["executions"])
         del self.executions[ex.id]
+        ex.layer = RELEASED
         self.dead_layers.set()
         return stale
 
     @staticmethod
     def _stale_entries(view: View, keep_root_entry: bool) -> list[tuple[int, bytes]]:
-        entries = [key for key in view.dcache if not (keep_root_entry and key[0] == 0)]
-        return entries + [(ino, b"") for ino in view.inos]
+        # Invalidating a directory's dentry drops everything cached below it, so the names
+        # in the root (and the root's own attributes) are all the kernel must be told.
+        root = view.root_ino
+        entries = [key for key in view.dcache if key[0] == root]
+        if not keep_root_entry:
+            entries += [key for key in view.dcache if key[0] == 0]
+        return entries + [(root, b"")]
 
     def set_head(self, ex: Execution, sid: str) -> None:
         ex.head = sid
@@ -427,8 +444,9 @@ class Overlay:
     def collect_dead_layer(self) -> tuple[int, bool] | None:
         """Delete a bounded batch of one dead layer's records.
 
-        Returns ``(layer, finished)``, or None when no layer is left.  The caller removes a
-        finished layer's upper data directory, in a thread (``store.remove_upper_dir``).
+        Returns ``(layer, records_left)``, or None when no layer is dead.  Once no record is
+        left, the caller removes the layer's upper data (``store.remove_upper_dir``, in a
+        thread) and then calls ``forget_dead_layer``, so a crash in between repeats it.
         """
         db = self.store.db
         with self.store.write() as txn:
@@ -442,9 +460,11 @@ class Overlay:
                 if c.set_range(layer_key):
                     while budget and c.key()[:8] == layer_key and c.delete():
                         budget -= 1
-            if budget:
-                txn.delete(layer_key, db=db["dead"])
-            return from_u64(layer_key), budget > 0
+            return from_u64(layer_key), budget == 0
+
+    def forget_dead_layer(self, layer: int) -> None:
+        with self.store.write() as txn:
+            txn.delete(u64(layer), db=self.store.db["dead"])
 
     # -- lookup and listing --------------------------------------------------------------
 

@@ -117,8 +117,10 @@ class Report:
             yield record
         except BaseException as exc:
             record.ok = False
-            message = str(exc) if isinstance(exc, CheckFailed) \
-                else f"{type(exc).__name__}: {exc}".rstrip(": ")
+            if isinstance(exc, CheckFailed):
+                message = str(exc)
+            else:
+                message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             record.detail = f"{record.detail}; {message}" if record.detail else message
             if not isinstance(exc, CheckFailed):
                 raise
@@ -193,7 +195,7 @@ class Scan:
 
     files: int = 0
     bytes: int = 0
-    dirs: int = 1
+    dirs: int = 1  # the top one
     symlinks: int = 0
     noisy: list[str] = field(default_factory=list)
 
@@ -513,14 +515,16 @@ def clean_up(report: Report, work: Path, keep: bool) -> None:
     if not report.ok and log.exists():
         click.echo(f"\nlast lines of {log}:", err=True)
         click.echo("\n".join(log.read_text(errors="replace").splitlines()[-20:]), err=True)
-    if keep:
+    if mounted(mnt):
+        click.echo(f"\n{mnt} is still mounted: {work} left in place", err=True)
+    elif keep:
         click.echo(f"\nwork directory kept: {work}")
-    elif not mounted(mnt):
+    else:
         shutil.rmtree(work)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--workdir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
               help="Work in DIR (empty or new; kept) instead of a temporary directory.")
 @click.option("--source", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=sysconfig.get_paths()["stdlib"], show_default=True,
