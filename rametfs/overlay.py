@@ -125,6 +125,7 @@ class View:
         self.inos: set[int] = {root_ino}
         self.dcache: dict[tuple[int, bytes], int] = {}  # (parent ino, name) -> ino
         self.link_inos: dict[int, int] = {}  # base hard-link group -> ino
+        self.dirty: set[Node] = set()  # nodes whose upper record is not stored yet
 
 
 class SnapshotView(View):
@@ -176,7 +177,7 @@ class Node:
         self.name = name
         self.pages: set[int] | None = None  # page map, loaded on first use
         self.new_pages: set[int] = set()  # pages not yet written to the page map
-        self.dirty = False  # upper record changed since it was last stored
+        self.dirty = False  # upper record changed since it was last stored (view.dirty)
         self.fd: int | None = None  # upper data file, open while the inode is open
         self.opens = 0
 
@@ -316,7 +317,7 @@ class Overlay:
         """Forget the nodes of ``view``'s current layer: O(1) now, as their layer no longer
         matches; ``drop_stale_nodes`` frees them later, in batches."""
         self.stale_inos.append(view.inos)
-        view.inos, view.dcache, view.link_inos = set(), {}, {}
+        view.inos, view.dcache, view.link_inos, view.dirty = set(), {}, {}, set()
 
     def drop_stale_nodes(self, budget: int = 10000) -> bool:
         """Free up to ``budget`` nodes of dropped layers; True when some are left."""
@@ -639,13 +640,18 @@ class Overlay:
             self._persist_counters(txn)
         node.new_pages.clear()
         node.dirty = False
+        ex.dirty.discard(node)
+
+    def _mark_dirty(self, node: Node) -> None:
+        node.dirty = True
+        node.view.dirty.add(node)
 
     def flush_view(self, view: View) -> None:
         """Store every dirty upper record of ``view`` (before a capture, a fsync, shutdown)."""
-        for ino in list(view.inos):
-            node = self.nodes.get(ino)
-            if node is not None and (node.dirty or node.new_pages):
+        for node in list(view.dirty):
+            if self.is_live(node) and node.upper.nlink > 0:
                 self.save(node)
+        view.dirty.clear()
 
     def flush_all(self) -> None:
         for ex in self.executions.values():
@@ -793,6 +799,7 @@ class Overlay:
             except FileNotFoundError:
                 pass
         node.dirty = False
+        node.view.dirty.discard(node)
         node.new_pages.clear()
 
     def unlink(self, parent_ino: int, name: bytes) -> None:
@@ -1053,7 +1060,7 @@ class Overlay:
             u.size = end
         now = time.time_ns()
         u.mtime_ns = u.ctime_ns = now
-        node.dirty = True
+        self._mark_dirty(node)
         return written
 
     def truncate(self, node: Node, size: int) -> None:
@@ -1076,7 +1083,7 @@ class Overlay:
                 os.truncate(self._upper_path(ex, node.ino), size)
         u.size = size
         u.mtime_ns = u.ctime_ns = time.time_ns()
-        node.dirty = True
+        self._mark_dirty(node)
 
     def upper_bytes(self, ex: Execution) -> int:
         """Bytes the execution's upper data files take on disk."""
