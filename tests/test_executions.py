@@ -614,3 +614,17 @@ def test_concurrent_writers_in_one_execution(ex):
     for i in range(4):
         assert (ex / f"w{i}").read_bytes() == b"".join(
             f"{i}:{n:04d}\n".encode() for n in range(200))
+
+
+def test_base_content_hydrates_lazily_and_once(daemon, tmp_path):
+    """Only what is read is decompressed, once, into the cache every view shares."""
+    src = write_tree(tmp_path / "src", {"read.txt": b"read me\n", "unread.txt": b"never\n",
+                                        "also-unread.bin": os.urandom(3 * PAGE)})
+    snap = daemon.snapshot(src)
+    views = [daemon.exec_path(daemon.create(snap)) for _ in range(3)]
+    views.append(daemon.snap_path(snap))
+    cache = daemon.data_dir / "cache"
+    assert os.listdir(cache) == []
+    assert [(v / "read.txt").read_bytes() for v in views] == [b"read me\n"] * 4
+    assert len(os.listdir(cache)) == 1
+    assert (cache / os.listdir(cache)[0]).read_bytes() == b"read me\n"
