@@ -1,0 +1,63 @@
+"""``python -m benchmarks``: run the suite, print the table, write the JSON and the charts."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from . import report as rep
+from .runner import run
+from .systems import SYSTEMS
+from .trees import SIZES
+from .workloads import WORKLOADS
+
+
+def _names(value: str | None) -> list[str] | None:
+    return [n.strip() for n in value.split(",") if n.strip()] if value else None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--size", type=click.Choice(list(SIZES)), default="small", show_default=True,
+              help="smoke: a few hundred synthetic files; small: the library directory "
+                   "without site-packages, 256 MiB big file; full: all of it, 1 GiB.")
+@click.option("--repeat", type=click.IntRange(1), default=3, show_default=True,
+              help="Timed runs per figure; the table shows medians.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("bench-results"), show_default=True,
+              help="Directory for results.json and the PNG charts.")
+@click.option("--only", help=f"Comma-separated workloads (default all): {', '.join(WORKLOADS)}.")
+@click.option("--systems", help=f"Comma-separated systems (default all available): "
+                                f"{', '.join(SYSTEMS)}.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path(tempfile.gettempdir()), show_default=True,
+              help="Where the scratch directory goes: the disk being measured.")
+@click.option("--scale-1m", is_flag=True, help="Add a 1,000,000-file tree to the scaling.")
+@click.option("--profile", "profile_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Profile the rametfs daemon with py-spy during extra runs of git-status, "
+                   "find-warm, walk-warm, read-warm, seqread-warm; collapsed stacks go here.")
+def main(size: str, repeat: int, out: Path, only: str | None, systems: str | None,
+         workdir: Path, scale_1m: bool, profile_dir: Path | None) -> None:
+    """Benchmark rametfs against native ext4, overlayfs, fuse-overlayfs, cp -a and
+    git worktree (issue 4).  Needs root for overlayfs and the cold runs."""
+    try:
+        report = run(size, repeat, _names(only), _names(systems), workdir.resolve(),
+                     scale_1m=scale_1m, profile_dir=profile_dir)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    rep.add_ratios(report)
+    report["goals"] = rep.goals(report)
+    out.mkdir(parents=True, exist_ok=True)
+    report["charts"] = [p.name for p in rep.charts(report, out)]
+    rep.write_json(report, out / "results.json")
+    click.echo(rep.table(report))
+    click.echo(f"\nwrote {out / 'results.json'}"
+               + (f" and {', '.join(report['charts'])}" if report["charts"]
+                  else " (no charts: matplotlib is not installed)"))
+    if report["errors"]:
+        sys.exit(1)
+
+
+main(prog_name="python -m benchmarks")

@@ -1,0 +1,151 @@
+"""Run the selected workloads on every available system, one after another, and clean up.
+
+Everything happens under one scratch directory (``rametfs-bench-*`` in ``--workdir``, on the
+disk being measured).  Every system is closed (its mounts undone, the rametfs daemon stopped)
+whatever happens, Ctrl-C included; the scratch directory is then deleted, unless something is
+still mounted under it, which is reported instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .systems import SYSTEMS, System, Unsupported
+from .trees import SCALE_1M, SIZES, BenchError
+from .workloads import WORKLOADS, Bench, Result
+
+JSON_VERSION = 1
+
+
+def _log(message: str, started: float) -> None:
+    print(f"[{time.monotonic() - started:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def mounts_under(base: Path) -> list[str]:
+    """Mountpoints at or under ``base`` (from /proc/mounts)."""
+    found = []
+    with open("/proc/mounts") as f:
+        for line in f:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[1])
+            if point == str(base) or point.startswith(f"{base}/"):
+                found.append(point)
+    return found
+
+
+def _remove_scratch(scratch: Path) -> None:
+    left = mounts_under(scratch)
+    if left:
+        print(f"benchmarks: still mounted, so {scratch} is kept: {', '.join(left)}",
+              file=sys.stderr)
+        return
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _version(*argv: str) -> str | None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    out = (done.stdout or done.stderr).strip().splitlines()
+    return out[0] if out else None
+
+
+def machine(scratch: Path) -> dict:
+    """The machine the figures come from: cores, memory, kernel, CPU, the scratch disk."""
+    with open("/proc/meminfo") as f:
+        mem_kib = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    disk = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE,OPTIONS", "-T", str(scratch)],
+                          capture_output=True, text=True).stdout.strip()
+    return {"nproc": os.cpu_count(), "mem_bytes": mem_kib * 1024, "kernel": platform.release(),
+            "cpu": cpu, "disk": disk, "python": platform.python_version(),
+            "git": _version("git", "--version"),
+            "fuse-overlayfs": _version("fuse-overlayfs", "--version")}
+
+
+def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | None,
+        workdir: Path, scale_1m: bool = False, profile_dir: Path | None = None) -> dict:
+    """Run the benchmark; return the report (the JSON's content, see docs/benchmarks.md).
+
+    ``only``: workload names (default all, in :data:`WORKLOADS` order); ``systems``: system
+    ids (default all).  An unavailable system is listed under ``skipped``; a workload that
+    fails on one system is listed under ``errors`` and the run goes on.  Raises ValueError for
+    an unknown workload or system name.
+    """
+    names = only or list(WORKLOADS)
+    for name in names:
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    for sid in systems or ():
+        if sid not in SYSTEMS:
+            raise ValueError(f"unknown system {sid!r}; known: {', '.join(SYSTEMS)}")
+    wanted = [sid for sid in SYSTEMS if systems is None or sid in systems]
+    skipped = {sid: reason for sid in wanted if (reason := SYSTEMS[sid].unavailable())}
+    started = time.monotonic()
+    started_ns = time.time_ns()
+    workdir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="rametfs-bench-", dir=workdir)).resolve()
+    results: list[Result] = []
+    errors: list[dict] = []
+    scales = SIZES[size].scales + ((SCALE_1M,) if scale_1m else ())
+    if profile_dir:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        stack.callback(_remove_scratch, scratch)
+        bench = Bench(SIZES[size], repeat, scratch,
+                      frozenset(sid for sid in wanted if sid not in skipped), scales,
+                      profile_dir)
+        live: dict[str, System] = {}
+        for sid in wanted:
+            if sid in skipped:
+                continue
+            try:
+                live[sid] = SYSTEMS[sid](scratch)
+            except (OSError, BenchError) as exc:
+                skipped[sid] = f"failed to start: {exc}"
+                continue
+            stack.callback(live[sid].close)
+        _log(f"building the {size} trees in {scratch}", started)
+        _log(f"main tree: {len(bench.tree.files)} files, {bench.tree.bytes / 1e6:.0f} MB",
+             started)
+        for name in names:
+            targets, fn = WORKLOADS[name]
+            for sid in targets:
+                if sid not in live:
+                    continue
+                _log(f"{name} on {sid}", started)
+                try:
+                    results += fn(bench, live[sid])
+                except Unsupported:
+                    pass
+                except (OSError, BenchError, subprocess.SubprocessError) as exc:
+                    errors.append({"workload": name, "system": sid, "error": str(exc)})
+                    _log(f"{name} on {sid} FAILED: {exc}", started)
+        meta = {"tree": {"name": bench.tree.name, "files": len(bench.tree.files),
+                         "bytes": bench.tree.bytes},
+                "big_bytes": bench.size.big_bytes, "scales": list(scales),
+                "cold": bench.can_drop_caches, "machine": machine(scratch)}
+    _log("done", started)
+    return {
+        "version": JSON_VERSION,
+        "command": " ".join(["tools/bench", *sys.argv[1:]]),
+        "size": size, "repeat": repeat, "started_ns": started_ns,
+        "seconds": round(time.monotonic() - started, 1),
+        **meta,
+        "systems": [sid for sid in wanted if sid in live],
+        "skipped": skipped,
+        "workloads": names,
+        "results": [asdict(r) | {"median": r.median} for r in results],
+        "errors": errors,
+    }

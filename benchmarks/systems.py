@@ -1,0 +1,414 @@
+"""The systems compared: how each forks a writable isolated view of a tree, resets it, promotes
+it (keeps its state as a new immutable base) and discards it.
+
+| system | fork | reset | promote | discard |
+|---|---|---|---|---|
+| native | - (the tree is copied once, untimed, and written in place) | - | - | - |
+| cp-a | ``cp -a tree view`` | ``rm -rf`` + ``cp -a`` | ``cp -a view copy`` | ``rm -rf`` |
+| git-worktree | ``git worktree add --detach`` | ``git reset --hard`` + ``git clean -fdq`` | ``git add -A`` + ``git commit`` | ``git worktree remove --force`` |
+| overlayfs | mount(2) overlay, lower = tree | unmount, empty upper, mount | ``cp -a upper layer`` (a new lower layer) | unmount, ``rm -rf`` upper |
+| fuse-overlayfs | ``fuse-overlayfs -o lowerdir=...`` | ``fusermount3 -u``, empty upper, mount | ``cp -a upper layer`` | ``fusermount3 -u``, ``rm -rf`` |
+| rametfs | ``create`` | ``reset`` | ``promote`` | ``release`` |
+
+Every mount a system makes is undone by :meth:`System.close`, whatever happened before; the
+rametfs daemon is stopped by unmounting it (``rametfs umount``), then by its pid only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from rametfs import Execution, Ramet
+
+from .trees import BenchError, Tree, git, remove, run
+
+MNT_DETACH = 2
+STOP_SECONDS = 60.0
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Unsupported(Exception):
+    """The system has no such operation (or not on this tree): the workload skips it."""
+
+
+@dataclass
+class View:
+    """A writable view of ``tree`` at ``path``; ``handle`` is the system's own state."""
+
+    tree: Tree
+    path: Path
+    handle: object = None
+
+
+class System:
+    """One system under test.  Operations raise :class:`Unsupported` where it has none."""
+
+    id = ""
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch / self.id
+        self.scratch.mkdir()
+        self._names = itertools.count()
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why this system cannot run here, or None."""
+        return None
+
+    def _new_dir(self, prefix: str) -> Path:
+        return self.scratch / f"{prefix}{next(self._names)}"
+
+    def prepare(self, tree: Tree) -> None:
+        """Untimed set-up for ``tree`` (a native copy, a snapshot import), done once."""
+
+    def fork(self, tree: Tree) -> View:
+        """A new writable isolated view of ``tree``."""
+        raise Unsupported
+
+    def reset(self, view: View) -> None:
+        """Return ``view`` to its tree's state."""
+        raise Unsupported
+
+    def promote(self, view: View) -> None:
+        """Keep ``view``'s current state as a new immutable base; the view carries on."""
+        raise Unsupported
+
+    def discard(self, view: View) -> None:
+        """Drop ``view`` and what it holds."""
+        raise Unsupported
+
+    @contextlib.contextmanager
+    def view(self, tree: Tree) -> Iterator[Path]:
+        """A writable view of ``tree`` for the I/O workloads, discarded afterwards."""
+        self.prepare(tree)
+        v = self.fork(tree)
+        try:
+            yield v.path
+        finally:
+            self.discard(v)
+
+    def stored_paths(self, tree: Tree, views: list[View]) -> list[Path]:
+        """Paths whose disk usage is what the system stores for ``tree`` and ``views``."""
+        raise Unsupported
+
+    def base_bytes(self, tree: Tree) -> int:
+        """Disk bytes the system stores for ``tree`` alone."""
+        return disk_usage([tree.path])
+
+    def close(self) -> None:
+        """Undo every mount and stop every process this system started."""
+
+
+class Native(System):
+    """The tree copied once with ``cp -a`` on the same disk; workloads write in place."""
+
+    id = "native"
+
+    def __init__(self, scratch: Path) -> None:
+        super().__init__(scratch)
+        self.copies: dict[str, Path] = {}
+
+    def prepare(self, tree: Tree) -> None:
+        if tree.name not in self.copies:
+            dest = self._new_dir("copy")
+            run("cp", "-a", tree.path, dest)
+            self.copies[tree.name] = dest
+
+    @contextlib.contextmanager
+    def view(self, tree: Tree) -> Iterator[Path]:
+        self.prepare(tree)
+        yield self.copies[tree.name]
+
+
+class CpA(System):
+    id = "cp-a"
+
+    def fork(self, tree: Tree) -> View:
+        dest = self._new_dir("view")
+        run("cp", "-a", tree.path, dest)
+        return View(tree, dest, [])
+
+    def reset(self, view: View) -> None:
+        remove(view.path)
+        run("cp", "-a", view.tree.path, view.path)
+
+    def promote(self, view: View) -> None:
+        dest = self._new_dir("promoted")
+        run("cp", "-a", view.path, dest)
+        view.handle.append(dest)
+
+    def discard(self, view: View) -> None:
+        for path in [view.path, *view.handle]:
+            remove(path)
+
+    def stored_paths(self, tree: Tree, views: list[View]) -> list[Path]:
+        return [tree.path, *(v.path for v in views)]
+
+
+class GitWorktree(System):
+    id = "git-worktree"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        return None if shutil.which("git") else "git is not installed"
+
+    def fork(self, tree: Tree) -> View:
+        if not tree.git:
+            raise Unsupported
+        dest = self._new_dir("worktree")
+        git("worktree", "add", "-q", "--detach", str(dest), "HEAD", cwd=tree.path)
+        return View(tree, dest)
+
+    def reset(self, view: View) -> None:
+        git("reset", "-q", "--hard", cwd=view.path)
+        git("clean", "-fdq", cwd=view.path)
+
+    def promote(self, view: View) -> None:
+        git("add", "-A", cwd=view.path)
+        git("commit", "-q", "-m", "promote", cwd=view.path)
+
+    def discard(self, view: View) -> None:
+        git("worktree", "remove", "--force", str(view.path), cwd=view.tree.path)
+
+
+class _OverlayBase(System):
+    """Views as overlay mounts: lower = the tree, upper and work dirs under scratch."""
+
+    def __init__(self, scratch: Path) -> None:
+        super().__init__(scratch)
+        self.mounted: set[Path] = set()
+
+    def _mount(self, lower: Path, upper: Path, work: Path, target: Path) -> None:
+        raise NotImplementedError
+
+    def _unmount(self, target: Path, lazy: bool = False) -> None:
+        raise NotImplementedError
+
+    def _layout(self, view: View) -> tuple[Path, Path, Path]:
+        return view.handle / "upper", view.handle / "work", view.path
+
+    def _up(self, view: View) -> None:
+        upper, work, merged = self._layout(view)
+        for d in (upper, work, merged):
+            d.mkdir(exist_ok=True)
+        self._mount(view.tree.path, upper, work, merged)
+        self.mounted.add(merged)
+
+    def _down(self, view: View) -> None:
+        self._unmount(view.path)
+        self.mounted.discard(view.path)
+
+    def fork(self, tree: Tree) -> View:
+        root = self._new_dir("view")
+        root.mkdir()
+        view = View(tree, root / "merged", root)
+        self._up(view)
+        return view
+
+    def reset(self, view: View) -> None:
+        self._down(view)
+        upper, work, _ = self._layout(view)
+        remove(upper)
+        remove(work)
+        self._up(view)
+
+    def promote(self, view: View) -> None:
+        upper, _, _ = self._layout(view)
+        run("cp", "-a", upper, self._new_dir("layer"))
+
+    def discard(self, view: View) -> None:
+        self._down(view)
+        remove(view.handle)
+
+    def stored_paths(self, tree: Tree, views: list[View]) -> list[Path]:
+        return [tree.path, *(self._layout(v)[0] for v in views)]
+
+    def close(self) -> None:
+        for target in list(self.mounted):
+            with contextlib.suppress(OSError, BenchError):
+                self._unmount(target)
+                self.mounted.discard(target)
+        for target in list(self.mounted):  # still busy: detach it, so nothing is left mounted
+            with contextlib.suppress(OSError, BenchError):
+                self._unmount(target, lazy=True)
+                self.mounted.discard(target)
+
+
+class Overlayfs(_OverlayBase):
+    """Kernel overlayfs, mounted with mount(2) directly (no process spawned per fork)."""
+
+    id = "overlayfs"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        if os.geteuid() != 0:
+            return "mounting overlayfs needs root"
+        with open("/proc/filesystems") as f:
+            if not any(line.split()[-1] == "overlay" for line in f if line.strip()):
+                return "the kernel has no overlay file system"
+        return None
+
+    def _mount(self, lower: Path, upper: Path, work: Path, target: Path) -> None:
+        options = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+        if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, options) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount overlay: {os.strerror(err)}", str(target))
+
+    def _unmount(self, target: Path, lazy: bool = False) -> None:
+        if _libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"umount: {os.strerror(err)}", str(target))
+
+
+class FuseOverlayfs(_OverlayBase):
+    """fuse-overlayfs (Debian package); each mount is one fuse-overlayfs process."""
+
+    id = "fuse-overlayfs"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        if not shutil.which("fuse-overlayfs"):
+            return "fuse-overlayfs is not installed (tools/bench installs it)"
+        return None if os.path.exists("/dev/fuse") else "/dev/fuse is absent"
+
+    def _mount(self, lower: Path, upper: Path, work: Path, target: Path) -> None:
+        run("fuse-overlayfs", "-o", f"lowerdir={lower},upperdir={upper},workdir={work}", target)
+
+    def _unmount(self, target: Path, lazy: bool = False) -> None:
+        run("fusermount3", "-u", *(["-z"] * lazy), target)
+
+
+class Rametfs(System):
+    """One rametfs daemon (``rametfs serve --background``) for the whole run; a snapshot per
+    tree, an execution per view."""
+
+    id = "rametfs"
+
+    def __init__(self, scratch: Path) -> None:
+        super().__init__(scratch)
+        self.data = self.scratch / "data"
+        self.mount = self.scratch / "mnt"
+        self.mount.mkdir()
+        self.snapshots: dict[str, str] = {}
+        self.import_seconds: dict[str, float] = {}
+        self.base_stored: dict[str, int] = {}  # tree name -> data dir growth of its import
+        self.pid: int | None = None
+        self.start()
+
+    @staticmethod
+    def unavailable() -> str | None:
+        if not os.path.exists("/dev/fuse"):
+            return "/dev/fuse is absent"
+        return None if shutil.which("fusermount3") else "fusermount3 is not installed"
+
+    def _cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rametfs", *args], text=True,
+                              capture_output=True, timeout=STOP_SECONDS + 30)
+
+    def start(self) -> None:
+        """Start the daemon; raises BenchError with its output if it does not come up."""
+        done = self._cli("serve", "--data", str(self.data), str(self.mount), "--background")
+        if done.returncode != 0:
+            raise BenchError(f"rametfs serve failed: {done.stderr.strip()}")
+        self.ramet = Ramet(self.mount)
+        self.pid = self.ramet.status()["pid"]
+
+    def stop(self) -> None:
+        """Unmount and wait for the daemon to exit; failing that, detach the mount and end the
+        daemon by its pid (SIGTERM, then SIGKILL)."""
+        if self.pid is None:
+            return
+        pid, self.pid = self.pid, None
+        if self._cli("umount", str(self.mount)).returncode == 0:
+            return
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mount)], capture_output=True)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            deadline = time.monotonic() + STOP_SECONDS / 2
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not _alive(pid):
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def restart(self) -> None:
+        """A fresh daemon process on the same data directory (snapshots are kept)."""
+        self.stop()
+        self.start()
+
+    def rss(self) -> int:
+        """The daemon's resident set size (bytes)."""
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise BenchError(f"no VmRSS for pid {self.pid}")
+
+    def prepare(self, tree: Tree) -> None:
+        if tree.name not in self.snapshots:
+            before = disk_usage([self.data])
+            start = time.perf_counter()
+            self.snapshots[tree.name] = self.ramet.snapshot(tree.path, label=tree.name)
+            self.import_seconds[tree.name] = time.perf_counter() - start
+            self.base_stored[tree.name] = disk_usage([self.data]) - before
+
+    def fork(self, tree: Tree) -> View:
+        execution = self.ramet.create(self.snapshots[tree.name])
+        os.stat(execution.path)
+        return View(tree, execution.path, execution)
+
+    def reset(self, view: View) -> None:
+        execution: Execution = view.handle
+        execution.reset()
+
+    def promote(self, view: View) -> None:
+        execution: Execution = view.handle
+        execution.promote()
+
+    def discard(self, view: View) -> None:
+        self.ramet.release(view.handle)
+
+    def stored_paths(self, tree: Tree, views: list[View]) -> list[Path]:
+        return [self.data]
+
+    def base_bytes(self, tree: Tree) -> int:
+        self.prepare(tree)
+        return self.base_stored[tree.name]
+
+    def close(self) -> None:
+        self.stop()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def disk_usage(paths: list[Path]) -> int:
+    """Bytes of disk blocks used under ``paths`` (``du -scx``: one file system, hard links
+    counted once), after a ``sync`` so delayed allocations are counted."""
+    os.sync()
+    done = subprocess.run(["du", "-scx", "-B1", *map(str, paths)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise BenchError(f"du failed: {done.stderr.strip()}")
+    return int(done.stdout.splitlines()[-1].split()[0])
+
+
+SYSTEMS: dict[str, type[System]] = {
+    cls.id: cls for cls in (Native, CpA, GitWorktree, Overlayfs, FuseOverlayfs, Rametfs)}

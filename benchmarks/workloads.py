@@ -1,0 +1,485 @@
+"""The workloads, in the order of issue 4, each timed on every system it applies to.
+
+A workload is a function ``(Bench, System) -> list[Result]`` registered with
+:func:`workload`, which names the systems it runs on.  Times are wall-clock seconds
+(``time.perf_counter``) of what a harness would wait for; warm runs follow one untimed run;
+cold runs follow ``echo 3 > /proc/sys/vm/drop_caches`` in a fresh view (for rametfs a fresh
+execution; the daemon's hydration cache on disk stays, as it would in production).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from .systems import Rametfs, System, Unsupported, View, disk_usage
+from .trees import (BIG_FILE, MIB, Size, Tree, big_tree, change_files, git, make_git_repo,
+                    run, synthetic_tree, tarball)
+
+LIFECYCLE = ("cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs")
+IO = ("native", "overlayfs", "fuse-overlayfs", "rametfs")
+CHANGED_FILES = 10  # files changed before each reset and promote
+STORAGE_VIEWS = 16  # views of the storage workload, each changing STORAGE_SHARE of the files
+STORAGE_SHARE = 0.01
+RSS_EXECUTIONS = (1, 100, 1000)
+RANDOM_WRITES = 1000  # 4 KiB writes of the randwrite workload
+PAGE = 4096
+GIT_MAX_SCALE = 100_000  # larger scaling trees are not made git repositories (too slow)
+PROFILE_RUNS = 3
+
+
+@dataclass
+class Result:
+    """One measured figure: ``samples`` in ``unit`` (``s``, ``B``), on a tree of ``files``
+    files for the scaling workloads; ``extra`` holds derived figures (``MB/s``, ratios)."""
+
+    workload: str
+    system: str
+    samples: list[float]
+    unit: str = "s"
+    files: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+
+@dataclass
+class Bench:
+    """What the workloads share: the size, the repeat count, the trees (built on first use
+    under ``scratch``) and the optional profiler output directory."""
+
+    size: Size
+    repeat: int
+    scratch: Path
+    system_ids: frozenset[str]
+    scales: tuple[int, ...]
+    profile_dir: Path | None = None
+    _synthetic: dict[int, Tree] = field(default_factory=dict)
+
+    @cached_property
+    def tree(self) -> Tree:
+        """The main tree, a git repository with one commit."""
+        return make_git_repo(self.size.main_tree(self.scratch / "tree"))
+
+    @cached_property
+    def big(self) -> Tree:
+        """A tree holding one big incompressible file."""
+        return big_tree(self.scratch / "big", self.size.big_bytes)
+
+    @cached_property
+    def tar(self) -> Path:
+        """A tar of the main tree without ``.git``."""
+        return tarball(self.tree, self.scratch / "tree.tar")
+
+    @cached_property
+    def can_drop_caches(self) -> bool:
+        return os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+    def drop_caches(self) -> None:
+        """Write back dirty pages, then drop the page cache, dentries and inodes.
+        Raises Unsupported when not permitted (not root)."""
+        if not self.can_drop_caches:
+            raise Unsupported
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+
+    def synthetic(self, files: int) -> Tree:
+        """A synthetic tree of ``files`` small files, shared by every system; a git repository
+        when git-worktree runs and it is not too large."""
+        if files not in self._synthetic:
+            tree = synthetic_tree(self.scratch / f"synthetic-{files}", files)
+            if "git-worktree" in self.system_ids and files <= GIT_MAX_SCALE:
+                tree = make_git_repo(tree)
+            self._synthetic[files] = tree
+        return self._synthetic[files]
+
+    def profile(self, system: System, name: str, action: Callable[[], object]) -> None:
+        """With a profile directory and rametfs: run ``action`` PROFILE_RUNS more times (after
+        the timed runs, so the samples stay unperturbed) under ``py-spy record`` attached to
+        the daemon; its collapsed stacks go to ``<profile_dir>/<name>.txt``."""
+        if self.profile_dir is None or not isinstance(system, Rametfs):
+            return
+        py_spy = Path(sys.executable).with_name("py-spy")
+        out = self.profile_dir / f"{name}.txt"
+        # cwd outside the mount: py-spy stops the daemon while it samples, and a process
+        # whose cwd is on the mount would wait for the daemon.
+        proc = subprocess.Popen(
+            [str(py_spy if py_spy.exists() else "py-spy"), "record", "--nonblocking",
+             "--format", "raw", "--rate", "250", "-o", str(out), "-p", str(system.pid)],
+            cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(1.0)  # py-spy attaches and starts sampling
+            for _ in range(PROFILE_RUNS):
+                action()
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+
+
+WORKLOADS: dict[str, tuple[tuple[str, ...], Callable[[Bench, System], list[Result]]]] = {}
+
+
+def workload(*systems: str):
+    """Register the decorated function as workload ``name`` (its name, ``_`` -> ``-``,
+    trailing ``_`` dropped) for ``systems``."""
+    def register(fn):
+        WORKLOADS[fn.__name__.rstrip("_").replace("_", "-")] = (systems, fn)
+        return fn
+    return register
+
+
+def timed(fn: Callable[..., object], *args, **kwargs) -> float:
+    """Seconds ``fn(*args, **kwargs)`` took."""
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+# ----- the I/O each workload does --------------------------------------------------------
+
+def walk_lstat(root: Path) -> int:
+    """``os.walk`` the tree and ``lstat`` every entry; return the entry count."""
+    count = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lstat(os.path.join(dirpath, name))
+            count += 1
+    return count
+
+
+def read_files(root: Path, files: tuple[str, ...]) -> int:
+    """Read each of ``files`` under ``root`` to its end, 1 MiB at a time; return bytes read."""
+    buf = bytearray(MIB)
+    total = 0
+    for rel in files:
+        with open(root / rel, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def write_file(path: Path, size: int, block: bytes) -> None:
+    """Write ``size`` bytes to a new file at ``path`` with ``block`` repeated, then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(block)
+        left = size
+        while left:
+            left -= os.write(fd, view[:min(left, len(block))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def random_writes(path: Path, size: int, seed: int) -> tuple[float, float]:
+    """Open ``path`` read-write and write RANDOM_WRITES random 4 KiB pages at page-aligned
+    offsets below ``size``, then fsync.  Returns (seconds to the first write's return,
+    counting the open; seconds for all of it)."""
+    rng = random.Random(seed)
+    block = os.urandom(PAGE)
+    offsets = [rng.randrange(size // PAGE) * PAGE for _ in range(RANDOM_WRITES)]
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, block, offsets[0])
+        first = time.perf_counter() - start
+        for off in offsets[1:]:
+            os.pwrite(fd, block, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return first, time.perf_counter() - start
+
+
+# ----- lifecycle -------------------------------------------------------------------------
+
+@workload(*LIFECYCLE)
+def fork(b: Bench, s: System) -> list[Result]:
+    """fork: get a new writable isolated view of the tree; discard: drop it again."""
+    s.prepare(b.tree)
+    forks, discards = [], []
+    for _ in range(b.repeat):
+        start = time.perf_counter()
+        view = s.fork(b.tree)
+        forks.append(time.perf_counter() - start)
+        discards.append(timed(s.discard, view))
+    return [Result("fork", s.id, forks), Result("discard", s.id, discards)]
+
+
+@contextlib.contextmanager
+def _forked(s: System, tree: Tree) -> Iterator[View]:
+    s.prepare(tree)
+    view = s.fork(tree)
+    try:
+        yield view
+    finally:
+        s.discard(view)
+
+
+def _after_changes(b: Bench, s: System, tree: Tree, op: Callable[[View], None]) -> list[float]:
+    """Seconds of ``op(view)`` after each of ``repeat`` rounds of CHANGED_FILES changes."""
+    files = tree.sample(CHANGED_FILES, seed=len(tree.files))
+    samples = []
+    with _forked(s, tree) as view:
+        for i in range(b.repeat):
+            change_files(view.path, files, f"round {i}")
+            samples.append(timed(op, view))
+    return samples
+
+
+@workload(*LIFECYCLE)
+def reset(b: Bench, s: System) -> list[Result]:
+    """reset: back to the tree's state after CHANGED_FILES files changed."""
+    return [Result("reset", s.id, _after_changes(b, s, b.tree, s.reset))]
+
+
+@workload(*LIFECYCLE)
+def promote(b: Bench, s: System) -> list[Result]:
+    """promote: keep the view (CHANGED_FILES files changed) as a new immutable base."""
+    return [Result("promote", s.id, _after_changes(b, s, b.tree, s.promote))]
+
+
+@workload("cp-a", "overlayfs", "fuse-overlayfs", "rametfs")
+def promote_big(b: Bench, s: System) -> list[Result]:
+    """promote-big: promote a view whose big file was rewritten whole."""
+    samples = []
+    block = os.urandom(MIB)
+    with _forked(s, b.big) as view:
+        for _ in range(b.repeat):
+            write_file(view.path / BIG_FILE, b.big.bytes, block)
+            samples.append(timed(s.promote, view))
+    return [Result("promote-big", s.id, samples, extra={"changed_bytes": b.big.bytes})]
+
+
+# ----- metadata and reads ----------------------------------------------------------------
+
+def _git_status(path: Path) -> None:
+    git("status", "--porcelain", cwd=path)
+
+
+@workload(*IO)
+def git_status(b: Bench, s: System) -> list[Result]:
+    """git-status: warm ``git status --porcelain`` (the first runs refresh the index)."""
+    with s.view(b.tree) as path:
+        for _ in range(2):
+            _git_status(path)
+        samples = [timed(_git_status, path) for _ in range(b.repeat)]
+        b.profile(s, "git-status", lambda: _git_status(path))
+    return [Result("git-status", s.id, samples)]
+
+
+def _warm_and_cold(b: Bench, s: System, name: str, tree: Tree,
+                   action: Callable[[Path], object]) -> list[Result]:
+    """``name``-cold: ``action(view)`` after dropping the caches, each time in a fresh view of
+    ``tree``; ``name``-warm: again and again in one view, after one untimed run."""
+    results = []
+    if b.can_drop_caches:
+        cold = []
+        for _ in range(b.repeat):
+            with s.view(tree) as path:
+                b.drop_caches()
+                cold.append(timed(action, path))
+        results.append(Result(f"{name}-cold", s.id, cold))
+    with s.view(tree) as path:
+        action(path)
+        warm = [timed(action, path) for _ in range(b.repeat)]
+        b.profile(s, f"{name}-warm", lambda: action(path))
+    results.append(Result(f"{name}-warm", s.id, warm))
+    return results
+
+
+@workload(*IO)
+def find(b: Bench, s: System) -> list[Result]:
+    """find: ``find VIEW`` (names only), cold then warm."""
+    return _warm_and_cold(b, s, "find", b.tree, lambda path: run("find", path))
+
+
+@workload(*IO)
+def walk(b: Bench, s: System) -> list[Result]:
+    """walk: ``os.walk`` + ``os.lstat`` of every entry, cold then warm."""
+    return _warm_and_cold(b, s, "walk", b.tree, walk_lstat)
+
+
+@workload(*IO)
+def read_all(b: Bench, s: System) -> list[Result]:
+    """read: read every file of the tree (not ``.git``), cold then warm."""
+    results = _warm_and_cold(b, s, "read", b.tree, lambda path: read_files(path, b.tree.files))
+    for r in results:
+        r.extra["MB/s"] = b.tree.bytes / r.median / 1e6
+    return results
+
+
+@workload(*IO)
+def seqread(b: Bench, s: System) -> list[Result]:
+    """seqread: read the big file sequentially, cold then warm."""
+    results = _warm_and_cold(b, s, "seqread", b.big, lambda path: read_files(path, b.big.files))
+    for r in results:
+        r.extra["MB/s"] = b.big.bytes / r.median / 1e6
+    return results
+
+
+# ----- writes ----------------------------------------------------------------------------
+
+@workload(*IO)
+def seqwrite(b: Bench, s: System) -> list[Result]:
+    """seqwrite: write a new file as big as the big file, 1 MiB writes, then fsync."""
+    block = os.urandom(MIB)
+    samples = []
+    with s.view(b.big) as path:
+        for _ in range(b.repeat):
+            samples.append(timed(write_file, path / "written.bin", b.big.bytes, block))
+            os.unlink(path / "written.bin")
+    return [Result("seqwrite", s.id, samples,
+                   extra={"MB/s": b.big.bytes / statistics.median(samples) / 1e6})]
+
+
+@workload(*IO)
+def randwrite(b: Bench, s: System) -> list[Result]:
+    """randwrite: RANDOM_WRITES 4 KiB writes at random offsets into the big file from the
+    base (a fresh view each time) and fsync; -first: open + the first write."""
+    firsts, totals = [], []
+    for i in range(b.repeat):
+        with s.view(b.big) as path:
+            first, total = random_writes(path / BIG_FILE, b.big.bytes, seed=i)
+        firsts.append(first)
+        totals.append(total)
+    return [Result("randwrite-first", s.id, firsts),
+            Result(f"randwrite-{RANDOM_WRITES}", s.id, totals)]
+
+
+@workload(*IO)
+def untar(b: Bench, s: System) -> list[Result]:
+    """untar: ``tar -xf`` the tree (no ``.git``) into a view; rm-rf: ``rm -rf`` it again."""
+    tar = b.tar
+    untars, removes = [], []
+    for _ in range(b.repeat):
+        with s.view(b.tree) as path:
+            dest = path / "untarred"
+            dest.mkdir()
+            untars.append(timed(run, "tar", "-xf", tar, "-C", dest))
+            removes.append(timed(run, "rm", "-rf", dest))
+    return [Result("untar", s.id, untars), Result("rm-rf", s.id, removes)]
+
+
+# ----- rametfs figures with references ---------------------------------------------------
+
+@workload("cp-a", "rametfs")
+def import_(b: Bench, s: System) -> list[Result]:
+    """import: snapshot the tree (rametfs) or copy it (cp -a, the reference), files/s and
+    MB/s; import-big: the big incompressible file; reimport: the unchanged tree again."""
+    results = []
+    for name, tree in (("import", b.tree), ("import-big", b.big)):
+        if isinstance(s, Rametfs):
+            s.prepare(tree)
+            seconds = s.import_seconds[tree.name]
+        else:
+            dest = s.scratch / f"{name}-copy"
+            seconds = timed(run, "cp", "-a", tree.path, dest)
+            shutil.rmtree(dest)
+        results.append(Result(name, s.id, [seconds], extra={
+            "MB/s": tree.bytes / seconds / 1e6, "files/s": len(tree.files) / seconds}))
+    if isinstance(s, Rametfs):
+        samples = [timed(s.ramet.snapshot, b.tree.path) for _ in range(b.repeat)]
+        results.append(Result("reimport", s.id, samples, extra={
+            "share_of_import": statistics.median(samples) / s.import_seconds[b.tree.name]}))
+    return results
+
+
+@workload("cp-a", "overlayfs", "fuse-overlayfs", "rametfs")
+def storage(b: Bench, s: System) -> list[Result]:
+    """stored: disk bytes added by STORAGE_VIEWS views that each change STORAGE_SHARE of the
+    files; ratio = (base + added) / (base + changed files' bytes), base = what the system
+    stores for the tree.  rametfs also after promoting every view."""
+    tree = b.tree
+    s.prepare(tree)
+    base = s.base_bytes(tree)
+    before = disk_usage(s.stored_paths(tree, []))
+    # rametfs: opening a file to change it hydrates its content into the shared cache.
+    cache = s.data / "cache" if isinstance(s, Rametfs) else None
+    cached_before = disk_usage([cache]) if cache else 0
+    views: list[View] = []
+    changed = 0
+    extra: dict = {}
+    try:
+        for i in range(STORAGE_VIEWS):
+            views.append(s.fork(tree))
+            files = tree.sample(max(1, round(len(tree.files) * STORAGE_SHARE)), seed=1000 + i)
+            changed += change_files(views[-1].path, files, f"view {i}")
+        added = disk_usage(s.stored_paths(tree, views)) - before
+        if cache:
+            extra["hydration_cache_bytes"] = disk_usage([cache]) - cached_before
+            for view in views:
+                s.promote(view)
+            extra["added_after_promote_bytes"] = disk_usage(s.stored_paths(tree, views)) - before
+    finally:
+        for view in views:
+            s.discard(view)
+    extra.update(base_bytes=base, changed_bytes=changed,
+                 ratio=(base + added) / (base + changed))
+    if cache:
+        extra["ratio_without_cache"] = (
+            (base + added - extra["hydration_cache_bytes"]) / (base + changed))
+    return [Result(f"stored-{STORAGE_VIEWS}x1%", s.id, [added], unit="B", extra=extra)]
+
+
+@workload("rametfs")
+def rss(b: Bench, s: System) -> list[Result]:
+    """rss: the daemon's resident memory with 1, 100 and 1000 executions (a fresh daemon);
+    then after a walk of one of them; release: seconds to release them all."""
+    assert isinstance(s, Rametfs)
+    s.prepare(b.tree)
+    s.restart()
+    results, views = [], []
+    try:
+        for count in RSS_EXECUTIONS:
+            while len(views) < count:
+                views.append(s.fork(b.tree))
+            results.append(Result(f"rss-{count}", s.id, [s.rss()], unit="B"))
+        walk_lstat(views[0].path)
+        results.append(Result(f"rss-{len(views)}+walk", s.id, [s.rss()], unit="B"))
+    finally:
+        start = time.perf_counter()
+        for view in views:
+            s.discard(view)
+        if len(views) == RSS_EXECUTIONS[-1]:
+            results.append(Result(f"release-{len(views)}", s.id,
+                                  [time.perf_counter() - start]))
+    return results
+
+
+@workload(*LIFECYCLE)
+def scaling(b: Bench, s: System) -> list[Result]:
+    """scale-fork, scale-reset, scale-promote: on synthetic trees of each scaling size."""
+    results = []
+    for files in b.scales:
+        tree = b.synthetic(files)
+        try:
+            s.prepare(tree)
+            forks = []
+            for _ in range(b.repeat):
+                start = time.perf_counter()
+                view = s.fork(tree)
+                forks.append(time.perf_counter() - start)
+                s.discard(view)
+        except Unsupported:
+            continue
+        results.append(Result("scale-fork", s.id, forks, files=files))
+        results.append(Result("scale-reset", s.id, _after_changes(b, s, tree, s.reset),
+                              files=files))
+        results.append(Result("scale-promote", s.id, _after_changes(b, s, tree, s.promote),
+                              files=files))
+    return results
