@@ -51,13 +51,16 @@ def _remove_scratch(scratch: Path) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _version(*argv: str) -> str | None:
+def _version(program: str) -> str | None:
+    """The line of ``program --version`` that names it (fuse-overlayfs prints fusermount3's
+    first)."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        done = subprocess.run([program, "--version"], capture_output=True, text=True,
+                              timeout=30)
     except OSError:
         return None
-    out = (done.stdout or done.stderr).strip().splitlines()
-    return out[0] if out else None
+    return next((line.strip() for line in (done.stdout + done.stderr).splitlines()
+                 if program in line), None)
 
 
 def machine(scratch: Path) -> dict:
@@ -70,8 +73,7 @@ def machine(scratch: Path) -> dict:
                           capture_output=True, text=True).stdout.strip()
     return {"nproc": os.cpu_count(), "mem_bytes": mem_kib * 1024, "kernel": platform.release(),
             "cpu": cpu, "disk": disk, "python": platform.python_version(),
-            "git": _version("git", "--version"),
-            "fuse-overlayfs": _version("fuse-overlayfs", "--version")}
+            "git": _version("git"), "fuse-overlayfs": _version("fuse-overlayfs")}
 
 
 def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | None,

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import Daemon, ctl_command, wait_until
 from test_snapshots import tree_signature, write_tree
 
 
@@ -154,3 +158,34 @@ def test_reset_and_release_survive_a_restart(daemon, source):
     assert tree_signature(daemon.exec_path(kept)) == tree_signature(source)
     assert (daemon.exec_path(kept) / ".ramet" / "diff").read_text() == ""
     assert not os.path.lexists(daemon.exec_path(dropped))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_foreground_serve_stops_cleanly_on_a_signal(tmp_path, source, sig):
+    """`rametfs serve` in the foreground: a signal unmounts cleanly and exits 0, and what the
+    execution held (not fsync'd) is there after the next start."""
+    mnt, data = tmp_path / "mnt", tmp_path / "data"
+    mnt.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "rametfs", "serve", "--data", str(data),
+                             str(mnt), "--log", str(tmp_path / "serve.log")])
+    try:
+        wait_until(lambda: os.path.exists(mnt / ".ramet" / "status") or proc.poll() is not None,
+                   30, "the mount")
+        snap = ctl_command(mnt / ".ramet" / "ctl", f"snapshot {source}")["snapshot"]
+        eid = ctl_command(mnt / ".ramet" / "ctl", f"create {snap} --name e")["execution"]
+        (mnt / "executions" / eid / "new.txt").write_bytes(b"kept\n")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        assert not os.path.ismount(mnt)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+            proc.kill()
+            proc.wait()
+    again = Daemon(data, mnt)
+    again.start()
+    try:
+        assert (again.exec_path(eid) / "new.txt").read_bytes() == b"kept\n"
+        assert tree_signature(again.snap_path(snap)) == tree_signature(source)
+    finally:
+        again.stop()

@@ -1,0 +1,299 @@
+"""Read an execution's tree as snapshot entries, hashing only what its manifest cannot vouch for.
+
+One walk ``lstat``s every path (there is no FUSE to tell what changed).  A regular file whose
+inode, ctime, mtime, mode and size match its manifest record keeps the recorded content id
+and xattrs, unread; any other file is read and hashed into chunks (BLAKE3, one page each,
+like the importer), on every core, and for a promote its new chunks are stored.  So a scan
+costs O(tree) ``lstat`` calls and O(changed) reading and hashing.
+
+A file is read as it is while the scan runs: with writers active the result is not a point
+in time.  A record is marked untrusted (hashed again next time) when its file changed while
+it was hashed or when its ctime is within :data:`RACY_NS` of the scan, because a later write
+in the same timestamp tick would leave size, mtime and ctime as they were (git's "racy clean"
+problem).
+
+Blocking: call from a worker thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import blake3
+
+from ..store import FLAG_HAS_LINKS, PAGE_SIZE, Entry, Store
+from ..store.chunks import chunk_id, content_id, encode_chunk
+from ..store.trees import encode_tree
+from .manifest import UNTRUSTED, Record
+
+RACY_NS = 2_000_000_000  # covers coarse timestamps: a jiffy on Linux, 1 s on HFS+, 2 s on FAT
+BATCH_BYTES = 32 << 20   # chunk bytes per write transaction
+
+
+def read_xattrs(path: bytes) -> tuple[tuple[bytes, bytes], ...]:
+    """The extended attributes of ``path`` (not followed), sorted ``(name, value)`` pairs."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTSUP, errno.EPERM):
+            return ()
+        raise
+    out = []
+    for name in names:
+        try:
+            out.append((name.encode(), os.getxattr(path, name, follow_symlinks=False)))
+        except OSError as exc:
+            if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EPERM):
+                raise
+    return tuple(sorted(out))
+
+
+def join(rel: bytes, name: bytes) -> bytes:
+    """The relative path of ``name`` inside the directory ``rel`` (``b""``: the root)."""
+    return rel + b"/" + name if rel else name
+
+
+@dataclass
+class ScanStats:
+    """Counts of one scan: paths ``lstat``ed, files read and hashed, files whose content
+    differs from their record, chunks stored (and their bytes, compressed)."""
+
+    scanned: int = 0
+    hashed_files: int = 0
+    changed_files: int = 0
+    new_chunks: int = 0
+    new_chunk_bytes: int = 0
+
+
+@dataclass
+class Scan:
+    """The tree as read: its root entry, each directory's entries by tree id, and the
+    manifest records that describe it (by relative path)."""
+
+    root: Entry
+    trees: dict[bytes, list[Entry]]
+    records: dict[bytes, Record]
+    stats: ScanStats
+
+    def tree(self, store: Store, tid: bytes) -> dict[bytes, Entry]:
+        """Entries of tree ``tid`` by name: read here, else from ``store``."""
+        entries = self.trees.get(tid)
+        return {e.name: e for e in entries} if entries is not None else store.tree(tid)
+
+
+@dataclass
+class _Node:
+    st: os.stat_result
+    record: Record | None  # the record of this inode, vouching for it or not
+    trusted: bool
+    xattrs: tuple = ()
+    ref: bytes = b""        # content id (file), target (symlink)
+    size: int = 0           # bytes (file), rdev (device)
+    stable: bool = True     # False: the file changed while it was hashed
+    children: dict[bytes, "_Node"] | None = None
+
+
+@dataclass
+class _Scanner:
+    store: Store
+    root: bytes
+    old: dict[bytes, Record]
+    store_contents: bool
+    hash_all: bool
+    stats: ScanStats = field(default_factory=ScanStats)
+
+    def __post_init__(self) -> None:
+        self.by_ino = {r.ino: r for r in self.old.values()}
+        self.started_ns = time.time_ns()
+        self.jobs: dict[int, list[tuple[bytes, _Node]]] = {}  # ino -> its names to hash
+        self.groups: dict[int, list[bytes]] = {}  # ino -> its names, for nlink > 1
+        self.links: dict[int, tuple[int, int]] = {}  # ino -> (link id, nlink in the tree)
+        self.trees: dict[bytes, list[Entry]] = {}
+        self.records: dict[bytes, Record] = {}
+        self.as_root = os.geteuid() == 0
+        self.lock = threading.Lock()
+        self.seen: set[bytes] = set()
+
+    def path(self, rel: bytes) -> bytes:
+        return self.root + b"/" + rel if rel else self.root
+
+    # -- the walk ------------------------------------------------------------------------
+
+    def walk(self, rel: bytes, st: os.stat_result) -> _Node:
+        path = self.path(rel)
+        record = self.by_ino.get(st.st_ino)
+        trusted = record is not None and not self.hash_all and record.vouches_for(st)
+        node = _Node(st, record, trusted)
+        node.xattrs = record.entry.xattrs if trusted else read_xattrs(path)
+        self.stats.scanned += 1
+        if stat.S_ISDIR(st.st_mode):
+            with os.scandir(path) as it:
+                items = sorted((e.name, e.stat(follow_symlinks=False)) for e in it)
+            node.children = {name: self.walk(join(rel, name), child) for name, child in items}
+            return node
+        if st.st_nlink > 1:
+            self.groups.setdefault(st.st_ino, []).append(rel)
+        if stat.S_ISREG(st.st_mode):
+            if trusted:
+                node.ref, node.size = record.entry.ref, record.entry.size
+            else:
+                self.jobs.setdefault(st.st_ino, []).append((path, node))
+        elif stat.S_ISLNK(st.st_mode):
+            node.ref = os.readlink(path)
+        else:
+            node.size = st.st_rdev
+        return node
+
+    # -- hashing -------------------------------------------------------------------------
+
+    def hash(self, names: list[tuple[bytes, _Node]]) -> None:
+        """Read, hash (and store) one inode's content; fill in every node naming it."""
+        path, node = names[0]
+        cid, size, stable = self._content(path, node.st)
+        changed = node.record is None or node.record.entry.ref != cid
+        with self.lock:
+            self.stats.hashed_files += 1
+            self.stats.changed_files += changed
+        for _, n in names:
+            n.ref, n.size, n.stable = cid, size, stable
+
+    def _content(self, path: bytes, st: os.stat_result) -> tuple[bytes, int, bool]:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        ids: list[bytes] = []
+        size = 0
+        batch: list[tuple[bytes, bytes]] = []
+        batch_bytes = 0
+        try:
+            before = os.fstat(fd)
+            while page := _read_page(fd):
+                cid = chunk_id(page)
+                ids.append(cid)
+                size += len(page)
+                if self.store_contents and self._is_new(cid):
+                    envelope = encode_chunk(page)
+                    batch.append((cid, envelope))
+                    batch_bytes += len(envelope)
+                    with self.lock:
+                        self.stats.new_chunks += 1
+                        self.stats.new_chunk_bytes += len(envelope)
+                    if batch_bytes >= BATCH_BYTES:
+                        self._put_chunks(batch)
+                        batch, batch_bytes = [], 0
+                if len(page) < PAGE_SIZE:
+                    break
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not self.store_contents:
+            cid = content_id(size, b"".join(ids))
+        else:
+            self._put_chunks(batch)
+            with self.store.write() as txn:
+                cid = Store.put_content(txn, self.store.db["contents"], size, ids)
+        stable = _same(st, before) and _same(before, after) and after.st_size == size
+        return cid, size, stable
+
+    def _is_new(self, cid: bytes) -> bool:
+        with self.lock:
+            if cid in self.seen:
+                return False
+            self.seen.add(cid)
+        return not self.store.has_chunk(cid)
+
+    def _put_chunks(self, batch: list[tuple[bytes, bytes]]) -> None:
+        if batch:
+            with self.store.write() as txn:
+                for cid, envelope in batch:
+                    txn.put(cid, envelope, db=self.store.db["chunks"], overwrite=False)
+
+    # -- entries and records -------------------------------------------------------------
+
+    def number_links(self) -> None:
+        """Give each hard-linked inode a link id: its record's, else one from its first path
+        (as the importer does, so an unchanged tree keeps its tree ids)."""
+        used: set[int] = set()
+        for ino, names in self.groups.items():
+            if len(names) < 2:
+                continue  # its other names are outside the tree
+            record = self.by_ino.get(ino)
+            link = record.entry.link if record is not None else 0
+            if not link or link in used:
+                link = int.from_bytes(blake3.blake3(b"/" + names[0]).digest()[:8], "big") >> 1
+            used.add(link)
+            self.links[ino] = (link, len(names))
+
+    def build(self, rel: bytes, name: bytes, node: _Node) -> Entry:
+        st = node.st
+        uid, gid = self._owner(rel, node)
+        if node.children is not None:
+            entries = [self.build(join(rel, n), n, c) for n, c in node.children.items()]
+            tid, _ = encode_tree(entries)
+            self.trees[tid] = entries
+            has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
+            entry = Entry(name, st.st_mode, uid, gid, st.st_mtime_ns, 0, tid, node.xattrs, 0,
+                          2 + sum(1 for e in entries if e.is_dir),
+                          FLAG_HAS_LINKS if has_links else 0)
+        else:
+            link, nlink = self.links.get(st.st_ino, (0, 1))
+            entry = Entry(name, st.st_mode, uid, gid, st.st_mtime_ns, node.size, node.ref,
+                          node.xattrs, link, nlink)
+        self.records[rel] = Record(entry, st.st_ino, self._ctime(node))
+        return entry
+
+    def _owner(self, rel: bytes, node: _Node) -> tuple[int, int]:
+        # Without root nothing can be chowned: a path keeps the owner its record (by inode,
+        # else by path) gave it, so a scan does not see every file as changed.
+        if self.as_root:
+            return node.st.st_uid, node.st.st_gid
+        record = node.record or self.old.get(rel)
+        if record is None:
+            return node.st.st_uid, node.st.st_gid
+        return record.entry.uid, record.entry.gid
+
+    def _ctime(self, node: _Node) -> int:
+        if node.trusted:
+            return node.record.ctime_ns
+        if not node.stable or node.st.st_ctime_ns > self.started_ns - RACY_NS:
+            return UNTRUSTED
+        return node.st.st_ctime_ns
+
+
+def _read_page(fd: int) -> bytes:
+    """Up to one page from ``fd``; short only at the end of the file."""
+    data = os.read(fd, PAGE_SIZE)
+    while data and len(data) < PAGE_SIZE:
+        more = os.read(fd, PAGE_SIZE - len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == \
+        (b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)
+
+
+def scan(store: Store, root: bytes, records: dict[bytes, Record], *,
+         store_contents: bool = False, hash_all: bool = False) -> Scan:
+    """Read the tree at ``root`` (absolute path) into entries and records.
+
+    ``records`` is the execution's manifest; files it vouches for are not read unless
+    ``hash_all``.  With ``store_contents`` the chunks and contents of the files read are
+    stored (a promote); trees are returned, not stored.  Raises OSError when a path vanishes
+    or cannot be read, NoSpace (ENOSPC) when the store is full.
+    """
+    s = _Scanner(store, root, records, store_contents, hash_all)
+    top = s.walk(b"", os.lstat(root))
+    if s.jobs:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            list(pool.map(s.hash, s.jobs.values()))
+    s.number_links()
+    root_entry = s.build(b"", b"", top)
+    return Scan(root_entry, s.trees, s.records, s.stats)

@@ -1,0 +1,51 @@
+"""Smoke test of the benchmark suite (benchmarks/, tools/bench): the smallest size, fork,
+reset and promote only, on every system available here.  Not a timed test: it checks that the
+suite runs, cleans up after itself and writes a complete report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import require_fuse
+from benchmarks.runner import mounts_under
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ["fork", "reset", "promote"]
+
+
+def test_smoke_run_reports_every_figure(tmp_path):
+    require_fuse()
+    out, workdir = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--size", "smoke", "--repeat", "1",
+         "--only", ",".join(WORKLOADS), "--out", str(out), "--workdir", str(workdir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "results.json").read_text())
+
+    assert {"version", "command", "size", "repeat", "machine", "tree", "systems", "skipped",
+            "workloads", "results", "errors", "goals", "charts"} <= report.keys()
+    assert (report["size"], report["repeat"], report["workloads"]) == ("smoke", 1, WORKLOADS)
+    assert report["errors"] == []
+    assert report["tree"]["files"] == 300
+    assert report["machine"]["nproc"] > 0 and report["machine"]["mem_bytes"] > 0
+    # native and rametfs need nothing beyond tools/setup; the others run where available.
+    assert {"native", "rametfs"} <= set(report["systems"])
+    assert set(report["systems"]) | set(report["skipped"]) == {
+        "native", "cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs"}
+
+    measured = {(r["workload"], r["system"]) for r in report["results"]}
+    lifecycle = [s for s in report["systems"] if s != "native"]
+    assert measured == {(w, s) for w in WORKLOADS + ["discard"] for s in lifecycle}
+    for r in report["results"]:
+        assert r["unit"] == "s" and r["files"] is None and r["ratio"] is None
+        assert len(r["samples"]) == 1 and r["samples"][0] > 0 and r["median"] == r["samples"][0]
+    goals = {g["goal"]: g for g in report["goals"]}
+    assert goals["fork < 5 ms at every tree size"]["value"] > 0
+    assert goals["warm git status <= 3x native"]["met"] is None  # not run
+
+    assert list(workdir.iterdir()) == []  # the scratch directory is gone
+    assert mounts_under(tmp_path) == []
