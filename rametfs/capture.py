@@ -201,6 +201,7 @@ class Capture:
                  "new_chunk_bytes": sum(j.new_bytes for j in self.jobs.values())}
         with store.write() as txn:
             root = self._entry(txn, b"", plan)
+            stats.update(store.tree_totals(txn, root.ref))
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
             return store.put_snapshot(txn, root, parents, label, message,
                                       f"execution:{self.ex.id}", stats)

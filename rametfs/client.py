@@ -1,7 +1,8 @@
-"""The Python wrapper for harnesses: drive a mounted rametfs through its control files.
+"""The Python wrapper for harnesses: snapshots, execution pools, promote and reset.
 
-It knows only the control protocol (:mod:`rametfs.protocol`) and the standard library, so it
-works from any process that can see the mount, without FUSE or the daemon's dependencies::
+In FUSE mode (the default) it drives a mounted rametfs through its control files, knowing
+only the control protocol (:mod:`rametfs.protocol`) and the standard library, so it works
+from any process that can see the mount, without FUSE or the daemon's dependencies::
 
     ramet = Ramet("/mnt/ramet")                      # or Ramet() to use $RAMET_MOUNT
     base = ramet.snapshot("/src/project", label="clean")
@@ -12,9 +13,14 @@ works from any process that can see the mount, without FUSE or the daemon's depe
         # leaving acquire() resets the execution and hands it back to the pool
     # leaving the pool releases every execution
 
-Every call is one synchronous command on a ``ctl`` file (or one read of a status file); each
-opens its own file descriptor, so calls from several threads do not interfere.  Failures raise
-:class:`RametError` with the daemon's errno and message.
+In fallback mode (``Ramet(data=DIR, mode="fallback")``, for hosts without FUSE) the same
+calls run in this process on the data directory: executions are real directories
+(``<data>/fallback/executions/<id>``) made by :mod:`rametfs.fallback`, which is imported only
+then.  ``mode="auto"`` picks fallback when ``/dev/fuse`` is missing.
+
+In FUSE mode every call is one synchronous command on a ``ctl`` file (or one read of a status
+file); each opens its own file descriptor, so calls from several threads do not interfere.
+Failures raise :class:`RametError` with the daemon's (or the file system's) errno and message.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ Databases (one LMDB environment, ``<data>/meta``):
                node is ``size``.  ``link`` is 0, or a 63-bit id shared by the hard links of one
                inode within the snapshot; ``flags`` bit 0 marks a directory holding hard links
                somewhere below.
+``tree_stats`` tree id -> msgpack ``[files, bytes, directories, symlinks]`` counted below it,
+               written with the tree (subtrees' totals are summed, so it costs O(entries)).
 ``snapshots``  snapshot id (32 B BLAKE3 of the value) -> msgpack map ``{root, parents, created_ns,
                label, message, source, stats}``.  Written last, in the same transaction as
                anything it needs: a snapshot is listed only when it is whole.
@@ -46,7 +48,8 @@ FORMAT_VERSION = 1
 PAGE_SIZE = 64 * 1024  # bytes; one chunk holds at most one page
 ID_BYTES = 32
 
-DATABASES = ("meta", "chunks", "contents", "trees", "snapshots", "sources", "executions",
+DATABASES = ("meta", "chunks", "contents", "trees", "tree_stats", "snapshots", "sources",
+             "executions",
              "inodes", "dentries", "links", "pages", "dead")
 
 ENVELOPE_MAGIC = b"RMC"

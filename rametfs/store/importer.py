@@ -35,12 +35,9 @@ BATCH_BYTES = 32 << 20  # chunk bytes per write transaction
 
 @dataclass
 class ImportStats:
-    """Counts of one import: files, dirs, symlinks, logical bytes, stored (new) chunk bytes."""
+    """Counts of one import's work: new chunks and their stored bytes, files taken from the
+    stat cache (the tree's own totals come from ``Store.tree_totals``)."""
 
-    files: int = 0
-    dirs: int = 0
-    symlinks: int = 0
-    bytes: int = 0
     new_chunks: int = 0
     new_chunk_bytes: int = 0
     cached_files: int = 0
@@ -203,7 +200,6 @@ class _Importer:
             raise RametError(f"cannot read {exc.filename}: {exc.strerror}", exc.errno) from None
 
         # Trees, bottom-up, and the snapshot record, in one transaction.
-        stats = self.stats
         with self.store.write() as txn:
             subtrees: dict[str, Entry] = {}
             for path, items in reversed(dirs):
@@ -219,11 +215,8 @@ class _Importer:
                     nlink = link_counts.get(key, 1) if link else 1
                     if stat.S_ISREG(mode):
                         ref, size = contents[key], st.st_size
-                        stats.files += 1
-                        stats.bytes += size
                     elif stat.S_ISLNK(mode):
                         ref, size = os.fsencode(os.readlink(child)), 0
-                        stats.symlinks += 1
                     else:
                         ref, size = b"", st.st_rdev
                     entries.append(Entry(name, mode, st.st_uid, st.st_gid, st.st_mtime_ns,
@@ -235,13 +228,13 @@ class _Importer:
                 subtrees[path] = Entry(b"", st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns,
                                        0, tid, _xattrs(path), 0, 2 + ndirs,
                                        FLAG_HAS_LINKS if has_links else 0)
-                stats.dirs += 1
             root = subtrees.pop(str(self.source))
             db = self.store.db["sources"]
             for key, value in self.sources.items():
                 txn.put(key, msgpack.packb(value), db=db)
             snap = self.store.put_snapshot(txn, root, [], label, message, str(self.source),
-                                           stats.as_dict())
+                                           self.store.tree_totals(txn, root.ref)
+                                           | self.stats.as_dict())
         self.store.sync()
         return snap
 

@@ -192,9 +192,28 @@ class Store:
             return decode_tree(value)
 
     def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
+        """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
         tid, value = encode_tree(entries)
-        txn.put(tid, value, db=self.db["trees"], overwrite=False)
+        if txn.put(tid, value, db=self.db["trees"], overwrite=False):
+            totals = [0, 0, 0, 0]  # files, bytes, directories, symlinks below
+            for e in entries:
+                if e.is_dir:
+                    sub = msgpack.unpackb(txn.get(e.ref, db=self.db["tree_stats"]))
+                    totals = [a + b for a, b in zip(totals, sub)]
+                    totals[2] += 1
+                elif e.is_reg:
+                    totals[0] += 1
+                    totals[1] += e.size
+                elif e.is_symlink:
+                    totals[3] += 1
+            txn.put(tid, msgpack.packb(totals), db=self.db["tree_stats"])
         return tid
+
+    def tree_totals(self, txn: lmdb.Transaction, tid: bytes) -> dict:
+        """Names of files (each hard link counts), their bytes, directories (the top one
+        included) and symlinks of the tree ``tid``, from ``tree_stats``."""
+        files, size, dirs, symlinks = msgpack.unpackb(txn.get(tid, db=self.db["tree_stats"]))
+        return {"files": files, "bytes": size, "dirs": dirs + 1, "symlinks": symlinks}
 
     # -- snapshots -----------------------------------------------------------------------
 

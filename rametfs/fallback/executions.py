@@ -1,0 +1,260 @@
+"""Fallback executions: real directories under the data directory, driven in-process.
+
+Layout (docs/fallback.md)::
+
+    <data>/fallback/executions/<id>/   the execution's tree: where the sandbox works
+    <data>/fallback/meta/<id>          its record and manifest (rametfs.fallback.manifest)
+    <data>/fallback/meta/<id>.lock     flock(2)ed while a command runs on it
+
+An execution exists while its record does.  Every command on one execution takes its lock
+(EBUSY when another holds it), so processes and threads sharing a data directory do not
+interleave.  Snapshots live in the data directory's store, shared with FUSE mode.
+
+Replies are the dicts the control protocol returns (``{"ok": true, "snapshot": ...}``).
+Errors are rametfs.errors classes with their errno, or OSError from the file system.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .. import protocol
+from ..errors import Busy, InvalidArgument, NotFound, RametError
+from ..store import Store, import_tree
+from . import clone, manifest, scan, sync
+from .diff import diff_trees
+
+_stores: dict[str, Store] = {}
+_stores_lock = threading.Lock()
+
+
+def shared_store(data: str | os.PathLike) -> Store:
+    """The one Store of this process for the data directory ``data`` (LMDB must not be
+    opened twice in one process)."""
+    key = os.path.realpath(data)
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = Store(key)
+        return store
+
+
+class Fallback:
+    """Executions as real directories over the store of the data directory ``data``.
+
+    ``copy_method`` is how files are put in place here: ``"clonefile"``, ``"reflink"`` or
+    ``"copy"`` (rametfs.fallback.clone).  Raises RametError (EIO) for a store of another
+    format, OSError when the directory cannot be made.
+    """
+
+    def __init__(self, data: str | os.PathLike):
+        self.store = shared_store(data)
+        self.data = self.store.root
+        self.executions_dir = self.data / "fallback" / "executions"
+        self.meta_dir = self.data / "fallback" / "meta"
+        for directory in (self.data / "fallback", self.executions_dir, self.meta_dir):
+            directory.mkdir(mode=0o700, exist_ok=True)
+        self.copy_method = clone.probe(os.fsencode(self.data / "fallback"))
+
+    # -- root commands -------------------------------------------------------------------
+
+    def snapshot(self, source: str, label: str = "", message: str = "") -> dict:
+        """Import the directory ``source`` (absolute) as a snapshot (``import_tree``)."""
+        snap = import_tree(self.store, source, label, message)
+        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    def create(self, snapshot: str, name: str | None = None) -> dict:
+        """Materialise ``snapshot`` (id or unique prefix) as a new execution.
+
+        Raises NotFound (ENOENT) unknown snapshot, InvalidArgument (EINVAL) bad name,
+        RametError (EEXIST) name taken, OSError (ENOSPC ...) while writing the tree.
+        """
+        snap = self.store.snapshot(snapshot)
+        eid = name or secrets.token_hex(6)
+        if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
+            raise InvalidArgument(f"create: execution name {eid!r} must match "
+                                  f"{protocol.EXECUTION_NAME_RE.pattern}")
+        path = self.path(eid)
+        try:
+            path.mkdir(mode=0o700)  # reserves the name
+        except FileExistsError:
+            raise RametError(f"execution {eid!r} already exists", errno.EEXIST) from None
+        try:
+            with self._locked(eid):
+                started = time.monotonic_ns()
+                records, stats = sync.sync(self.store, os.fsencode(path), snap, {},
+                                           self.copy_method)
+                meta = manifest.Meta(eid, snap.id, snap.id, time.time_ns(), None, records)
+                manifest.save(self._meta_path(eid), meta)
+        except BaseException:
+            sync.remove_tree(os.fsencode(path))
+            raise
+        return {"ok": True, "execution": eid, "snapshot": snap.id, "path": str(path),
+                "stats": {**stats.as_dict(), "create_ms": _ms_since(started)}}
+
+    def release(self, eid: str) -> dict:
+        """Delete execution ``eid`` and its directory.  Raises NotFound (ENOENT), Busy."""
+        self._check_name(eid)
+        path = self.path(eid)
+        with self._locked(eid):
+            meta_path = self._meta_path(eid)
+            if not meta_path.exists() and not path.exists():
+                raise NotFound(self._missing(eid))
+            meta_path.unlink(missing_ok=True)  # first: the execution is gone from here on
+            if path.exists():
+                sync.remove_tree(os.fsencode(path))
+        self._lock_path(eid).unlink(missing_ok=True)
+        return {"ok": True, "execution": eid}
+
+    def status(self) -> dict:
+        """``{"mode", "copy_method", "pid", "data", "mount", "version", "snapshots",
+        "executions", "last"}`` like a daemon's root status (mount is None)."""
+        executions = []
+        for meta_path in sorted(self.meta_dir.iterdir()):
+            if "." not in meta_path.name:
+                with contextlib.suppress(FileNotFoundError):  # released meanwhile
+                    executions.append(self._json(manifest.load(meta_path, records=False)))
+        return {"mode": "fallback", "copy_method": self.copy_method, "pid": os.getpid(),
+                "data": str(self.data), "mount": None, "version": "0.1.0",
+                "snapshots": [s.to_json() for s in self.store.snapshots()],
+                "executions": executions, "last": None}
+
+    # -- execution commands --------------------------------------------------------------
+
+    def path(self, eid: str) -> Path:
+        """The execution's directory."""
+        return self.executions_dir / eid
+
+    def promote(self, eid: str, label: str = "", message: str = "") -> dict:
+        """Snapshot the execution's tree (parent: its head) and make it the head."""
+        return self._capture(eid, label, message, move_head=True)
+
+    def checkpoint(self, eid: str, label: str = "", message: str = "") -> dict:
+        """Snapshot the execution's tree without moving its head."""
+        return self._capture(eid, label, message, move_head=False)
+
+    def reset(self, eid: str) -> dict:
+        """Put back the paths that differ from the base and remove the added ones."""
+        with self._locked(eid):
+            meta = self._load(eid)
+            started = time.monotonic_ns()
+            meta.records, stats = sync.sync(self.store, os.fsencode(self.path(eid)),
+                                            self.store.snapshot(meta.base), meta.records,
+                                            self.copy_method)
+            meta.last = {"ok": True, "snapshot": meta.base, "reset_ms": _ms_since(started),
+                         "stats": stats.as_dict()}
+            manifest.save(self._meta_path(eid), meta)
+            return meta.last
+
+    def diff(self, eid: str) -> list[tuple[str, bytes]]:
+        """``[(letter, path)]`` against the base, as FUSE's ``.ramet/diff`` has them; reads
+        only the files the manifest cannot vouch for, and stores nothing."""
+        with self._locked(eid):
+            meta = self._load(eid)
+            now = scan.scan(self.store, os.fsencode(self.path(eid)), meta.records)
+        base = self.store.snapshot(meta.base)
+        return diff_trees(base.root, now.root, lambda tid: now.tree(self.store, tid))
+
+    def verify(self, eid: str, deep: bool = False) -> list[tuple[str, bytes]]:
+        """How the tree differs from the base; empty when it equals the base (after a reset).
+
+        Quick: as far as the manifest tells, reading no file (a path it does not vouch for
+        counts as different).  ``deep``: reads and hashes every file, as ``diff`` reports.
+        """
+        with self._locked(eid):
+            meta = self._load(eid)
+            base = self.store.snapshot(meta.base)
+            root = os.fsencode(self.path(eid))
+            if not deep:
+                return sync.differences(self.store, root, base, meta.records)
+            now = scan.scan(self.store, root, meta.records, hash_all=True)
+        return diff_trees(base.root, now.root, lambda tid: now.tree(self.store, tid))
+
+    def execution_status(self, eid: str) -> dict:
+        """``{"execution", "id", "base", "head", "state", "created_ns", "upper_bytes",
+        "last", "path", "mode", "copy_method"}`` (``upper_bytes`` is None: not tracked)."""
+        self._check_name(eid)
+        try:
+            return self._json(manifest.load(self._meta_path(eid), records=False))
+        except FileNotFoundError:
+            raise NotFound(self._missing(eid)) from None
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _capture(self, eid: str, label: str, message: str, move_head: bool) -> dict:
+        with self._locked(eid):
+            meta = self._load(eid)
+            root = self.path(eid)
+            if os.path.lexists(root / protocol.CONTROL_DIR):
+                raise InvalidArgument(f"execution {eid!r} contains {protocol.CONTROL_DIR!r}, "
+                                      "a name rametfs reserves for its control files")
+            started = time.monotonic_ns()
+            now = scan.scan(self.store, os.fsencode(root), meta.records, store_contents=True)
+            stats = {"changed_files": now.stats.changed_files,
+                     "hashed_files": now.stats.hashed_files, "scanned": now.stats.scanned,
+                     "new_chunks": now.stats.new_chunks,
+                     "new_chunk_bytes": now.stats.new_chunk_bytes}
+            with self.store.write() as txn:
+                for entries in now.trees.values():
+                    self.store.put_tree(txn, entries)
+                stats["capture_ms"] = _ms_since(started)
+                snap = self.store.put_snapshot(txn, now.root, [meta.head], label, message,
+                                               f"execution:{eid}", stats)
+            self.store.sync()
+            meta.records = now.records
+            meta.head = snap.id if move_head else meta.head
+            meta.last = {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+            manifest.save(self._meta_path(eid), meta)
+            return meta.last
+
+    def _json(self, meta: manifest.Meta) -> dict:
+        return {"execution": meta.id, "id": meta.id, "base": meta.base, "head": meta.head,
+                "state": "ready", "created_ns": meta.created_ns, "upper_bytes": None,
+                "last": meta.last, "path": str(self.path(meta.id)), "mode": "fallback",
+                "copy_method": self.copy_method}
+
+    def _load(self, eid: str) -> manifest.Meta:
+        try:
+            return manifest.load(self._meta_path(eid))
+        except FileNotFoundError:
+            raise NotFound(self._missing(eid)) from None
+
+    def _missing(self, eid: str) -> str:
+        return f"no execution {eid!r} in {self.data}"
+
+    def _check_name(self, eid: str) -> None:
+        if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
+            raise NotFound(self._missing(eid))
+
+    def _meta_path(self, eid: str) -> Path:
+        return self.meta_dir / eid
+
+    def _lock_path(self, eid: str) -> Path:
+        return self.meta_dir / f"{eid}.lock"
+
+    @contextlib.contextmanager
+    def _locked(self, eid: str) -> Iterator[None]:
+        """Hold execution ``eid``'s lock; Busy (EBUSY) when another command holds it."""
+        self._check_name(eid)
+        fd = os.open(self._lock_path(eid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise Busy(f"execution {eid!r} is running another command") from None
+            yield
+        finally:
+            os.close(fd)
+
+
+def _ms_since(started_ns: int) -> float:
+    return round((time.monotonic_ns() - started_ns) / 1e6, 3)
+

@@ -1,0 +1,304 @@
+"""Make an execution's directory equal to a snapshot, touching only the paths that differ.
+
+Materialising a new execution is the same job on an empty directory; ``reset`` is this job
+on a used one.  In three steps:
+
+1. *plan*: walk the snapshot's trees and the directory side by side, one ``lstat`` per path
+   and no file read.  A path is kept when its manifest record vouches for it (same inode,
+   ctime, mtime, mode, size) and records the snapshot's entry (content id, owner, xattrs,
+   link count); anything else there is removed, anything missing is created.  A hard-linked
+   group is kept or written again whole, so its names stay one inode.
+2. *apply*: remove; make directories; write files from the shared hydration cache
+   (``Store.hydrate``) with the copy method of :mod:`.clone`, one job per content id on every
+   core, further names of a hard-linked inode with link(2); make symlinks, fifos, device
+   nodes; set owner, mode, xattrs and mtime (ns) of each written path; then fix each
+   directory's attributes, deepest first (its mtime last, after its entries changed).
+3. the new manifest: the kept records, and an ``lstat`` of each path written.
+
+Symlinks are never followed (``lstat``, ``O_NOFOLLOW``, ``follow_symlinks=False``).  Owners
+are set only when running as root.  Blocking.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..store import EMPTY_CONTENT, Entry, Snapshot, Store
+from .clone import clone_file
+from .manifest import Record
+from .scan import join, read_xattrs
+
+
+@dataclass
+class SyncStats:
+    """Counts of one sync: paths kept, removed and written; files written per copy method
+    (``{"reflink": 3}``) and their bytes."""
+
+    kept: int = 0
+    removed: int = 0
+    written: int = 0
+    methods: Counter = field(default_factory=Counter)
+    file_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {"kept": self.kept, "removed": self.removed, "written": self.written,
+                "methods": dict(self.methods), "file_bytes": self.file_bytes}
+
+
+class _Sync:
+    def __init__(self, store: Store, root: bytes, records: dict[bytes, Record], method: str):
+        self.store = store
+        self.root = root
+        self.method = method
+        self.by_ino = {r.ino: r for r in records.values()}
+        self.as_root = os.geteuid() == 0
+        self.stats = SyncStats()
+        self.order: list[tuple[bytes, Entry]] = []  # every snapshot path, parents first
+        self.changes: list[tuple[str, bytes]] = []  # how the directory differs (verify)
+        self.remove: list[bytes] = []
+        self.mkdirs: list[bytes] = []
+        self.files: dict[bytes, list[list[tuple[bytes, Entry]]]] = {}  # content id -> inodes
+        self.others: list[list[tuple[bytes, Entry]]] = []  # symlinks, fifos, devices, sockets
+        self.dirs: list[tuple[bytes, Entry]] = []  # children before parents
+        self.groups: dict[int, list[tuple[bytes, Entry, os.stat_result | None]]] = {}
+        self.kept: dict[bytes, Record] = {}
+        self.written: set[bytes] = set()
+        self.lock = threading.Lock()
+
+    def path(self, rel: bytes) -> bytes:
+        return self.root + b"/" + rel if rel else self.root
+
+    # -- plan ----------------------------------------------------------------------------
+
+    def plan(self, root: Entry) -> None:
+        self.order.append((b"", root))
+        self._plan_dir(b"", root, os.lstat(self.root))
+        self.dirs.append((b"", root))
+        for members in self.groups.values():
+            self._plan_group(members)
+
+    def _plan_dir(self, rel: bytes, b: Entry, st: os.stat_result | None) -> None:
+        current: dict[bytes, os.stat_result] = {}
+        if st is not None:
+            if self._dir_differs(rel, b, st):
+                self.changes.append(("M", rel + b"/"))
+            with os.scandir(self.path(rel)) as it:
+                current = {e.name: e.stat(follow_symlinks=False) for e in it}
+        base = self.store.tree(b.ref)
+        for name in sorted(current.keys() - base.keys()):
+            self.changes.append(("A", join(rel, name)))
+            self.remove.append(join(rel, name))
+        for name, be in base.items():
+            p = join(rel, name)
+            self.order.append((p, be))
+            cst = current.get(name)
+            if cst is not None and stat.S_IFMT(cst.st_mode) != stat.S_IFMT(be.mode):
+                self.changes.append(("M", p))
+                self.remove.append(p)
+                cst = None
+            if be.is_dir:
+                if cst is None:
+                    self.changes.append(("D", p + b"/"))
+                    self.mkdirs.append(p)
+                self._plan_dir(p, be, cst)
+                self.dirs.append((p, be))
+            elif be.link:
+                self.groups.setdefault(be.link, []).append((p, be, cst))
+            elif cst is not None and self._clean(be, cst):
+                self._keep(p, be, cst)
+            else:
+                self._rewrite([(p, be, cst)])
+
+    def _plan_group(self, members: list[tuple[bytes, Entry, os.stat_result | None]]) -> None:
+        first = members[0][2]
+        if first is not None and all(st is not None and st.st_ino == first.st_ino
+                                     for _, _, st in members) \
+                and self._clean(members[0][1], first):
+            for p, be, st in members:
+                self._keep(p, be, st)
+        else:
+            self._rewrite(members)
+
+    def _keep(self, rel: bytes, be: Entry, st: os.stat_result) -> None:
+        record = self.by_ino[st.st_ino]
+        self.kept[rel] = Record(be, record.ino, record.ctime_ns)
+
+    def _rewrite(self, names: list[tuple[bytes, Entry, os.stat_result | None]]) -> None:
+        """Write the inode these names stand for, removing what they name now."""
+        for p, _, st in names:
+            self.changes.append(("M" if st is not None else "D", p))
+            if st is not None:
+                self.remove.append(p)
+        be = names[0][1]
+        job = [(p, e) for p, e, _ in names]
+        if be.is_reg:
+            self.files.setdefault(be.ref, []).append(job)
+        else:
+            self.others.append(job)
+
+    def _clean(self, be: Entry, st: os.stat_result) -> bool:
+        record = self.by_ino.get(st.st_ino)
+        if record is None or not record.vouches_for(st):
+            return False
+        e = record.entry
+        return (e.ref == be.ref and e.mode == be.mode and e.mtime_ns == be.mtime_ns
+                and e.size == be.size and e.uid == be.uid and e.gid == be.gid
+                and e.xattrs == be.xattrs and st.st_nlink == (be.nlink if be.link else 1))
+
+    def _dir_differs(self, rel: bytes, be: Entry, st: os.stat_result) -> bool:
+        record = self.by_ino.get(st.st_ino)
+        xattrs = (record.entry.xattrs if record is not None and record.vouches_for(st)
+                  else read_xattrs(self.path(rel)))
+        return (st.st_mode != be.mode or st.st_mtime_ns != be.mtime_ns or xattrs != be.xattrs
+                or (self.as_root and (st.st_uid, st.st_gid) != (be.uid, be.gid)))
+
+    # -- apply ---------------------------------------------------------------------------
+
+    def apply(self) -> None:
+        for rel in self.remove:
+            self._make_writable(os.path.dirname(rel))
+            path = self.path(rel)
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                remove_tree(path)
+            else:
+                os.unlink(path)
+        self.stats.removed = len(self.remove)
+        for rel in self.mkdirs:
+            self._make_writable(os.path.dirname(rel))
+            os.mkdir(self.path(rel), 0o700)
+            self.written.add(rel)
+        if self.files:
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+                list(pool.map(self._write_content, self.files.keys(), self.files.values()))
+        for names in self.others:
+            self._make_writable(os.path.dirname(names[0][0]))
+            self._make_node(self.path(names[0][0]), names[0][1])
+            self._link_rest(names)
+        for rel, be in self.dirs:
+            path = self.path(rel)
+            if self._dir_differs(rel, be, os.lstat(path)):
+                self._set_attrs(path, be)
+                self.written.add(rel)
+
+    def _write_content(self, cid: bytes, inodes: list[list[tuple[bytes, Entry]]]) -> None:
+        src = None if cid == EMPTY_CONTENT else os.fsencode(self.store.hydrate(cid))
+        for names in inodes:
+            rel, be = names[0]
+            self._make_writable(os.path.dirname(rel))
+            path = self.path(rel)
+            if src is None:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                                 0o600))
+                method = "empty"
+            else:
+                method = clone_file(src, path, self.method)
+            self._set_attrs(path, be)
+            self._link_rest(names)
+            with self.lock:
+                self.stats.methods[method] += 1
+                self.stats.file_bytes += be.size
+
+    def _make_node(self, path: bytes, be: Entry) -> None:
+        if be.is_symlink:
+            os.symlink(be.ref, path)
+        elif stat.S_ISFIFO(be.mode):
+            os.mkfifo(path, 0o600)
+        else:  # device node or socket; a device needs root
+            os.mknod(path, stat.S_IFMT(be.mode) | 0o600, be.size)
+        self._set_attrs(path, be)
+
+    def _link_rest(self, names: list[tuple[bytes, Entry]]) -> None:
+        first = self.path(names[0][0])
+        for rel, _ in names:
+            if rel != names[0][0]:
+                self._make_writable(os.path.dirname(rel))
+                os.link(first, self.path(rel), follow_symlinks=False)
+            with self.lock:
+                self.written.add(rel)
+
+    def _set_attrs(self, path: bytes, be: Entry) -> None:
+        # chown first: it clears setuid bits and security.capability; xattrs before chmod,
+        # since a user.* xattr needs write permission; the mtime last.
+        if self.as_root:
+            os.chown(path, be.uid, be.gid, follow_symlinks=False)
+        current = dict(read_xattrs(path))
+        wanted = dict(be.xattrs)
+        for name in current.keys() - wanted.keys():
+            os.removexattr(path, name, follow_symlinks=False)
+        for name, value in wanted.items():
+            if current.get(name) != value:
+                os.setxattr(path, name, value, follow_symlinks=False)
+        if not be.is_symlink:  # Linux cannot chmod a symlink; its mode is always 0777
+            os.chmod(path, stat.S_IMODE(be.mode))
+        os.utime(path, ns=(be.mtime_ns, be.mtime_ns), follow_symlinks=False)
+
+    def _make_writable(self, rel: bytes) -> None:
+        # root writes anywhere; another user may need to open up a read-only directory,
+        # whose mode the last pass (over self.dirs) puts back.
+        if self.as_root:
+            return
+        path = self.path(rel)
+        mode = os.lstat(path).st_mode
+        if mode & 0o300 != 0o300:
+            os.chmod(path, stat.S_IMODE(mode) | 0o700)
+
+    # -- the new manifest ----------------------------------------------------------------
+
+    def records(self) -> dict[bytes, Record]:
+        out = {}
+        for rel, be in self.order:
+            record = self.kept.get(rel)
+            if record is None or be.is_dir:
+                st = os.lstat(self.path(rel))
+                record = Record(be, st.st_ino, st.st_ctime_ns)
+            out[rel] = record
+        self.stats.kept = len(self.kept)
+        self.stats.written = len(self.written)
+        return out
+
+
+def remove_tree(path: bytes) -> None:
+    """Remove a directory tree (never following symlinks), opening up read-only directories
+    on the way (they stop a user other than root)."""
+    def retry(function, failed, exc: BaseException) -> None:
+        if not isinstance(exc, PermissionError) or function not in (os.unlink, os.rmdir):
+            raise exc
+        os.chmod(os.path.dirname(failed), 0o700)
+        function(failed)
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=retry)
+    else:
+        shutil.rmtree(path, onerror=lambda f, p, info: retry(f, p, info[1]))
+
+
+def sync(store: Store, root: bytes, snapshot: Snapshot, records: dict[bytes, Record],
+         method: str) -> tuple[dict[bytes, Record], SyncStats]:
+    """Make the directory ``root`` (absolute, existing) hold exactly ``snapshot``'s tree.
+
+    ``records`` is its manifest (empty for a new directory); returns the new manifest and
+    the counts.  Raises OSError (ENOSPC, EACCES, EPERM for a device node without root ...),
+    IntegrityError (EIO) when stored content is damaged.
+    """
+    s = _Sync(store, root, records, method)
+    s.plan(snapshot.root)
+    s.apply()
+    return s.records(), s.stats
+
+
+def differences(store: Store, root: bytes, snapshot: Snapshot,
+                records: dict[bytes, Record]) -> list[tuple[str, bytes]]:
+    """How the directory differs from ``snapshot`` as far as its manifest can tell, without
+    reading a file: ``A`` there but not in the snapshot, ``D`` missing, ``M`` different or
+    not vouched for by its record.  Empty right after ``sync``."""
+    s = _Sync(store, root, records, "copy")
+    s.plan(snapshot.root)
+    return s.changes
+
