@@ -6,6 +6,7 @@ Charts need matplotlib (tools/bench installs it); without it they are skipped wi
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,7 +188,8 @@ def write_json(report: dict, path: Path) -> None:
 
 # ----- charts ----------------------------------------------------------------------------
 
-RATIO_WORKLOADS = ["git-status", "find-warm", "find-cold", "walk-warm", "walk-cold",
+RATIO_WORKLOADS = ["git-status", "git-status-untracked-cache", "find-warm", "find-cold",
+                   "walk-warm", "walk-cold", "walk-warm-abspath",
                    "read-warm", "read-cold", "seqread-warm", "seqread-cold", "seqwrite",
                    "randwrite-first", "randwrite-1000", "untar", "rm-rf"]
 LIFECYCLE_WORKLOADS = ["fork", "reset", "promote", "discard", "promote-big"]
@@ -271,3 +273,32 @@ def charts(report: dict, out: Path) -> list[Path]:
                      f"{report['machine']['nproc']} cores", fontsize="medium")
         save(fig, "scaling.png")
     return written
+
+
+# ----- profiles --------------------------------------------------------------------------
+
+def profile_summary(path: Path, top: int = 12) -> dict:
+    """Summarise ``py-spy record --format raw`` output (collapsed stacks, ``frame;...;frame
+    count`` a line): the share of samples whose innermost frame is each function (``self``)
+    and the share that pass through each rametfs or pyfuse3 function (``total``), largest
+    first, line numbers dropped."""
+    self_counts: dict[str, int] = {}
+    total_counts: dict[str, int] = {}
+    samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        n = int(count)
+        samples += n
+        self_counts[frames[-1]] = self_counts.get(frames[-1], 0) + n
+        for f in set(frames):
+            if "rametfs/" in f or "pyfuse3" in f:
+                total_counts[f] = total_counts.get(f, 0) + n
+
+    def ranked(counts: dict[str, int]) -> list[list]:
+        return [[f, round(c / samples, 3)] for f, c in
+                sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"samples": samples, "self": ranked(self_counts), "total": ranked(total_counts)}

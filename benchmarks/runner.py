@@ -132,7 +132,8 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
                 except Unsupported:
                     pass
                 except (OSError, BenchError, subprocess.SubprocessError) as exc:
-                    errors.append({"workload": name, "system": sid, "error": str(exc)})
+                    errors.append({"workload": name, "system": sid, "error": str(exc),
+                                   "log": live[sid].diagnose()})
                     _log(f"{name} on {sid} FAILED: {exc}", started)
         meta = {"tree": {"name": bench.tree.name, "files": len(bench.tree.files),
                          "bytes": bench.tree.bytes},

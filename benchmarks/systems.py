@@ -35,6 +35,7 @@ from .trees import BenchError, Tree, git, remove, run
 
 MNT_DETACH = 2
 STOP_SECONDS = 60.0
+LOG_LINES = 40  # daemon log lines kept with a failure
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -105,6 +106,10 @@ class System:
     def base_bytes(self, tree: Tree) -> int:
         """Disk bytes the system stores for ``tree`` alone."""
         return disk_usage([tree.path])
+
+    def diagnose(self) -> str:
+        """What may explain a failure (a log's tail), or ""."""
+        return ""
 
     def close(self) -> None:
         """Undo every mount and stop every process this system started."""
@@ -381,6 +386,11 @@ class Rametfs(System):
 
     def stored_paths(self, tree: Tree, views: list[View]) -> list[Path]:
         return [self.data]
+
+    def diagnose(self) -> str:
+        log = self.data / "daemon.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        return "\n".join(lines[-LOG_LINES:])
 
     def base_bytes(self, tree: Tree) -> int:
         self.prepare(tree)

@@ -115,8 +115,7 @@ class Bench:
             return
         py_spy = Path(sys.executable).with_name("py-spy")
         out = self.profile_dir / f"{name}.txt"
-        # cwd outside the mount: py-spy stops the daemon while it samples, and a process
-        # whose cwd is on the mount would wait for the daemon.
+        # cwd outside the mount: py-spy started with its cwd on the mount it samples hangs.
         proc = subprocess.Popen(
             [str(py_spy if py_spy.exists() else "py-spy"), "record", "--nonblocking",
              "--format", "raw", "--rate", "250", "-o", str(out), "-p", str(system.pid)],
@@ -150,6 +149,18 @@ def timed(fn: Callable[..., object], *args, **kwargs) -> float:
 
 
 # ----- the I/O each workload does --------------------------------------------------------
+
+@contextlib.contextmanager
+def inside(path: Path) -> Iterator[None]:
+    """Work in ``path``: the workloads use paths relative to it, as an agent does whose
+    sandbox root or working directory is the view (path resolution starts inside it)."""
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
 
 def walk_lstat(root: Path) -> int:
     """``os.walk`` the tree and ``lstat`` every entry; return the entry count."""
@@ -267,57 +278,69 @@ def promote_big(b: Bench, s: System) -> list[Result]:
 
 # ----- metadata and reads ----------------------------------------------------------------
 
-def _git_status(path: Path) -> None:
-    git("status", "--porcelain", cwd=path)
+def _git_status(path: Path, *config: str) -> None:
+    git(*config, "status", "--porcelain", cwd=path)
 
 
 @workload(*IO)
 def git_status(b: Bench, s: System) -> list[Result]:
-    """git-status: warm ``git status --porcelain`` (the first runs refresh the index)."""
+    """git-status: warm ``git status --porcelain`` (the first runs refresh the index);
+    git-status-untracked-cache: the same with ``core.untrackedCache=true``, which skips
+    reading directories whose mtime did not change."""
+    results = []
     with s.view(b.tree) as path:
-        for _ in range(2):
-            _git_status(path)
-        samples = [timed(_git_status, path) for _ in range(b.repeat)]
-        b.profile(s, "git-status", lambda: _git_status(path))
-    return [Result("git-status", s.id, samples)]
+        for name, config in (("git-status", ()),
+                             ("git-status-untracked-cache", ("-c", "core.untrackedCache=true"))):
+            for _ in range(2):
+                _git_status(path, *config)
+            results.append(Result(name, s.id, [timed(_git_status, path, *config)
+                                               for _ in range(b.repeat)]))
+            b.profile(s, name, lambda: _git_status(path, *config))
+    return results
 
 
 def _warm_and_cold(b: Bench, s: System, name: str, tree: Tree,
-                   action: Callable[[Path], object]) -> list[Result]:
-    """``name``-cold: ``action(view)`` after dropping the caches, each time in a fresh view of
-    ``tree``; ``name``-warm: again and again in one view, after one untimed run."""
+                   action: Callable[[], object]) -> list[Result]:
+    """``name``-cold: ``action()`` inside a fresh view of ``tree`` after dropping the caches,
+    each time; ``name``-warm: again and again in one view, after one untimed run."""
     results = []
     if b.can_drop_caches:
         cold = []
         for _ in range(b.repeat):
-            with s.view(tree) as path:
+            with s.view(tree) as path, inside(path):
                 b.drop_caches()
-                cold.append(timed(action, path))
+                cold.append(timed(action))
         results.append(Result(f"{name}-cold", s.id, cold))
-    with s.view(tree) as path:
-        action(path)
-        warm = [timed(action, path) for _ in range(b.repeat)]
-        b.profile(s, f"{name}-warm", lambda: action(path))
+    with s.view(tree) as path, inside(path):
+        action()
+        warm = [timed(action) for _ in range(b.repeat)]
+        b.profile(s, f"{name}-warm", action)
     results.append(Result(f"{name}-warm", s.id, warm))
     return results
 
 
 @workload(*IO)
 def find(b: Bench, s: System) -> list[Result]:
-    """find: ``find VIEW`` (names only), cold then warm."""
-    return _warm_and_cold(b, s, "find", b.tree, lambda path: run("find", path))
+    """find: ``find .`` inside the view (names only), cold then warm."""
+    return _warm_and_cold(b, s, "find", b.tree, lambda: run("find", "."))
 
 
 @workload(*IO)
 def walk(b: Bench, s: System) -> list[Result]:
-    """walk: ``os.walk`` + ``os.lstat`` of every entry, cold then warm."""
-    return _warm_and_cold(b, s, "walk", b.tree, walk_lstat)
+    """walk: ``os.walk`` + ``os.lstat`` of every entry, cold then warm; walk-warm-abspath:
+    warm, every path absolute (resolved from the file system root, not inside the view)."""
+    results = _warm_and_cold(b, s, "walk", b.tree, lambda: walk_lstat(Path(".")))
+    with s.view(b.tree) as path:
+        walk_lstat(path)
+        results.append(Result("walk-warm-abspath", s.id,
+                              [timed(walk_lstat, path) for _ in range(b.repeat)]))
+    return results
 
 
 @workload(*IO)
 def read_all(b: Bench, s: System) -> list[Result]:
     """read: read every file of the tree (not ``.git``), cold then warm."""
-    results = _warm_and_cold(b, s, "read", b.tree, lambda path: read_files(path, b.tree.files))
+    results = _warm_and_cold(b, s, "read", b.tree, lambda: read_files(Path("."), b.tree.files))
     for r in results:
         r.extra["MB/s"] = b.tree.bytes / r.median / 1e6
     return results
@@ -326,7 +349,7 @@ def read_all(b: Bench, s: System) -> list[Result]:
 @workload(*IO)
 def seqread(b: Bench, s: System) -> list[Result]:
     """seqread: read the big file sequentially, cold then warm."""
-    results = _warm_and_cold(b, s, "seqread", b.big, lambda path: read_files(path, b.big.files))
+    results = _warm_and_cold(b, s, "seqread", b.big, lambda: read_files(Path("."), b.big.files))
     for r in results:
         r.extra["MB/s"] = b.big.bytes / r.median / 1e6
     return results
@@ -339,10 +362,10 @@ def seqwrite(b: Bench, s: System) -> list[Result]:
     """seqwrite: write a new file as big as the big file, 1 MiB writes, then fsync."""
     block = os.urandom(MIB)
     samples = []
-    with s.view(b.big) as path:
+    with s.view(b.big) as path, inside(path):
         for _ in range(b.repeat):
-            samples.append(timed(write_file, path / "written.bin", b.big.bytes, block))
-            os.unlink(path / "written.bin")
+            samples.append(timed(write_file, Path("written.bin"), b.big.bytes, block))
+            os.unlink("written.bin")
     return [Result("seqwrite", s.id, samples,
                    extra={"MB/s": b.big.bytes / statistics.median(samples) / 1e6})]
 
@@ -353,8 +376,8 @@ def randwrite(b: Bench, s: System) -> list[Result]:
     base (a fresh view each time) and fsync; -first: open + the first write."""
     firsts, totals = [], []
     for i in range(b.repeat):
-        with s.view(b.big) as path:
-            first, total = random_writes(path / BIG_FILE, b.big.bytes, seed=i)
+        with s.view(b.big) as path, inside(path):
+            first, total = random_writes(Path(BIG_FILE), b.big.bytes, seed=i)
         firsts.append(first)
         totals.append(total)
     return [Result("randwrite-first", s.id, firsts),
@@ -365,13 +388,20 @@ def randwrite(b: Bench, s: System) -> list[Result]:
 def untar(b: Bench, s: System) -> list[Result]:
     """untar: ``tar -xf`` the tree (no ``.git``) into a view; rm-rf: ``rm -rf`` it again."""
     tar = b.tar
+
+    def untar_and_remove(path: Path) -> tuple[float, float]:
+        (path / "untarred").mkdir()
+        return (timed(run, "tar", "-xf", tar, "-C", "untarred", cwd=path),
+                timed(run, "rm", "-rf", "untarred", cwd=path))
+
     untars, removes = [], []
-    for _ in range(b.repeat):
+    for i in range(b.repeat):
         with s.view(b.tree) as path:
-            dest = path / "untarred"
-            dest.mkdir()
-            untars.append(timed(run, "tar", "-xf", tar, "-C", dest))
-            removes.append(timed(run, "rm", "-rf", dest))
+            untar_seconds, rm_seconds = untar_and_remove(path)
+            untars.append(untar_seconds)
+            removes.append(rm_seconds)
+            if i == b.repeat - 1:
+                b.profile(s, "untar+rm-rf", lambda: untar_and_remove(path))
     return [Result("untar", s.id, untars), Result("rm-rf", s.id, removes)]
 
 
@@ -399,7 +429,7 @@ def import_(b: Bench, s: System) -> list[Result]:
     return results
 
 
-@workload("cp-a", "overlayfs", "fuse-overlayfs", "rametfs")
+@workload("overlayfs", "fuse-overlayfs", "rametfs")
 def storage(b: Bench, s: System) -> list[Result]:
     """stored: disk bytes added by STORAGE_VIEWS views that each change STORAGE_SHARE of the
     files; ratio = (base + added) / (base + changed files' bytes), base = what the system
@@ -434,6 +464,23 @@ def storage(b: Bench, s: System) -> list[Result]:
         extra["ratio_without_cache"] = (
             (base + added - extra["hydration_cache_bytes"]) / (base + changed))
     return [Result(f"stored-{STORAGE_VIEWS}x1%", s.id, [added], unit="B", extra=extra)]
+
+
+@workload("rametfs")
+def roundtrip(b: Bench, s: System) -> list[Result]:
+    """roundtrip: seconds of one FUSE request that the daemon answers from memory:
+    ``fstat`` of an open ``.ramet/status`` (attribute timeout 0, so each is a GETATTR);
+    the floor under every request of the other workloads."""
+    calls = 2000
+    samples = []
+    with s.view(b.tree) as path:
+        fd = os.open(path / ".ramet" / "status", os.O_RDONLY)
+        try:
+            for _ in range(b.repeat):
+                samples.append(timed(lambda: [os.fstat(fd) for _ in range(calls)]) / calls)
+        finally:
+            os.close(fd)
+    return [Result("roundtrip", s.id, samples)]
 
 
 @workload("rametfs")

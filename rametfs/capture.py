@@ -19,10 +19,8 @@ import trio
 from . import overlay as ov
 from .overlay import Execution, Node, Overlay, assemble
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
-from .store.chunks import chunk_id, encode_chunk
+from .store.writer import ChunkWriter
 from .store.format import link_key
-
-BATCH_BYTES = 32 << 20
 
 
 @dataclass
@@ -35,8 +33,6 @@ class _FileJob:
     base: Entry | None
     upper_path: str
     content: bytes = b""
-    new_chunks: int = 0
-    new_bytes: int = 0
 
 
 @dataclass
@@ -45,7 +41,7 @@ class _DirPlan:
     children: list = field(default_factory=list)  # (name, Entry | _DirPlan | (Node, _FileJob))
 
 
-def _hash_file(store: Store, job: _FileJob) -> None:
+def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob) -> None:
     """Chunk, hash and store the content of one changed file (blocking; a worker thread)."""
     base_ids: list[bytes] = []
     base_size = 0
@@ -65,9 +61,6 @@ def _hash_file(store: Store, job: _FileJob) -> None:
         return os.pread(fd, n, o) if fd is not None else b""
 
     ids: list[bytes] = []
-    batch: list[tuple[bytes, bytes]] = []
-    batch_bytes = 0
-    seen: set[bytes] = set()
     try:
         for page in range(-(-job.size // PAGE_SIZE)):
             start = page * PAGE_SIZE
@@ -75,34 +68,13 @@ def _hash_file(store: Store, job: _FileJob) -> None:
             if (page not in job.pages and stop <= job.base_limit and page < len(base_ids)
                     and stop == min(start + PAGE_SIZE, base_size)):
                 ids.append(base_ids[page])
-                continue
-            raw = assemble(start, stop, job.pages, job.base_limit, read_base, read_upper)
-            cid = chunk_id(raw)
-            ids.append(cid)
-            if cid in seen or store.has_chunk(cid):
-                continue
-            seen.add(cid)
-            envelope = encode_chunk(raw)
-            batch.append((cid, envelope))
-            batch_bytes += len(envelope)
-            job.new_chunks += 1
-            job.new_bytes += len(envelope)
-            if batch_bytes >= BATCH_BYTES:
-                _write_chunks(store, batch)
-                batch, batch_bytes = [], 0
+            else:
+                ids.append(writer.add(assemble(start, stop, job.pages, job.base_limit,
+                                               read_base, read_upper)))
     finally:
         if fd is not None:
             os.close(fd)
-    _write_chunks(store, batch)
-    with store.write() as txn:
-        job.content = Store.put_content(txn, store.db["contents"], job.size, ids)
-
-
-def _write_chunks(store: Store, batch: list[tuple[bytes, bytes]]) -> None:
-    if batch:
-        with store.write() as txn:
-            for cid, envelope in batch:
-                txn.put(cid, envelope, db=store.db["chunks"], overwrite=False)
+    job.content = writer.put_content(job.size, ids)
 
 
 def _has_upper_links(overlay: Overlay, ex: Execution) -> bool:
@@ -129,6 +101,7 @@ class Capture:
         self.overlay = overlay
         self.ex = ex
         self.jobs: dict[int, _FileJob] = {}  # ino -> job: hard links share one
+        self.writer = ChunkWriter(overlay.store)
         self.descend_links = False
 
     def plan(self) -> _DirPlan:
@@ -164,7 +137,7 @@ class Capture:
         async with trio.open_nursery() as nursery:
             for job in self.jobs.values():
                 nursery.start_soon(lambda j=job: trio.to_thread.run_sync(
-                    _hash_file, self.overlay.store, j, limiter=limiter))
+                    _hash_file, self.overlay.store, self.writer, j, limiter=limiter))
 
     def _entry(self, txn, name: bytes, item) -> Entry:
         if isinstance(item, Entry):
@@ -196,9 +169,8 @@ class Capture:
                started_ns: int) -> Snapshot:
         """Store the trees and the snapshot record in one transaction."""
         store = self.overlay.store
-        stats = {"changed_files": len(self.jobs),
-                 "new_chunks": sum(j.new_chunks for j in self.jobs.values()),
-                 "new_chunk_bytes": sum(j.new_bytes for j in self.jobs.values())}
+        stats = {"changed_files": len(self.jobs), "new_chunks": self.writer.new_chunks,
+                 "new_chunk_bytes": self.writer.new_bytes}
         with store.write() as txn:
             root = self._entry(txn, b"", plan)
             stats.update(store.tree_totals(txn, root.ref))
@@ -231,7 +203,6 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
     """What changed against the base: ``[(letter, path)]`` with ``A`` added, ``M`` modified,
     ``D`` deleted, paths relative to the execution root (directories end in ``/``), sorted.
     """
-    store = overlay.store
     out: list[tuple[str, bytes]] = []
     descend_links = _has_upper_links(overlay, ex)
 

@@ -1,6 +1,9 @@
 """The ``rametfs`` command line: serve a mount, and drive it through :mod:`rametfs.client`.
 
-Every command but ``serve`` and ``umount`` takes ``-m/--mount`` (default ``$RAMET_MOUNT``).
+Every command but ``serve``, ``umount`` and ``fsck`` takes ``-m/--mount`` (default
+``$RAMET_MOUNT``), or in fallback mode (``--mode fallback``, or ``auto`` on a host without
+``/dev/fuse``; default ``$RAMET_MODE``) ``--data`` (default ``$RAMET_DATA``): then the
+command runs in this process on the data directory, no daemon involved.
 Exit codes: 0 ok, 2 usage, and for a failed operation the code :data:`EXIT_CODES` gives its
 errno (1 for any other); the message goes to stderr as ``rametfs: <message>``.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import json
 import logging
@@ -22,7 +26,8 @@ from collections.abc import Iterator
 import click
 
 from rametfs import __version__, protocol
-from rametfs.client import MOUNT_ENV, NotMountedError, Ramet, RametError
+from rametfs.client import (DATA_ENV, MODE_ENV, MODES, MOUNT_ENV, NotMountedError, Ramet,
+                            RametError, resolve_mode)
 
 EXIT_CODES = {
     errno.ENOENT: 3,
@@ -55,13 +60,43 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="rametfs")
 def main() -> None:
-    """rametfs: immutable snapshots and copy-on-write executions over FUSE."""
+    """rametfs: immutable snapshots and copy-on-write executions over FUSE.
+
+    Without FUSE (--mode fallback), executions are real directories under --data.
+    """
 
 
-mount_option = click.option(
-    "-m", "--mount", "ramet", envvar=MOUNT_ENV, required=True, metavar="MOUNTPOINT",
-    callback=lambda ctx, param, value: Ramet(value),
-    show_envvar=True, help="The rametfs mountpoint.")
+_RAMET_OPTIONS = (
+    click.option("-m", "--mount", envvar=MOUNT_ENV, metavar="MOUNTPOINT", show_envvar=True,
+                 help="The rametfs mountpoint (FUSE mode)."),
+    click.option("--data", envvar=DATA_ENV, metavar="DIR", show_envvar=True,
+                 type=click.Path(file_okay=False),
+                 help="The data directory (fallback mode)."),
+    click.option("--mode", envvar=MODE_ENV, type=click.Choice(MODES), show_envvar=True,
+                 help="fuse (default): drive the mount; fallback: executions are real "
+                      "directories under --data; auto: fallback when /dev/fuse is missing."),
+)
+
+
+def ramet_options(command):
+    """Give ``command`` the -m/--mount, --data and --mode options; it receives the
+    :class:`Ramet` they name as ``ramet``.  A missing mountpoint or data directory is a usage
+    error (exit 2)."""
+    @functools.wraps(command)
+    def with_ramet(*args, mount: str | None, data: str | None, mode: str | None, **kwargs):
+        if resolve_mode(mode) == "fallback":
+            if not data:
+                raise click.UsageError(f"fallback mode needs --data (or ${DATA_ENV}).")
+        elif not mount:
+            raise click.UsageError(f"Missing option '-m' / '--mount' (or ${MOUNT_ENV}).")
+        with Ramet(mount, data=data, mode=mode) as ramet:
+            return command(*args, ramet=ramet, **kwargs)
+
+    for option in reversed(_RAMET_OPTIONS):
+        with_ramet = option(with_ramet)
+    return with_ramet
+
+
 label_option = click.option("--label", help="A short name for the snapshot.")
 message_option = click.option("--message", help="A longer description of the snapshot.")
 
@@ -154,7 +189,7 @@ def umount(mountpoint: str, lazy: bool) -> None:
     """
     mountpoint = os.path.abspath(mountpoint)
     try:
-        pid = Ramet(mountpoint).status()["pid"]
+        pid = Ramet(mountpoint, mode="fuse").status()["pid"]
     except NotMountedError:
         pid = None  # no daemon answers, but a crashed one's mount may still need removing
     argv = ["fusermount3", "-u", *(["-z"] * lazy), mountpoint]
@@ -210,7 +245,7 @@ def fsck(data: str) -> None:
 @click.argument("source", type=click.Path(file_okay=False))
 @label_option
 @message_option
-@mount_option
+@ramet_options
 def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None) -> None:
     """Import the directory SOURCE as a snapshot; print its id."""
     with _elapsed(f"snapshot {source}"):
@@ -221,7 +256,7 @@ def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None) 
 @main.command()
 @click.argument("snapshot")
 @click.option("--name", help="Execution id to use (default: generated).")
-@mount_option
+@ramet_options
 def create(ramet: Ramet, snapshot: str, name: str | None) -> None:
     """Create an execution of SNAPSHOT; print its id.
 
@@ -234,7 +269,7 @@ def create(ramet: Ramet, snapshot: str, name: str | None) -> None:
 @click.argument("execution")
 @label_option
 @message_option
-@mount_option
+@ramet_options
 def promote(ramet: Ramet, execution: str, label: str | None, message: str | None) -> None:
     """Snapshot EXECUTION and carry on from it; print the id."""
     click.echo(ramet.execution(execution).promote(label=label, message=message))
@@ -244,7 +279,7 @@ def promote(ramet: Ramet, execution: str, label: str | None, message: str | None
 @click.argument("execution")
 @label_option
 @message_option
-@mount_option
+@ramet_options
 def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | None) -> None:
     """Snapshot EXECUTION, keeping its base; print the id."""
     click.echo(ramet.execution(execution).checkpoint(label=label, message=message))
@@ -252,7 +287,7 @@ def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | N
 
 @main.command()
 @click.argument("execution")
-@mount_option
+@ramet_options
 def reset(ramet: Ramet, execution: str) -> None:
     """Drop every change in EXECUTION since its base."""
     ramet.execution(execution).reset()
@@ -260,7 +295,7 @@ def reset(ramet: Ramet, execution: str) -> None:
 
 @main.command()
 @click.argument("execution")
-@mount_option
+@ramet_options
 def release(ramet: Ramet, execution: str) -> None:
     """Drop EXECUTION and its changes."""
     ramet.release(execution)
@@ -268,7 +303,7 @@ def release(ramet: Ramet, execution: str) -> None:
 
 @main.command()
 @click.argument("execution")
-@mount_option
+@ramet_options
 def diff(ramet: Ramet, execution: str) -> None:
     """Print what changed in EXECUTION: A, M or D, then the path."""
     for status, path in ramet.execution(execution).diff():
@@ -277,7 +312,7 @@ def diff(ramet: Ramet, execution: str) -> None:
 
 @main.command()
 @click.argument("execution", required=False)
-@mount_option
+@ramet_options
 def status(ramet: Ramet, execution: str | None) -> None:
     """Print the daemon's status, or EXECUTION's, as JSON."""
     data = ramet.execution(execution).status() if execution else ramet.status()
@@ -286,15 +321,19 @@ def status(ramet: Ramet, execution: str | None) -> None:
 
 @main.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@mount_option
+@ramet_options
 def list_(ramet: Ramet, as_json: bool) -> None:
-    """List snapshots and executions."""
+    """List snapshots and executions (fallback mode: first the copy method in use)."""
     state = ramet.status()
+    fallback = ramet.mode == "fallback"
     if as_json:
-        click.echo(json.dumps({key: state[key] for key in ("snapshots", "executions")},
-                              indent=2, sort_keys=True))
+        keys = ("snapshots", "executions") + (("mode", "copy_method") if fallback else ())
+        click.echo(json.dumps({key: state[key] for key in keys}, indent=2, sort_keys=True))
         return
     now = time.time_ns()
+    if fallback:
+        click.echo(f"mode: fallback  copy method: {state['copy_method']}  data: {state['data']}")
+        click.echo()
     click.echo(format_table(
         ("SNAPSHOT", "LABEL", "FILES", "BYTES", "AGE"),
         [(s["id"][:12], s["label"] or "", str(s.get("files", "-")),
@@ -303,13 +342,14 @@ def list_(ramet: Ramet, as_json: bool) -> None:
     click.echo()
     click.echo(format_table(
         ("EXECUTION", "BASE", "HEAD", "UPPER", "AGE"),
-        [(e["id"], e["base"][:12], e["head"][:12], human_bytes(e["upper_bytes"]),
+        [(e["id"], e["base"][:12], e["head"][:12],
+          "-" if e["upper_bytes"] is None else human_bytes(e["upper_bytes"]),
           human_age(now - e["created_ns"])) for e in state["executions"]]))
 
 
 @main.command()
 @click.argument("snapshot")
-@mount_option
+@ramet_options
 def log(ramet: Ramet, snapshot: str) -> None:
     """Print SNAPSHOT and its ancestors, newest first.
 

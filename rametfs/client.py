@@ -34,9 +34,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rametfs import protocol
+from rametfs import errors, protocol
 
 MOUNT_ENV = "RAMET_MOUNT"
+DATA_ENV = "RAMET_DATA"
+MODE_ENV = "RAMET_MODE"
+MODES = ("fuse", "fallback", "auto")
+FUSE_DEVICE = "/dev/fuse"
 _MAX_REPLY = 1 << 20
 
 
@@ -61,23 +65,54 @@ class PoolTimeout(RametError, TimeoutError):
     """:meth:`ExecutionPool.acquire` found no free execution in time (errno EBUSY)."""
 
 
-class Ramet:
-    """A handle on one mounted rametfs.
+def resolve_mode(mode: str | None) -> str:
+    """``"fuse"`` or ``"fallback"`` for ``mode`` (None: ``$RAMET_MODE``, else ``"fuse"``);
+    ``"auto"`` is fallback when ``/dev/fuse`` is missing.  Raises RametError (EINVAL) for
+    another name."""
+    mode = mode or os.environ.get(MODE_ENV) or "fuse"
+    if mode not in MODES:
+        raise RametError(errno.EINVAL, f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode == "auto":
+        return "fuse" if os.path.exists(FUSE_DEVICE) else "fallback"
+    return mode
 
-    ``mountpoint`` defaults to ``$RAMET_MOUNT``.  Raises :class:`RametError` (EINVAL) when
-    neither is given, :class:`NotMountedError` (ENOTCONN) when no rametfs answers there.
+
+class Ramet:
+    """A handle on one rametfs: a mount (FUSE mode) or a data directory (fallback mode).
+
+    ``mode``: ``"fuse"``, ``"fallback"`` or ``"auto"`` (default ``$RAMET_MODE``, else
+    ``"fuse"``).  FUSE mode needs ``mountpoint`` (default ``$RAMET_MOUNT``), fallback mode
+    ``data`` (default ``$RAMET_DATA``).  Raises :class:`RametError` (EINVAL) when the one it
+    needs is not given or the mode is unknown, :class:`NotMountedError` (ENOTCONN) when no
+    rametfs answers at the mountpoint.
     """
 
-    def __init__(self, mountpoint: str | os.PathLike | None = None) -> None:
-        if mountpoint is None:
-            mountpoint = os.environ.get(MOUNT_ENV)
-            if not mountpoint:
-                raise RametError(errno.EINVAL, f"no mountpoint given and ${MOUNT_ENV} is not set")
-        self.mount = Path(os.path.abspath(mountpoint))
-        if not os.path.exists(self._control(protocol.STATUS)):
-            raise NotMountedError(self.mount)
+    def __init__(self, mountpoint: str | os.PathLike | None = None, *,
+                 data: str | os.PathLike | None = None, mode: str | None = None) -> None:
+        self.mode = resolve_mode(mode)
+        self.mount: Path | None = None  # FUSE mode
+        self.data: Path | None = None  # fallback mode
+        if self.mode == "fallback":
+            self._backend: _Mount | _Local = _Local(data)
+            self.data = self._backend.data
+        else:
+            self._backend = _Mount(mountpoint)
+            self.mount = self._backend.mount
+
+    def __enter__(self) -> Ramet:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Fallback mode: close the data directory's store in this process (once no other
+        Ramet here uses it), e.g. before unmounting its file system.  FUSE mode: nothing."""
+        self._backend.close()
 
     def __repr__(self) -> str:
+        if self.mode == "fallback":
+            return f"Ramet(data={str(self.data)!r}, mode='fallback')"
         return f"Ramet({str(self.mount)!r})"
 
     def snapshot(self, source: str | os.PathLike, label: str | None = None,
@@ -88,7 +123,7 @@ class Ramet:
         ENOSPC, EIO.
         """
         path = os.path.abspath(os.fspath(source))
-        reply = self._root_command("snapshot", path, label=label, message=message)
+        reply = self._backend.root_command("snapshot", path, label=label, message=message)
         return reply["snapshot"]
 
     def create(self, snapshot: str, name: str | None = None) -> Execution:
@@ -96,13 +131,13 @@ class Ramet:
 
         Errors: ENOENT unknown snapshot, EINVAL bad name, EEXIST name taken.
         """
-        reply = self._root_command("create", snapshot, name=name)
+        reply = self._backend.root_command("create", snapshot, name=name)
         return Execution(self, reply["execution"])
 
     def release(self, execution: str | Execution) -> None:
         """Drop an execution and its changes.  Errors: ENOENT unknown execution."""
         execution_id = execution.id if isinstance(execution, Execution) else execution
-        self._root_command("release", execution_id)
+        self._backend.root_command("release", execution_id)
 
     def execution(self, execution_id: str) -> Execution:
         """A handle on an existing execution (not checked until first used)."""
@@ -113,9 +148,10 @@ class Ramet:
         return ExecutionPool(self, snapshot, concurrency)
 
     def status(self) -> dict:
-        """The daemon's status: ``{"pid", "data", "mount", "version", "snapshots",
-        "executions", "last"}`` (see the project docs for each record)."""
-        return json.loads(_read_text(self._control(protocol.STATUS), self.mount))
+        """The status: ``{"mode", "pid", "data", "mount", "version", "snapshots",
+        "executions", "last"}`` (see the project docs for each record); in fallback mode
+        also ``"copy_method"`` (``"clonefile"``, ``"reflink"`` or ``"copy"``)."""
+        return self._backend.status()
 
     def snapshots(self) -> list[dict]:
         """Every snapshot record: ``{"id", "label", "message", "parents", "created_ns",
@@ -124,23 +160,16 @@ class Ramet:
 
     def executions(self) -> list[dict]:
         """Every execution record: ``{"id", "base", "head", "created_ns", "upper_bytes",
-        "state"}``."""
+        "state"}`` (``upper_bytes`` is None in fallback mode)."""
         return self.status()["executions"]
-
-    def _control(self, name: str) -> Path:
-        return self.mount / protocol.CONTROL_DIR / name
-
-    def _root_command(self, command: str, *positional: str, **options: str | None) -> dict:
-        line = protocol.format_command(command, *positional, **options)
-        return _command(self._control(protocol.CTL), line, self.mount)
 
 
 @dataclass(frozen=True)
 class Execution:
-    """One execution: a writable copy-on-write view at :attr:`path`.
+    """One execution: a writable view of a snapshot at :attr:`path`.
 
-    Its commands act on this execution only, through ``<path>/.ramet/``; an unknown or
-    released execution raises :class:`RametError` (ENOENT).
+    Its commands act on this execution only (in FUSE mode through ``<path>/.ramet/``); an
+    unknown or released execution raises :class:`RametError` (ENOENT).
     """
 
     ramet: Ramet
@@ -148,43 +177,164 @@ class Execution:
 
     @property
     def path(self) -> Path:
-        """``<mnt>/executions/<id>``: where the sandbox works."""
-        return self.ramet.mount / protocol.EXECUTIONS_DIR / self.id
+        """Where the sandbox works: ``<mnt>/executions/<id>``, or in fallback mode the real
+        directory ``<data>/fallback/executions/<id>``."""
+        return self.ramet._backend.execution_path(self.id)
 
     def promote(self, label: str | None = None, message: str | None = None) -> str:
         """Save the current tree as a new snapshot and carry on from it; return its id."""
-        return self._command("promote", label=label, message=message)["snapshot"]
+        reply = self.ramet._backend.command(self.id, "promote", label=label, message=message)
+        return reply["snapshot"]
 
     def checkpoint(self, label: str | None = None, message: str | None = None) -> str:
         """Save the current tree as a new snapshot without moving the base; return its id."""
-        return self._command("checkpoint", label=label, message=message)["snapshot"]
+        reply = self.ramet._backend.command(self.id, "checkpoint", label=label, message=message)
+        return reply["snapshot"]
 
     def reset(self) -> str:
         """Drop every change since the base; return the base snapshot id."""
-        return self._command("reset")["snapshot"]
+        return self.ramet._backend.command(self.id, "reset")["snapshot"]
 
     def diff(self) -> list[tuple[str, str]]:
         """What changed against the base: sorted ``(status, path)`` pairs, status one of
         ``"A"``, ``"M"``, ``"D"``, path relative to :attr:`path`."""
-        text = self._read(protocol.DIFF)
-        return [tuple(line.split(" ", 1)) for line in text.splitlines() if line]
+        return self.ramet._backend.diff(self.id)
+
+    def verify(self, deep: bool = False) -> list[tuple[str, str]]:
+        """How the tree differs from the base, as ``(status, path)`` pairs; empty when it
+        equals the base, as it must after :meth:`reset`.
+
+        Fallback mode checks the manifest (a path it cannot vouch for counts as different);
+        ``deep`` reads and hashes every file.  FUSE mode answers with :meth:`diff`.
+        """
+        return self.ramet._backend.verify(self.id, deep)
 
     def status(self) -> dict:
-        """``{"execution", "base", "head", "state", "created_ns", "upper_bytes", "last"}``."""
-        return json.loads(self._read(protocol.STATUS))
+        """``{"execution", "base", "head", "state", "created_ns", "upper_bytes", "last"}``;
+        ``"last"`` is the reply of its last command, with the promote's ``"stats"``."""
+        return self.ramet._backend.execution_status(self.id)
 
-    def _control(self, name: str) -> Path:
-        return self.path / protocol.CONTROL_DIR / name
 
-    def _missing(self) -> str:
-        return f"no execution {self.id!r} at {self.ramet.mount}"
+class _Mount:
+    """FUSE mode: every call is a command on, or a read of, the mount's control files."""
 
-    def _read(self, name: str) -> str:
-        return _read_text(self._control(name), self.ramet.mount, self._missing())
+    def __init__(self, mountpoint: str | os.PathLike | None) -> None:
+        if mountpoint is None:
+            mountpoint = os.environ.get(MOUNT_ENV)
+            if not mountpoint:
+                raise RametError(errno.EINVAL, f"no mountpoint given and ${MOUNT_ENV} is not set")
+        self.mount = Path(os.path.abspath(mountpoint))
+        if not os.path.exists(self.mount / protocol.CONTROL_DIR / protocol.STATUS):
+            raise NotMountedError(self.mount)
 
-    def _command(self, command: str, **options: str | None) -> dict:
+    def close(self) -> None:
+        pass
+
+    def root_command(self, command: str, *positional: str, **options: str | None) -> dict:
+        line = protocol.format_command(command, *positional, **options)
+        return _command(self.mount / protocol.CONTROL_DIR / protocol.CTL, line, self.mount)
+
+    def status(self) -> dict:
+        state = json.loads(_read_text(self.mount / protocol.CONTROL_DIR / protocol.STATUS,
+                                      self.mount))
+        state.setdefault("mode", "fuse")
+        return state
+
+    def execution_path(self, execution_id: str) -> Path:
+        return self.mount / protocol.EXECUTIONS_DIR / execution_id
+
+    def command(self, execution_id: str, command: str, **options: str | None) -> dict:
         line = protocol.format_command(command, **options)
-        return _command(self._control(protocol.CTL), line, self.ramet.mount, self._missing())
+        return _command(self._control(execution_id, protocol.CTL), line, self.mount,
+                        self._missing(execution_id))
+
+    def diff(self, execution_id: str) -> list[tuple[str, str]]:
+        text = self._read(execution_id, protocol.DIFF)
+        return [tuple(line.split(" ", 1)) for line in text.splitlines() if line]
+
+    def verify(self, execution_id: str, deep: bool) -> list[tuple[str, str]]:
+        return self.diff(execution_id)  # the daemon's reset is checked by its root tree id
+
+    def execution_status(self, execution_id: str) -> dict:
+        return json.loads(self._read(execution_id, protocol.STATUS))
+
+    def _control(self, execution_id: str, name: str) -> Path:
+        return self.execution_path(execution_id) / protocol.CONTROL_DIR / name
+
+    def _missing(self, execution_id: str) -> str:
+        return f"no execution {execution_id!r} at {self.mount}"
+
+    def _read(self, execution_id: str, name: str) -> str:
+        return _read_text(self._control(execution_id, name), self.mount,
+                          self._missing(execution_id))
+
+
+class _Local:
+    """Fallback mode: :mod:`rametfs.fallback` runs each call in this process."""
+
+    def __init__(self, data: str | os.PathLike | None) -> None:
+        if data is None:
+            data = os.environ.get(DATA_ENV)
+            if not data:
+                raise RametError(errno.EINVAL, "fallback mode needs a data directory: "
+                                 f"give data= or set ${DATA_ENV}")
+        from rametfs import fallback  # only here: it loads the store (lmdb, blake3, zstandard)
+        with _local_errors():
+            self.engine = fallback.Fallback(data)
+        self.data = self.engine.data
+        self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
+                              "release": self.engine.release}
+        self.commands = {"promote": self.engine.promote, "checkpoint": self.engine.checkpoint,
+                         "reset": self.engine.reset}
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def root_command(self, command: str, *positional: str, **options: str | None) -> dict:
+        with _local_errors():
+            return self.root_commands[command](*positional, **_given(options))
+
+    def status(self) -> dict:
+        with _local_errors():
+            return self.engine.status()
+
+    def execution_path(self, execution_id: str) -> Path:
+        return self.engine.path(execution_id)
+
+    def command(self, execution_id: str, command: str, **options: str | None) -> dict:
+        with _local_errors():
+            return self.commands[command](execution_id, **_given(options))
+
+    def diff(self, execution_id: str) -> list[tuple[str, str]]:
+        with _local_errors():
+            return [(letter, os.fsdecode(path)) for letter, path in self.engine.diff(execution_id)]
+
+    def verify(self, execution_id: str, deep: bool) -> list[tuple[str, str]]:
+        with _local_errors():
+            return [(letter, os.fsdecode(path))
+                    for letter, path in self.engine.verify(execution_id, deep)]
+
+    def execution_status(self, execution_id: str) -> dict:
+        with _local_errors():
+            return self.engine.execution_status(execution_id)
+
+
+def _given(options: dict[str, str | None]) -> dict[str, str]:
+    return {key: value for key, value in options.items() if value is not None}
+
+
+@contextlib.contextmanager
+def _local_errors() -> Iterator[None]:
+    """Turn the fallback's domain errors and OSErrors into :class:`RametError`."""
+    try:
+        yield
+    except RametError:
+        raise
+    except errors.RametError as exc:
+        raise RametError(exc.errno, str(exc)) from None
+    except OSError as exc:
+        where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
+        raise RametError(exc.errno or errno.EIO, f"{where}{exc.strerror or exc}") from None
 
 
 class ExecutionPool:

@@ -38,7 +38,7 @@ import trio
 
 from .errors import InvalidArgument, NotFound, RametError, ReadOnly, fs_error
 from .protocol import CONTROL_DIR
-from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
+from .store import PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (dentry_key, from_u64, inode_key, link_key, page_key, page_of_key, u64)
 
 NAME_MAX = 255

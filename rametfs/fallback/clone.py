@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import sys
+import threading
 
 CLONEFILE = "clonefile"
 REFLINK = "reflink"
@@ -92,8 +93,9 @@ def clone_file(src: bytes, dst: bytes, method: str) -> str:
 def probe(directory: bytes) -> str:
     """The fastest method that works inside ``directory``: ``"clonefile"`` (macOS, APFS),
     ``"reflink"`` (Linux, xfs or btrfs), else ``"copy"``."""
-    src = os.path.join(directory, f".probe-{os.getpid()}-src".encode())
-    dst = os.path.join(directory, f".probe-{os.getpid()}-dst".encode())
+    tag = f".probe-{os.getpid()}-{threading.get_ident()}"
+    src = os.path.join(directory, f"{tag}-src".encode())
+    dst = os.path.join(directory, f"{tag}-dst".encode())
     for path in (src, dst):
         if os.path.lexists(path):
             os.unlink(path)

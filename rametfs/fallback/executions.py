@@ -4,7 +4,7 @@ Layout (docs/fallback.md)::
 
     <data>/fallback/executions/<id>/   the execution's tree: where the sandbox works
     <data>/fallback/meta/<id>          its record and manifest (rametfs.fallback.manifest)
-    <data>/fallback/meta/<id>.lock     flock(2)ed while a command runs on it
+    <data>/fallback/locks/<id>         flock(2)ed while a command runs on it
 
 An execution exists while its record does.  Every command on one execution takes its lock
 (EBUSY when another holds it), so processes and threads sharing a data directory do not
@@ -32,19 +32,28 @@ from ..store import Store, import_tree
 from . import clone, manifest, scan, sync
 from .diff import diff_trees
 
-_stores: dict[str, Store] = {}
+# LMDB must not be opened twice in one process: one Store per data directory, shared by
+# every Fallback on it and closed with the last of them.  realpath -> [store, users]
+_stores: dict[str, list] = {}
 _stores_lock = threading.Lock()
 
 
-def shared_store(data: str | os.PathLike) -> Store:
-    """The one Store of this process for the data directory ``data`` (LMDB must not be
-    opened twice in one process)."""
+def _open_store(data: str | os.PathLike) -> Store:
     key = os.path.realpath(data)
     with _stores_lock:
-        store = _stores.get(key)
-        if store is None:
-            store = _stores[key] = Store(key)
-        return store
+        if key not in _stores:
+            _stores[key] = [Store(key), 0]
+        _stores[key][1] += 1
+        return _stores[key][0]
+
+
+def _close_store(store: Store) -> None:
+    key = str(store.root)
+    with _stores_lock:
+        _stores[key][1] -= 1
+        if _stores[key][1] == 0:
+            del _stores[key]
+            store.close()
 
 
 class Fallback:
@@ -56,13 +65,26 @@ class Fallback:
     """
 
     def __init__(self, data: str | os.PathLike):
-        self.store = shared_store(data)
+        self.store = _open_store(data)
         self.data = self.store.root
         self.executions_dir = self.data / "fallback" / "executions"
         self.meta_dir = self.data / "fallback" / "meta"
-        for directory in (self.data / "fallback", self.executions_dir, self.meta_dir):
-            directory.mkdir(mode=0o700, exist_ok=True)
-        self.copy_method = clone.probe(os.fsencode(self.data / "fallback"))
+        self.locks_dir = self.data / "fallback" / "locks"
+        try:
+            for directory in (self.data / "fallback", self.executions_dir, self.meta_dir,
+                              self.locks_dir):
+                directory.mkdir(mode=0o700, exist_ok=True)
+            self.copy_method = clone.probe(os.fsencode(self.data / "fallback"))
+        except BaseException:
+            _close_store(self.store)
+            raise
+        self.closed = False
+
+    def close(self) -> None:
+        """Let go of the store (closed with the last Fallback on it in this process)."""
+        if not self.closed:
+            self.closed = True
+            _close_store(self.store)
 
     # -- root commands -------------------------------------------------------------------
 
@@ -88,7 +110,7 @@ class Fallback:
         except FileExistsError:
             raise RametError(f"execution {eid!r} already exists", errno.EEXIST) from None
         try:
-            with self._locked(eid):
+            with self._locked(eid, create=True):
                 started = time.monotonic_ns()
                 records, stats = sync.sync(self.store, os.fsencode(path), snap, {},
                                            self.copy_method)
@@ -96,6 +118,7 @@ class Fallback:
                 manifest.save(self._meta_path(eid), meta)
         except BaseException:
             sync.remove_tree(os.fsencode(path))
+            self._lock_path(eid).unlink(missing_ok=True)
             raise
         return {"ok": True, "execution": eid, "snapshot": snap.id, "path": str(path),
                 "stats": {**stats.as_dict(), "create_ms": _ms_since(started)}}
@@ -104,14 +127,15 @@ class Fallback:
         """Delete execution ``eid`` and its directory.  Raises NotFound (ENOENT), Busy."""
         self._check_name(eid)
         path = self.path(eid)
-        with self._locked(eid):
+        with self._locked(eid, create=True):  # a crash in create may have left no lock
             meta_path = self._meta_path(eid)
-            if not meta_path.exists() and not path.exists():
-                raise NotFound(self._missing(eid))
+            found = meta_path.exists() or path.exists()
             meta_path.unlink(missing_ok=True)  # first: the execution is gone from here on
             if path.exists():
                 sync.remove_tree(os.fsencode(path))
-        self._lock_path(eid).unlink(missing_ok=True)
+            self._lock_path(eid).unlink()  # a command that opened it next finds no record
+        if not found:
+            raise NotFound(self._missing(eid))
         return {"ok": True, "execution": eid}
 
     def status(self) -> dict:
@@ -119,7 +143,7 @@ class Fallback:
         "executions", "last"}`` like a daemon's root status (mount is None)."""
         executions = []
         for meta_path in sorted(self.meta_dir.iterdir()):
-            if "." not in meta_path.name:
+            if not meta_path.name.startswith("."):  # not a temporary file
                 with contextlib.suppress(FileNotFoundError):  # released meanwhile
                     executions.append(self._json(manifest.load(meta_path, records=False)))
         return {"mode": "fallback", "copy_method": self.copy_method, "pid": os.getpid(),
@@ -203,8 +227,9 @@ class Fallback:
                      "new_chunks": now.stats.new_chunks,
                      "new_chunk_bytes": now.stats.new_chunk_bytes}
             with self.store.write() as txn:
-                for entries in now.trees.values():
+                for entries in now.trees.values():  # subtrees first, as put_tree needs
                     self.store.put_tree(txn, entries)
+                stats.update(self.store.tree_totals(txn, now.root.ref))
                 stats["capture_ms"] = _ms_since(started)
                 snap = self.store.put_snapshot(txn, now.root, [meta.head], label, message,
                                                f"execution:{eid}", stats)
@@ -238,13 +263,18 @@ class Fallback:
         return self.meta_dir / eid
 
     def _lock_path(self, eid: str) -> Path:
-        return self.meta_dir / f"{eid}.lock"
+        return self.locks_dir / eid
 
     @contextlib.contextmanager
-    def _locked(self, eid: str) -> Iterator[None]:
-        """Hold execution ``eid``'s lock; Busy (EBUSY) when another command holds it."""
+    def _locked(self, eid: str, create: bool = False) -> Iterator[None]:
+        """Hold execution ``eid``'s lock (made by ``create``); Busy (EBUSY) when another
+        command holds it, NotFound (ENOENT) when there is none."""
         self._check_name(eid)
-        fd = os.open(self._lock_path(eid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(self._lock_path(eid), flags, 0o600)
+        except FileNotFoundError:
+            raise NotFound(self._missing(eid)) from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from dataclasses import dataclass, field
 
 import msgpack
@@ -62,7 +63,8 @@ class Meta:
 
 def save(path: str | os.PathLike, meta: Meta) -> None:
     """Write ``meta`` to ``path`` atomically (temporary file, fsync, rename).  Blocking."""
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    directory, name = os.path.split(os.fspath(path))
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{threading.get_ident()}")
     packer = msgpack.Packer(use_bin_type=True)
     try:
         with open(tmp, "wb") as f:

@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from ..errors import RametError
 from ..store import FLAG_HAS_LINKS, PAGE_SIZE, Entry, Store
-from ..store.chunks import chunk_id, content_id, encode_chunk
+from ..store.chunks import chunk_id, content_id
+from ..store.writer import ChunkWriter
 from ..store.trees import encode_tree
 from .manifest import UNTRUSTED, Record
 
 RACY_NS = 2_000_000_000  # covers coarse timestamps: a jiffy on Linux, 1 s on HFS+, 2 s on FAT
-BATCH_BYTES = 32 << 20   # chunk bytes per write transaction
 
 
 def read_xattrs(path: bytes) -> tuple[tuple[bytes, bytes], ...]:
@@ -118,7 +119,7 @@ class _Scanner:
         self.records: dict[bytes, Record] = {}
         self.as_root = os.geteuid() == 0
         self.lock = threading.Lock()
-        self.seen: set[bytes] = set()
+        self.writer = ChunkWriter(self.store) if self.store_contents else None
 
     def path(self, rel: bytes) -> bytes:
         return self.root + b"/" + rel if rel else self.root
@@ -164,53 +165,29 @@ class _Scanner:
             n.ref, n.size, n.stable = cid, size, stable
 
     def _content(self, path: bytes, st: os.stat_result) -> tuple[bytes, int, bool]:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a fifo put in the file's place meanwhile must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         ids: list[bytes] = []
         size = 0
-        batch: list[tuple[bytes, bytes]] = []
-        batch_bytes = 0
         try:
             before = os.fstat(fd)
+            if not stat.S_ISREG(before.st_mode):
+                raise RametError(f"{os.fsdecode(path)} changed while it was scanned: stop "
+                                 "what writes in the execution, then try again", errno.EBUSY)
             while page := _read_page(fd):
-                cid = chunk_id(page)
-                ids.append(cid)
+                ids.append(self.writer.add(page) if self.writer else chunk_id(page))
                 size += len(page)
-                if self.store_contents and self._is_new(cid):
-                    envelope = encode_chunk(page)
-                    batch.append((cid, envelope))
-                    batch_bytes += len(envelope)
-                    with self.lock:
-                        self.stats.new_chunks += 1
-                        self.stats.new_chunk_bytes += len(envelope)
-                    if batch_bytes >= BATCH_BYTES:
-                        self._put_chunks(batch)
-                        batch, batch_bytes = [], 0
                 if len(page) < PAGE_SIZE:
                     break
             after = os.fstat(fd)
         finally:
             os.close(fd)
-        if not self.store_contents:
-            cid = content_id(size, b"".join(ids))
+        if self.writer:
+            cid = self.writer.put_content(size, ids)
         else:
-            self._put_chunks(batch)
-            with self.store.write() as txn:
-                cid = Store.put_content(txn, self.store.db["contents"], size, ids)
+            cid = content_id(size, b"".join(ids))
         stable = _same(st, before) and _same(before, after) and after.st_size == size
         return cid, size, stable
-
-    def _is_new(self, cid: bytes) -> bool:
-        with self.lock:
-            if cid in self.seen:
-                return False
-            self.seen.add(cid)
-        return not self.store.has_chunk(cid)
-
-    def _put_chunks(self, batch: list[tuple[bytes, bytes]]) -> None:
-        if batch:
-            with self.store.write() as txn:
-                for cid, envelope in batch:
-                    txn.put(cid, envelope, db=self.store.db["chunks"], overwrite=False)
 
     # -- entries and records -------------------------------------------------------------
 
@@ -296,4 +273,6 @@ def scan(store: Store, root: bytes, records: dict[bytes, Record], *,
             list(pool.map(s.hash, s.jobs.values()))
     s.number_links()
     root_entry = s.build(b"", b"", top)
+    if s.writer:
+        s.stats.new_chunks, s.stats.new_chunk_bytes = s.writer.new_chunks, s.writer.new_bytes
     return Scan(root_entry, s.trees, s.records, s.stats)

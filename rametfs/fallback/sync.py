@@ -11,7 +11,7 @@ on a used one.  In three steps:
 2. *apply*: remove; make directories; write files from the shared hydration cache
    (``Store.hydrate``) with the copy method of :mod:`.clone`, one job per content id on every
    core, further names of a hard-linked inode with link(2); make symlinks, fifos, device
-   nodes; set owner, mode, xattrs and mtime (ns) of each written path; then fix each
+   nodes; set owner, xattrs, mode and mtime (ns) of each written path; then fix each
    directory's attributes, deepest first (its mtime last, after its entries changed).
 3. the new manifest: the kept records, and an ``lstat`` of each path written.
 
@@ -184,7 +184,7 @@ class _Sync:
         for rel, be in self.dirs:
             path = self.path(rel)
             if self._dir_differs(rel, be, os.lstat(path)):
-                self._set_attrs(path, be)
+                self._set_attrs(path, be, fresh=rel in self.written)
                 self.written.add(rel)
 
     def _write_content(self, cid: bytes, inodes: list[list[tuple[bytes, Entry]]]) -> None:
@@ -223,12 +223,14 @@ class _Sync:
             with self.lock:
                 self.written.add(rel)
 
-    def _set_attrs(self, path: bytes, be: Entry) -> None:
+    def _set_attrs(self, path: bytes, be: Entry, fresh: bool = True) -> None:
+        """Owner, xattrs, mode and mtime of ``be`` on ``path``; a ``fresh`` path (made just
+        now) has no xattrs to remove, so none are read (nor is a security label dropped)."""
         # chown first: it clears setuid bits and security.capability; xattrs before chmod,
         # since a user.* xattr needs write permission; the mtime last.
         if self.as_root:
             os.chown(path, be.uid, be.gid, follow_symlinks=False)
-        current = dict(read_xattrs(path))
+        current = {} if fresh else dict(read_xattrs(path))
         wanted = dict(be.xattrs)
         for name in current.keys() - wanted.keys():
             os.removexattr(path, name, follow_symlinks=False)
@@ -254,8 +256,8 @@ class _Sync:
     def records(self) -> dict[bytes, Record]:
         out = {}
         for rel, be in self.order:
-            record = self.kept.get(rel)
-            if record is None or be.is_dir:
+            record = self.kept.get(rel)  # directories are never kept: their ctime moved
+            if record is None:
                 st = os.lstat(self.path(rel))
                 record = Record(be, st.st_ino, st.st_ctime_ns)
             out[rel] = record
@@ -281,12 +283,18 @@ def remove_tree(path: bytes) -> None:
 
 def sync(store: Store, root: bytes, snapshot: Snapshot, records: dict[bytes, Record],
          method: str) -> tuple[dict[bytes, Record], SyncStats]:
-    """Make the directory ``root`` (absolute, existing) hold exactly ``snapshot``'s tree.
+    """Make the directory ``root`` (absolute) hold exactly ``snapshot``'s tree.
 
     ``records`` is its manifest (empty for a new directory); returns the new manifest and
     the counts.  Raises OSError (ENOSPC, EACCES, EPERM for a device node without root ...),
     IntegrityError (EIO) when stored content is damaged.
     """
+    try:
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            os.unlink(root)
+            os.mkdir(root, 0o700)
+    except FileNotFoundError:
+        os.mkdir(root, 0o700)
     s = _Sync(store, root, records, method)
     s.plan(snapshot.root)
     s.apply()
@@ -300,5 +308,5 @@ def differences(store: Store, root: bytes, snapshot: Snapshot,
     not vouched for by its record.  Empty right after ``sync``."""
     s = _Sync(store, root, records, "copy")
     s.plan(snapshot.root)
-    return s.changes
+    return sorted(s.changes, key=lambda change: change[1])
 

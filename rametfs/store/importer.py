@@ -25,21 +25,17 @@ import msgpack
 
 from ..errors import InvalidArgument, NoSpace, NotFound, RametError
 from ..protocol import CONTROL_DIR
-from . import chunks
 from .format import PAGE_SIZE
-from .store import Snapshot, Store
+from .store import EMPTY_CONTENT, Snapshot, Store
 from .trees import FLAG_HAS_LINKS, Entry
-
-BATCH_BYTES = 32 << 20  # chunk bytes per write transaction
+from .writer import ChunkWriter
 
 
 @dataclass
 class ImportStats:
-    """Counts of one import's work: new chunks and their stored bytes, files taken from the
-    stat cache (the tree's own totals come from ``Store.tree_totals``)."""
+    """Files of one import taken from the stat cache (new chunks are counted by the
+    ChunkWriter; the tree's own totals come from ``Store.tree_totals``)."""
 
-    new_chunks: int = 0
-    new_chunk_bytes: int = 0
     cached_files: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -69,43 +65,8 @@ class _Importer:
         self.store = store
         self.source = source
         self.stats = ImportStats()
-        self.seen_chunks: set[bytes] = set()
-        self.seen_lock = threading.Lock()
-        self.pending: list[tuple[bytes, bytes]] = []  # (chunk id, envelope) not yet written
-        self.pending_bytes = 0
-        self.pending_lock = threading.Lock()
+        self.writer = ChunkWriter(store)
         self.sources: dict[bytes, list] = {}
-
-    # -- chunk writing -------------------------------------------------------------------
-
-    def _flush_chunks(self) -> None:
-        with self.pending_lock:
-            batch, self.pending, self.pending_bytes = self.pending, [], 0
-        if batch:
-            with self.store.write() as txn:
-                db = self.store.db["chunks"]
-                for cid, envelope in batch:
-                    txn.put(cid, envelope, db=db, overwrite=False)
-
-    def _add_chunk(self, raw: bytes) -> bytes:
-        cid = chunks.chunk_id(raw)
-        with self.seen_lock:
-            if cid in self.seen_chunks:
-                return cid
-            self.seen_chunks.add(cid)
-        if self.store.has_chunk(cid):
-            return cid
-        envelope = chunks.encode_chunk(raw)
-        with self.pending_lock:
-            self.pending.append((cid, envelope))
-            self.pending_bytes += len(envelope)
-            full = self.pending_bytes >= BATCH_BYTES
-        with self.stats.lock:
-            self.stats.new_chunks += 1
-            self.stats.new_chunk_bytes += len(envelope)
-        if full:
-            self._flush_chunks()
-        return cid
 
     # -- files ---------------------------------------------------------------------------
 
@@ -118,7 +79,7 @@ class _Importer:
             old = msgpack.unpackb(cached)
             if old[:5] == sig:
                 with self.store.read() as txn:
-                    if old[5] == chunks.content_id(0, b"") or \
+                    if old[5] == EMPTY_CONTENT or \
                             txn.get(old[5], db=self.store.db["contents"]) is not None:
                         with self.stats.lock:
                             self.stats.cached_files += 1
@@ -137,12 +98,11 @@ class _Importer:
                     n += more
                 if not n:
                     break
-                ids.append(self._add_chunk(bytes(view[:n])))
+                ids.append(self.writer.add(bytes(view[:n])))
                 size += n
                 if n < PAGE_SIZE:
                     break
-        with self.store.write() as txn:
-            cid = Store.put_content(txn, self.store.db["contents"], size, ids)
+        cid = self.writer.put_content(size, ids)
         self.sources[key] = sig + [cid]
         return cid
 
@@ -193,7 +153,6 @@ class _Importer:
                         if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in jobs:
                             jobs[(st.st_dev, st.st_ino)] = pool.submit(self._file_content, child, st)
                 contents = {key: fut.result() for key, fut in jobs.items()}
-            self._flush_chunks()
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise NoSpace("no space left while importing") from None
@@ -234,7 +193,9 @@ class _Importer:
                 txn.put(key, msgpack.packb(value), db=db)
             snap = self.store.put_snapshot(txn, root, [], label, message, str(self.source),
                                            self.store.tree_totals(txn, root.ref)
-                                           | self.stats.as_dict())
+                                           | self.stats.as_dict()
+                                           | {"new_chunks": self.writer.new_chunks,
+                                              "new_chunk_bytes": self.writer.new_bytes})
         self.store.sync()
         return snap
 
