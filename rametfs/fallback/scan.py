@@ -30,29 +30,12 @@ import blake3
 from ..errors import RametError
 from ..store import FLAG_HAS_LINKS, PAGE_SIZE, Entry, Store
 from ..store.chunks import chunk_id, content_id
+from ..store.importer import read_xattrs
 from ..store.writer import ChunkWriter
 from ..store.trees import encode_tree
 from .manifest import UNTRUSTED, Record
 
 RACY_NS = 2_000_000_000  # covers coarse timestamps: a jiffy on Linux, 1 s on HFS+, 2 s on FAT
-
-
-def read_xattrs(path: bytes) -> tuple[tuple[bytes, bytes], ...]:
-    """The extended attributes of ``path`` (not followed), sorted ``(name, value)`` pairs."""
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno in (errno.ENOTSUP, errno.EPERM):
-            return ()
-        raise
-    out = []
-    for name in names:
-        try:
-            out.append((name.encode(), os.getxattr(path, name, follow_symlinks=False)))
-        except OSError as exc:
-            if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EPERM):
-                raise
-    return tuple(sorted(out))
 
 
 def join(rel: bytes, name: bytes) -> bytes:

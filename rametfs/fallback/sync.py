@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from ..store import EMPTY_CONTENT, Entry, Snapshot, Store
 from .clone import clone_file
 from .manifest import Record
-from .scan import join, read_xattrs
+from ..store.importer import read_xattrs
+from .scan import join
 
 
 @dataclass

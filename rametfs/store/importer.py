@@ -43,7 +43,9 @@ class ImportStats:
         return {k: v for k, v in self.__dict__.items() if k != "lock"}
 
 
-def _xattrs(path: str) -> tuple[tuple[bytes, bytes], ...]:
+def read_xattrs(path: str | bytes) -> tuple[tuple[bytes, bytes], ...]:
+    """The extended attributes of ``path`` (not followed), sorted ``(name, value)`` pairs;
+    none where the file system has no xattrs or refuses to list them."""
     try:
         names = os.listxattr(path, follow_symlinks=False)
     except OSError as exc:
@@ -166,7 +168,7 @@ class _Importer:
                 for name, child, st in items:
                     mode = st.st_mode
                     key = (st.st_dev, st.st_ino)
-                    xattrs = _xattrs(child)
+                    xattrs = read_xattrs(child)
                     if stat.S_ISDIR(mode):
                         entries.append(subtrees.pop(child).renamed(name))
                         continue
@@ -185,7 +187,7 @@ class _Importer:
                 has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
                 tid = self.store.put_tree(txn, entries)
                 subtrees[path] = Entry(b"", st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns,
-                                       0, tid, _xattrs(path), 0, 2 + ndirs,
+                                       0, tid, read_xattrs(path), 0, 2 + ndirs,
                                        FLAG_HAS_LINKS if has_links else 0)
             root = subtrees.pop(str(self.source))
             db = self.store.db["sources"]
