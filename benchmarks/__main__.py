@@ -52,8 +52,9 @@ def main(size: str, repeat: int, out: Path, only: str | None, systems: str | Non
     out.mkdir(parents=True, exist_ok=True)
     report["charts"] = [p.name for p in rep.charts(report, out)]
     rep.write_json(report, out / "results.json")
+    (out / "results.md").write_text(rep.markdown(report))
     click.echo(rep.table(report))
-    click.echo(f"\nwrote {out / 'results.json'}"
+    click.echo(f"\nwrote {out / 'results.json'}, results.md"
                + (f" and {', '.join(report['charts'])}" if report["charts"]
                   else " (no charts: matplotlib is not installed)"))
     if report["errors"]:

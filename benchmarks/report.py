@@ -176,6 +176,34 @@ def table(report: dict) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def markdown(report: dict) -> str:
+    """The results as Markdown tables (for docs/benchmarks.md): one row per workload, one
+    column per system, each cell the median and, in seconds, its ratio to native; then the
+    goals."""
+    systems = report["systems"]
+    workloads: list[str] = []
+    cells: dict[tuple[str, str], str] = {}
+    for r in report["results"]:
+        name = r["workload"] + (f" @{r['files']:,}" if r["files"] else "")
+        if name not in workloads:
+            workloads.append(name)
+        cell = human(r["median"], r["unit"])
+        if r["ratio"] and r["system"] != "native":
+            cell += f" ({r['ratio']:.2f}x)"
+        cells[name, r["system"]] = cell
+    used = [s for s in systems if any((w, s) in cells for w in workloads)]
+    lines = ["| workload | " + " | ".join(used) + " |", "|---" * (len(used) + 1) + "|"]
+    lines += ["| " + w + " | " + " | ".join(cells.get((w, s), "") for s in used) + " |"
+              for w in workloads]
+    lines += ["", "| goal | measured | met |", "|---|---|---|"]
+    for g in report["goals"]:
+        value = "-" if g["value"] is None else f"{g['value']:.3g} {g['unit']}"
+        note = f" ({g['note']})" if g["note"] else ""
+        met = {True: "yes", False: "**no**", None: "-"}[g["met"]]
+        lines.append(f"| {g['goal']} | {value}{note} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
 def _fmt_extra(key: str, value: float) -> str:
     if key.endswith("_bytes"):
         return f"{value / (1 << 20):.1f}MiB"

@@ -25,6 +25,7 @@ def test_smoke_run_reports_every_figure(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "results.json").read_text())
+    assert (out / "results.md").read_text().startswith("| workload |")
 
     assert {"version", "command", "size", "repeat", "machine", "tree", "systems", "skipped",
             "workloads", "results", "errors", "goals", "charts"} <= report.keys()
