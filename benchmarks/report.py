@@ -92,6 +92,16 @@ def _promote_at_100k(report: dict):
     return median / MS, f"at {files} files" + ("" if files == 100_000 else " (largest measured)")
 
 
+def _first_write(report: dict):
+    """Open + first write into a never-opened big file when measured (rametfs hydrates the
+    content at the first open), else into one that earlier workloads read."""
+    r = _find(report, "randwrite-first-unhydrated")
+    if r:
+        return r["median"] / MS, "never-opened file"
+    r = _find(report, "randwrite-first")
+    return (r["median"] / MS, "content already hydrated") if r else None
+
+
 def _not_built(report: dict):
     return None
 
@@ -112,8 +122,7 @@ GOALS = [
     Goal("cold sequential read of the big file <= 1.25x native", "x native", 1.25,
          _ratio("seqread-cold")),
     Goal("sequential write with fsync <= 1.5x native", "x native", 1.5, _ratio("seqwrite")),
-    Goal("first 4 KiB write into the big snapshot file < 5 ms", "ms", 5,
-         _median("randwrite-first", MS)),
+    Goal("first 4 KiB write into the big snapshot file < 5 ms", "ms", 5, _first_write),
     Goal("snapshot import >= 100 MB/s on incompressible data", "MB/s", 100,
          _extra("import-big", "MB/s"), at_least=True),
     Goal("re-import of an unchanged tree near-free (<= 0.1x the first import)", "x import",

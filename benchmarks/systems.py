@@ -352,13 +352,19 @@ class Rametfs(System):
         self.stop()
         self.start()
 
-    def rss(self) -> int:
-        """The daemon's resident set size (bytes)."""
+    def memory(self) -> dict[str, int]:
+        """The daemon's resident memory (bytes): ``{"rss", "anon", "file"}``, where ``file``
+        is mostly LMDB's memory map (pages the kernel can drop) and ``anon`` the heap."""
+        fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file"}
+        found = {}
         with open(f"/proc/{self.pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise BenchError(f"no VmRSS for pid {self.pid}")
+                key = line.split(maxsplit=1)[0]
+                if key in fields:
+                    found[fields[key]] = int(line.split()[1]) * 1024
+        if len(found) != len(fields):
+            raise BenchError(f"no memory figures for pid {self.pid}")
+        return found
 
     def prepare(self, tree: Tree) -> None:
         if tree.name not in self.snapshots:

@@ -126,7 +126,8 @@ BIG_FILE = "big.bin"
 
 
 def big_tree(dest: Path, size: int) -> Tree:
-    """One file of ``size`` random (incompressible) bytes, ``dest/big.bin``, fsync'd."""
+    """One file of ``size`` random (incompressible) bytes, ``dest/big.bin``, fsync'd; the
+    tree is named after ``dest``."""
     dest.mkdir(parents=True)
     with open(dest / BIG_FILE, "wb") as f:
         for _ in range(size // MIB):
@@ -134,7 +135,7 @@ def big_tree(dest: Path, size: int) -> Tree:
         f.write(os.urandom(size % MIB))
         f.flush()
         os.fsync(f.fileno())
-    return Tree("big", dest, (BIG_FILE,), size)
+    return Tree(dest.name, dest, (BIG_FILE,), size)
 
 
 def tarball(tree: Tree, dest: Path) -> Path:

@@ -373,15 +373,23 @@ def seqwrite(b: Bench, s: System) -> list[Result]:
 @workload(*IO)
 def randwrite(b: Bench, s: System) -> list[Result]:
     """randwrite: RANDOM_WRITES 4 KiB writes at random offsets into the big file from the
-    base (a fresh view each time) and fsync; -first: open + the first write."""
+    base (a fresh view each time) and fsync; -first: open + the first write.  rametfs:
+    -first-unhydrated: the same into a big file no view has opened yet (its first open
+    hydrates the content into the daemon's cache)."""
     firsts, totals = [], []
     for i in range(b.repeat):
         with s.view(b.big) as path, inside(path):
             first, total = random_writes(Path(BIG_FILE), b.big.bytes, seed=i)
         firsts.append(first)
         totals.append(total)
-    return [Result("randwrite-first", s.id, firsts),
-            Result(f"randwrite-{RANDOM_WRITES}", s.id, totals)]
+    results = [Result("randwrite-first", s.id, firsts),
+               Result(f"randwrite-{RANDOM_WRITES}", s.id, totals)]
+    if isinstance(s, Rametfs):
+        unhydrated = big_tree(b.scratch / "big-unhydrated", b.big.bytes)
+        with s.view(unhydrated) as path, inside(path):
+            first, _ = random_writes(Path(BIG_FILE), unhydrated.bytes, seed=0)
+        results.append(Result("randwrite-first-unhydrated", s.id, [first]))
+    return results
 
 
 @workload(*IO)
@@ -492,12 +500,17 @@ def rss(b: Bench, s: System) -> list[Result]:
     s.restart()
     results, views = [], []
     try:
+        def measure(name: str) -> Result:
+            memory = s.memory()
+            return Result(name, s.id, [memory["rss"]], unit="B",
+                          extra={"anon_bytes": memory["anon"], "file_bytes": memory["file"]})
+
         for count in RSS_EXECUTIONS:
             while len(views) < count:
                 views.append(s.fork(b.tree))
-            results.append(Result(f"rss-{count}", s.id, [s.rss()], unit="B"))
+            results.append(measure(f"rss-{count}"))
         walk_lstat(views[0].path)
-        results.append(Result(f"rss-{len(views)}+walk", s.id, [s.rss()], unit="B"))
+        results.append(measure(f"rss-{len(views)}+walk"))
     finally:
         start = time.perf_counter()
         for view in views:
