@@ -337,22 +337,23 @@ def walk(b: Bench, s: System) -> list[Result]:
     return results
 
 
+def _read_tree(b: Bench, s: System, name: str, tree) -> list[Result]:
+    results = _warm_and_cold(b, s, name, tree, lambda: read_files(Path("."), tree.files))
+    for r in results:
+        r.extra["MB/s"] = tree.bytes / r.median / 1e6
+    return results
+
+
 @workload(*IO)
 def read_all(b: Bench, s: System) -> list[Result]:
     """read: read every file of the tree (not ``.git``), cold then warm."""
-    results = _warm_and_cold(b, s, "read", b.tree, lambda: read_files(Path("."), b.tree.files))
-    for r in results:
-        r.extra["MB/s"] = b.tree.bytes / r.median / 1e6
-    return results
+    return _read_tree(b, s, "read", b.tree)
 
 
 @workload(*IO)
 def seqread(b: Bench, s: System) -> list[Result]:
     """seqread: read the big file sequentially, cold then warm."""
-    results = _warm_and_cold(b, s, "seqread", b.big, lambda: read_files(Path("."), b.big.files))
-    for r in results:
-        r.extra["MB/s"] = b.big.bytes / r.median / 1e6
-    return results
+    return _read_tree(b, s, "seqread", b.big)
 
 
 # ----- writes ----------------------------------------------------------------------------
