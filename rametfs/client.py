@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import threading
@@ -449,13 +450,18 @@ def _read_text(path: Path, mount: Path, missing: str | None = None) -> str:
 
 
 def _command(ctl: Path, line: str, mount: Path, missing: str | None = None) -> dict:
-    """Write one command line to ``ctl`` and return its JSON reply, read back from the same
-    descriptor.  Raises :class:`RametError` with the reply's errno and message on failure."""
+    """Write one command line to ``ctl`` and return its JSON reply, read back from the file.
+    Raises :class:`RametError` with the reply's errno and message on failure.
+
+    The file holds the reply of its last command, so the write and the read hold an
+    exclusive flock(2) on it: other clients of the same ``ctl`` wait their turn.
+    """
     try:
         fd = os.open(ctl, os.O_RDWR)
     except OSError as exc:
         raise _error(exc, mount, missing) from None
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         data = line.encode()
         try:
             written = os.write(fd, data)

@@ -23,6 +23,8 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 
+DIRTY_INTERVAL_S = 1.0
+
 
 def _check_mountpoint(mountpoint: str) -> None:
     if not os.path.isdir(mountpoint):
@@ -52,9 +54,19 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
         await overlay.dead_layers.wait()
 
 
+async def _store_dirty_records(overlay: Overlay) -> None:
+    """Store changed inode records every :data:`DIRTY_INTERVAL_S`: the kernel does not say
+    when a file is closed (open-less FUSE), so this bounds what a crash loses of data that
+    was never fsync'd."""
+    while True:
+        await trio.sleep(DIRTY_INTERVAL_S)
+        overlay.flush_all()
+
+
 async def _serve(overlay: Overlay) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_collect_dead_layers, overlay)
+        nursery.start_soon(_store_dirty_records, overlay)
 
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

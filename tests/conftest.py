@@ -129,10 +129,11 @@ class Daemon:
     """
 
     def __init__(self, data_dir: str | os.PathLike, mountpoint: str | os.PathLike,
-                 serve_args: tuple[str, ...] = ()):
+                 serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.data_dir = Path(data_dir)
         self._mnt = Path(mountpoint)
         self.serve_args = tuple(serve_args)  # extra ``serve`` flags, e.g. ("--allow-other",)
+        self.env = {**os.environ, **(env or {})}  # the daemon's environment
         self.pid: int | None = None
         self._logs: list[Path] = []
         self._runs = itertools.count(1)
@@ -146,7 +147,7 @@ class Daemon:
 
     def _python_m(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "rametfs", *args], text=True,
-                              capture_output=True, timeout=timeout)
+                              capture_output=True, timeout=timeout, env=self.env)
 
     def start(self) -> None:
         """Mount in the background; returns once mounted with :attr:`pid` read from status."""
