@@ -12,11 +12,12 @@ files) plays no part.  What a checkout would give, git's tree modes turned into 
   ``--recurse-submodules`` leaves it; counted in the stats as ``git_submodules``.
 
 Every entry's mtime is the commit's committer time (whole seconds, as ``git archive`` sets
-it); owner and group are the importing process's.  A blob is read, cut into pages and stored
-through the :class:`~rametfs.store.writer.ChunkWriter`, one job per distinct blob on every
-core; a blob imported before (any repository: a blob id names its bytes) is found in the
-``sources`` database under ``git-blob:`` + its id and not read again, so importing successive
-revisions costs the changed blobs only.
+it); owner and group are the importing process's.  Each distinct blob is read once, by the
+calling thread, then cut into pages and stored through the
+:class:`~rametfs.store.writer.ChunkWriter` by a pool of one worker per core.  A blob imported
+before (any repository: a blob id names its bytes) is found in the ``sources`` database under
+``git-blob:`` + its id and not read again, so importing successive revisions costs the changed
+blobs only.
 
 With ``with_git_dir`` the repository's ``.git`` directory is imported from disk by the
 directory importer (:class:`~rametfs.store.importer.DirectoryImporter`) as the subtree
@@ -165,9 +166,9 @@ class _GitImporter:
         git_dir = None
         if self.with_git_dir:
             if repo.is_bare or os.path.isfile(os.path.join(repo.workdir, ".git")):
-                raise InvalidArgument(f"{self.path}: taking .git along needs a repository with its own "
-                                      ".git directory (not a bare repository or a linked "
-                                      "worktree)")
+                raise InvalidArgument(f"{self.path}: taking .git along needs a repository "
+                                      "with its own .git directory (not a bare repository "
+                                      "or a linked worktree)")
             git_dir = DirectoryImporter(self.store, Path(repo.path.rstrip("/")))
         dirs = self._walk(repo, commit.tree)
         if any(name == CONTROL_DIR.encode() for name, _, _ in dirs[0][1]):
@@ -242,6 +243,11 @@ def import_git(store: Store, repo: str | os.PathLike, rev: str = "HEAD",
     Raises InvalidArgument (EINVAL) when ``repo`` is relative or no repository, when the tree
     holds ``.ramet`` at its top, or ``with_git_dir`` is asked of a bare repository or a linked
     worktree; NotFound (ENOENT) when ``repo`` does not exist or ``rev`` names no commit;
-    NoSpace (ENOSPC); RametError (EOPNOTSUPP) when pygit2 is not installed.
+    NoSpace (ENOSPC); RametError (EIO) when an object cannot be read, (EOPNOTSUPP) when
+    pygit2 is not installed.
     """
-    return _GitImporter(store, Path(repo), rev, with_git_dir).run(label, message)
+    importer = _GitImporter(store, Path(repo), rev, with_git_dir)
+    try:
+        return importer.run(label, message)
+    except importer.pygit2.GitError as exc:  # a damaged repository: a missing or bad object
+        raise RametError(f"{repo}: {exc}", errno.EIO) from None
