@@ -49,7 +49,7 @@ from .trees import Entry
 from .writer import ChunkWriter
 
 BLOB_CACHE_PREFIX = b"git-blob:"  # + raw blob id: key of the blob cache in ``sources``
-IN_FLIGHT = 8  # blobs read ahead per worker: bounds the memory the reader may run ahead by
+READ_AHEAD_BYTES = 64 << 20  # blob bytes read and waiting for a worker, at most
 
 # git tree entry modes (git's tree-walk.h; libgit2 git_filemode_t)
 _TREE = 0o040000
@@ -121,12 +121,22 @@ class _GitImporter:
 
     def _contents(self, repo, oids: list) -> dict:
         """``{blob id: (size, content id)}``.  This thread reads the blobs (libgit2 holds the
-        GIL, so more readers only contend); the pool hashes, compresses and stores them,
-        with at most :data:`IN_FLIGHT` blobs per worker read ahead."""
-        workers = os.cpu_count() or 2
-        room = threading.BoundedSemaphore(IN_FLIGHT * workers)
+        GIL, so more readers only contend); the pool hashes, compresses and stores them.
+        The reader waits while :data:`READ_AHEAD_BYTES` of read blobs wait for a worker
+        (one larger blob still goes alone)."""
+        room = threading.Condition()
+        waiting = [0]  # bytes read and not yet stored
+
+        def store(raw: bytes, data: memoryview) -> tuple[int, bytes]:
+            try:
+                return self._store_blob(raw, data)
+            finally:
+                with room:
+                    waiting[0] -= len(data)
+                    room.notify()
+
         jobs = {}
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             for oid in oids:
                 cached = self._cached(oid.raw)
                 if cached is not None:
@@ -134,10 +144,11 @@ class _GitImporter:
                     jobs[oid] = cached
                     continue
                 data = memoryview(repo[oid])  # the blob's bytes, without a copy
-                room.acquire()
-                job = pool.submit(self._store_blob, oid.raw, data)
-                job.add_done_callback(lambda _: room.release())
-                jobs[oid] = job
+                with room:
+                    room.wait_for(lambda: not waiting[0]
+                                  or waiting[0] + len(data) <= READ_AHEAD_BYTES)
+                    waiting[0] += len(data)
+                jobs[oid] = pool.submit(store, oid.raw, data)
         return {oid: job if isinstance(job, tuple) else job.result()
                 for oid, job in jobs.items()}
 
