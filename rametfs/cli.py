@@ -245,11 +245,24 @@ def fsck(data: str) -> None:
 @click.argument("source", type=click.Path(file_okay=False))
 @label_option
 @message_option
+@click.option("--git", "git", is_flag=True,
+              help="SOURCE is a git repository: import a revision's tree from its objects.")
+@click.option("--rev", metavar="REV", help="With --git: the revision to import (default HEAD).")
+@click.option("--with-git-dir", is_flag=True,
+              help="With --git: take the repository's .git directory along (local commits, "
+                   "branches, stash, index).")
 @ramet_options
-def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None) -> None:
+def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None, git: bool,
+             rev: str | None, with_git_dir: bool) -> None:
     """Import the directory SOURCE as a snapshot; print its id."""
+    if not git and (rev or with_git_dir):
+        raise click.UsageError("--rev and --with-git-dir need --git.")
     with _elapsed(f"snapshot {source}"):
-        snapshot_id = ramet.snapshot(source, label=label, message=message)
+        if git:
+            snapshot_id = ramet.snapshot_git(source, rev=rev, with_git_dir=with_git_dir,
+                                             label=label, message=message)
+        else:
+            snapshot_id = ramet.snapshot(source, label=label, message=message)
     click.echo(snapshot_id)
 
 

@@ -127,6 +127,24 @@ class Ramet:
         reply = self._backend.root_command("snapshot", path, label=label, message=message)
         return reply["snapshot"]
 
+    def snapshot_git(self, repo: str | os.PathLike, rev: str | None = None,
+                     with_git_dir: bool = False, label: str | None = None,
+                     message: str | None = None) -> str:
+        """Import the tree of revision ``rev`` (default ``HEAD``) of the git repository at
+        ``repo`` as a new snapshot, from the repository's objects (no checkout); return its
+        id.  ``with_git_dir`` takes the repository's ``.git`` directory along, so its local
+        commits, branches, stash and index are in the snapshot.
+
+        Errors: ENOENT repository missing or ``rev`` names no commit, EINVAL not a
+        repository (or ``with_git_dir`` on a bare one), EOPNOTSUPP git support not installed,
+        ENOSPC, EIO.
+        """
+        path = os.path.abspath(os.fspath(repo))
+        reply = self._backend.root_command(
+            "snapshot-git", path, rev=rev, gitdir=protocol.YES if with_git_dir else None,
+            label=label, message=message)
+        return reply["snapshot"]
+
     def create(self, snapshot: str, name: str | None = None) -> Execution:
         """Create a writable execution of ``snapshot`` (id or unique prefix).
 
@@ -284,7 +302,8 @@ class _Local:
             self.engine = fallback.Fallback(data)
         self.data = self.engine.data
         self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
-                              "release": self.engine.release}
+                              "release": self.engine.release,
+                              "snapshot-git": self.engine.snapshot_git}
         self.commands = {"promote": self.engine.promote, "checkpoint": self.engine.checkpoint,
                          "reset": self.engine.reset}
 

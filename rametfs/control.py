@@ -21,7 +21,7 @@ from . import protocol
 from .capture import capture, diff
 from .errors import Busy, InvalidArgument, RametError
 from .overlay import Execution, Overlay
-from .store import import_tree
+from .store import import_git, import_tree
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class Control:
         self.promoted: dict[str, str] = {}
         self.busy: set[str] = set()
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
-            "snapshot": self._snapshot, "create": self._create, "release": self._release}
+            "snapshot": self._snapshot, "create": self._create, "release": self._release,
+            "snapshot-git": self._snapshot_git}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset}
 
@@ -104,6 +105,16 @@ class Control:
             raise InvalidArgument(f"snapshot: path {path!r} is not absolute")
         snap = await trio.to_thread.run_sync(import_tree, self.overlay.store, path,
                                              args.get("label", ""), args.get("message", ""))
+        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    async def _snapshot_git(self, args: dict) -> dict:
+        repo = args["repo"]
+        if not os.path.isabs(repo):
+            raise InvalidArgument(f"snapshot-git: path {repo!r} is not absolute")
+        with_git_dir = protocol.yes_no("snapshot-git", "gitdir", args.get("gitdir"))
+        snap = await trio.to_thread.run_sync(
+            import_git, self.overlay.store, repo, args.get("rev", "HEAD"), with_git_dir,
+            args.get("label", ""), args.get("message", ""))
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _create(self, args: dict) -> dict:

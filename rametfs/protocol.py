@@ -32,6 +32,13 @@ Root commands and their replies::
     snapshot <abs-path> [--label L] [--message M]  -> {"ok", "snapshot", "stats"}
     create <snapshot-id> [--name N]                -> {"ok", "execution", "path"}
     release <execution-id>                         -> {"ok", "execution"}
+    snapshot-git <abs-repo> [--rev REV] [--gitdir yes|no] [--label L] [--message M]
+                                                   -> {"ok", "snapshot", "stats"}
+
+``snapshot-git`` imports the tree of commit ``REV`` (default ``HEAD``) of a git repository
+from its objects, without a checkout; ``--gitdir yes`` takes the repository's ``.git``
+directory along (local commits, branches, stash, index).  Its errors: ENOENT no repository
+or no such commit, EINVAL not a repository, EOPNOTSUPP git support not installed.
 
 Execution commands::
 
@@ -78,7 +85,9 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "snapshot": (("path",), frozenset({"label", "message"})),
     "create": (("snapshot",), frozenset({"name"})),
     "release": (("execution",), frozenset()),
+    "snapshot-git": (("repo",), frozenset({"rev", "gitdir", "label", "message"})),
 }
+YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "promote": ((), frozenset({"label", "message"})),
     "checkpoint": ((), frozenset({"label", "message"})),
@@ -133,6 +142,13 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
         raise ProtocolError(f"{name}: expected {want}, got {len(values)} argument(s)")
     args.update(zip(positional, values))
     return name, args
+
+
+def yes_no(command: str, option: str, value: str | None) -> bool:
+    """The boolean of a yes/no option (absent: no); ProtocolError (EINVAL) for another word."""
+    if value in (None, NO, YES):
+        return value == YES
+    raise ProtocolError(f"{command}: option --{option} takes {YES} or {NO}, not {value!r}")
 
 
 def format_command(name: str, /, *positional: str, **options: str | None) -> str:

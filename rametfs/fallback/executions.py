@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .. import protocol
 from ..errors import Busy, InvalidArgument, NotFound, RametError
-from ..store import Store, import_tree
+from ..store import Store, import_git, import_tree
 from . import clone, manifest, scan, sync
 from .diff import diff_trees
 
@@ -91,6 +91,17 @@ class Fallback:
     def snapshot(self, source: str, label: str = "", message: str = "") -> dict:
         """Import the directory ``source`` (absolute) as a snapshot (``import_tree``)."""
         snap = import_tree(self.store, source, label, message)
+        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    def snapshot_git(self, repo: str, rev: str = "HEAD", gitdir: str | None = None,
+                     label: str = "", message: str = "") -> dict:
+        """Import revision ``rev`` of the git repository ``repo`` (absolute) as a snapshot
+        (``import_git``); ``gitdir`` ``"yes"`` takes its ``.git`` directory along."""
+        try:
+            with_git_dir = protocol.yes_no("snapshot-git", "gitdir", gitdir)
+        except protocol.ProtocolError as exc:
+            raise InvalidArgument(str(exc)) from None
+        snap = import_git(self.store, repo, rev, with_git_dir, label, message)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     def create(self, snapshot: str, name: str | None = None) -> dict:

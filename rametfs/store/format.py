@@ -26,6 +26,9 @@ Databases (one LMDB environment, ``<data>/meta``):
                anything it needs: a snapshot is listed only when it is whole.
 ``sources``    absolute source path -> msgpack ``[dev, ino, size, mtime_ns, ctime_ns, content id]``,
                the stat cache that makes re-importing an unchanged file free.
+               Also ``b"git-blob:"`` + raw git blob id -> msgpack ``[size_bytes, content id]``,
+               the blob cache that makes re-importing an unchanged git blob free
+               (:mod:`rametfs.store.git_import`); such a key never starts with ``/``.
 ``executions`` execution id (utf-8) -> msgpack map ``{base, head, layer, root_ino, created_ns}``.
 ``inodes``     layer (u64) + ino (u64) -> msgpack map, an execution's upper inode record
                (:class:`rametfs.overlay.UpperInode`).
