@@ -9,13 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
-import pytest
-
-from conftest import require_fuse, run
+from conftest import require_bwrap, require_fuse, run
 
 ROOT = Path(__file__).resolve().parent.parent
 ID = re.compile(r"[0-9a-f]{64}")
@@ -23,8 +20,7 @@ ID = re.compile(r"[0-9a-f]{64}")
 
 def test_best_of_n_promotes_the_right_fix_and_restores_it(tmp_path):
     require_fuse()
-    if os.geteuid() != 0 or not shutil.which("bwrap"):
-        pytest.skip("the demo needs root and bwrap (Debian package bubblewrap)")
+    require_bwrap()
     work, out = tmp_path / "work", tmp_path / "outcome.json"
     done = run(sys.executable, ROOT / "tools" / "demo_best_of_n.py", "--workdir", work,
                "--json", out)

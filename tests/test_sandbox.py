@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import socket
 import stat
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, check_log, require_fuse
+from conftest import require_bwrap
 from rametfs import Ramet, RametError
 from rametfs.sandbox import Bubblewrap, Docker, Result
 
@@ -26,19 +25,9 @@ NOBODY = 65534
 
 
 @pytest.fixture(scope="module")
-def ramet(tmp_path_factory):
-    """A Ramet on a daemon served with --allow-other, and a base snapshot owned by 65534."""
-    require_fuse()
-    if os.geteuid() != 0 or not shutil.which("bwrap"):
-        pytest.skip("the bubblewrap adapter needs root and bwrap (Debian package bubblewrap)")
-    base = tmp_path_factory.mktemp("sandbox")
-    d = Daemon(base / "data", base / "mnt", serve_args=("--allow-other",))
-    d.start()
-    try:
-        yield Ramet(d.mnt)
-    finally:
-        d.stop()
-        check_log(d.log_text(), [], repr(d))
+def ramet(allow_other_daemon):
+    require_bwrap()
+    return Ramet(allow_other_daemon.mnt)
 
 
 @pytest.fixture(scope="module")
