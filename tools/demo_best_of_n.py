@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -37,7 +36,8 @@ from pathlib import Path
 
 import click
 
-from demo import GIT, CheckFailed, expect, mounted, rametfs, run, stop_daemon
+from demo import (GIT, CheckFailed, expect, mounted, rametfs, run, stop_daemon,
+                  work_directory)
 from rametfs import Execution, Ramet
 from rametfs.sandbox import Bubblewrap
 
@@ -260,13 +260,7 @@ def best_of_n(work: Path) -> dict:
 def main(workdir: Path | None, json_file: Path | None) -> None:
     """Four scripted attempts at one bug in parallel sandboxes; promote the one that passes
     the tests, reset the others, restart the daemon and restore the winner."""
-    if workdir is None:
-        work = Path(tempfile.mkdtemp(prefix="rametfs-best-of-n-"))
-    else:
-        workdir.mkdir(parents=True, exist_ok=True)
-        if any(workdir.iterdir()):
-            raise click.UsageError(f"--workdir {workdir} is not empty")
-        work = workdir.resolve()
+    work = work_directory(workdir, "rametfs-best-of-n-")
     outcome: dict = {"ok": False}
     try:
         outcome = {"ok": True, **best_of_n(work)}
