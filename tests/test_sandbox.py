@@ -162,6 +162,21 @@ def test_refuses_a_mount_without_allow_other(shared_daemon, tmp_path):
         ramet.release(ex)
 
 
+def test_a_fallback_execution_is_sandboxed_the_same_way(tmp_path):
+    require_bwrap()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a").write_text("a\n")
+    for path in (tmp_path / "src", tmp_path / "src" / "a"):
+        os.chown(path, NOBODY, NOBODY)
+    with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
+        base = ramet.snapshot(tmp_path / "src")
+        ex, sibling = ramet.create(base), ramet.create(base)
+        result = sh(ex, f"id -u; echo b > b; ls -A {ramet.data}; ls {sibling.path}; ls")
+        assert result.stdout == "65534\na\nb\n"
+        assert result.stderr == f"ls: cannot access '{sibling.path}': No such file or directory\n"
+        assert ex.diff() == [("A", "b")] and sibling.diff() == []
+
+
 def test_root_is_refused():
     with pytest.raises(ValueError):
         Bubblewrap(uid=0)

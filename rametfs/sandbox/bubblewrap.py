@@ -129,7 +129,10 @@ def _stop(process: subprocess.Popen, status_fd: int) -> None:
     reaping that init.  If no pid came (bwrap failed before), bwrap itself is killed.
     """
     pid = _child_pid(status_fd)
-    os.kill(pid if pid is not None else process.pid, signal.SIGKILL)
+    try:
+        os.kill(pid if pid is not None else process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
     os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
 
 

@@ -80,7 +80,7 @@ def run_group(argv: Sequence[str], timeout: float | None,
     except BaseException as exc:
         timed_out = isinstance(exc, subprocess.TimeoutExpired)
         stop(process)
-        kill_group(process)
+        _kill_group(process)
         stdout, stderr = process.communicate()
         if not timed_out:
             raise
@@ -88,7 +88,7 @@ def run_group(argv: Sequence[str], timeout: float | None,
                   stderr.decode(errors="replace"), timed_out, time.perf_counter() - start)
 
 
-def kill_group(process: subprocess.Popen) -> None:
+def _kill_group(process: subprocess.Popen) -> None:
     """SIGKILL the process group that ``process`` leads, waiting for the leader's exit first
     without reaping it, so that the group id cannot have been reused by then."""
     try:
