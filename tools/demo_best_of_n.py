@@ -11,7 +11,8 @@ Run it through ``tools/demo-best-of-n`` (which prepares .venv and bubblewrap fir
 3. run the four attempts at once, each as a script in its own sandbox (no network, the host
    read-only, the rest of the mount hidden), then the tests in the same sandbox:
    ``right-fix`` (5/5), ``wrong-fix`` (4/5: still wrong for even counts), ``breaks-mean``
-   (3/5: fixes median, breaks both mean tests) and ``timeout`` (loops until killed);
+   (3/5: fixes median, breaks both mean tests) and ``timeout`` (writes to a file until
+   killed: once the sandbox returns, the file no longer grows);
 4. promote the attempt that passes every test, reset the other three and verify them equal
    to the base; print the table (attempt, tests passed, seconds, snapshot id);
 5. restart the daemon, create a fresh execution of the promoted snapshot, check that its
@@ -224,6 +225,12 @@ def best_of_n(work: Path) -> dict:
         click.echo(f"{len(rows)} attempts in parallel: {time.perf_counter() - start:.2f} s")
         found = {row.attempt: row.passed for row in rows}
         expect(found == EXPECTED, f"tests passed {found}, expected {EXPECTED}")
+        log = executions["timeout"].path / "scratch.log"
+        size = log.stat().st_size
+        time.sleep(0.1)  # a writer that outlived its sandbox would grow the log meanwhile
+        expect(size and log.stat().st_size == size, "the timed-out attempt is still writing")
+        click.echo(f"timeout: killed at {ATTEMPT_TIMEOUT_S:g} s; its scratch.log stays at "
+                   f"{size} bytes: no writer left")
         winner = next(row for row in rows if all_passed(row))
         chosen = executions[winner.attempt]
         winner.snapshot = chosen.promote(label=f"best of {len(rows)}: {winner.attempt}")
