@@ -42,7 +42,9 @@ ENV_ID = "rametfs-shell"
 
 
 class RametShellEnv(BaseTextEnv):
-    """Shell episodes on clean executions; see the module docstring for ``extras``."""
+    """Shell episodes on clean executions; see the module docstring for ``extras``.
+
+    One instance may run several episodes in turn: ``init`` starts each afresh."""
 
     def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -54,7 +56,7 @@ class RametShellEnv(BaseTextEnv):
         self.reward_command = extras.get("reward_command")
         self.acquire_timeout = extras.get("acquire_timeout")
         self.execution: Execution | None = None
-        self.timings = {"acquire_s": 0.0, "verify_s": 0.0, "step_s": 0.0, "release_s": 0.0}
+        self.timings: dict[str, float] = {}
         self._held = contextlib.ExitStack()
 
     def init(self, prompt):
@@ -62,12 +64,13 @@ class RametShellEnv(BaseTextEnv):
 
         Raises PoolTimeout (EBUSY) when none is free within ``acquire_timeout``, RametError
         (EIO) when the one acquired differs from the base (it is released, not used)."""
+        self.turns = 0
         start = time.perf_counter()
         self.execution = self._held.enter_context(self.pool.acquire(self.acquire_timeout))
         acquired = time.perf_counter()
         left = self.execution.verify()
-        self.timings["acquire_s"] = acquired - start
-        self.timings["verify_s"] = time.perf_counter() - acquired
+        self.timings = {"acquire_s": acquired - start, "verify_s": time.perf_counter() - acquired,
+                        "step_s": 0.0, "release_s": 0.0}
         if left:
             self.close()
             raise RametError(errno.EIO, f"execution handed out dirty: {left[:5]}")
