@@ -98,12 +98,12 @@ class Policy:
     source: str
     patterns: dict[str, tuple[Pattern, ...]]  # durable, shared, ephemeral
     recipes: dict[str, RecipeSpec]  # in file order
-    anywhere: bool = field(init=False)
+    every: tuple[Pattern, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         every = [p for ps in self.patterns.values() for p in ps]
         every += [p for r in self.recipes.values() for p in r.paths]
-        object.__setattr__(self, "anywhere", any(p.floating for p in every))
+        object.__setattr__(self, "every", tuple(every))
 
     def classify(self, path: str, is_dir: bool) -> tuple[str, str | None] | None:
         """``(class, recipe name or None)`` of the patterns naming ``path`` itself, or None
@@ -131,12 +131,8 @@ class Policy:
     def may_match_below(self, path: str) -> bool:
         """Whether a pattern could name something below directory ``path`` ("" the root);
         if not, the directory is durable whole and need not be walked."""
-        if self.anywhere:
-            return True
         parts = path.split("/") if path else []
-        every = [p for ps in self.patterns.values() for p in ps]
-        every += [p for r in self.recipes.values() for p in r.paths]
-        return any(p.may_match_below(parts) for p in every)
+        return any(p.may_match_below(parts) for p in self.every)
 
 
 # -- parsing ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from conftest import run
 from rametfs import Ramet, RametError, policy
 from rametfs.cli import main
 from rametfs.client import RestoreError
+from rametfs.restore import run_subprocess
 
 POLICY = """\
 # what a promote keeps
@@ -209,9 +210,19 @@ def test_preview_then_promote_applies_the_policy(ramet, project, tmp_path):
         "build/bundle.py", "data/table.csv", "keep.log", "old.log", "ramet.toml", "run.log",
         "src/a.py", "src/b.py", "src/c.py", "tmp/scratch", "x.tmp"}
 
-    restored = ramet.restore(sid)
+    calls = []
+
+    def runtime(execution, argv, timeout):  # an adapter: here it records and runs
+        calls.append((execution.id, argv, timeout))
+        return run_subprocess(execution, argv, timeout)
+
+    restored = ramet.restore(sid, runtime=runtime)
     assert [(s.recipe, s.step, s.ok) for s in restored.steps] == [
         ("bundle", "inputs", True), ("bundle", "command", True), ("bundle", "check", True)]
+    assert calls == [
+        (restored.execution.id, ["sh", "-c", "mkdir -p build && cat src/*.py > build/bundle.py"],
+         60.0),
+        (restored.execution.id, ["test", "-s", "build/bundle.py"], 60.0)]
     assert (restored.execution.path / "build" / "bundle.py").read_text() == \
         "A = 1\nB = 2\nC = 3\n"
     ramet.release(restored.execution)
@@ -306,6 +317,18 @@ command = "mkdir -p two"
         "recipe first: check failed: echo not ready >&2; exit 3 exited 3; "
         "output ends with:\nnot ready")
     ramet.release(info.value.execution)
+
+    where = (["-m", str(ramet.mount)] if ramet.mode == "fuse"
+             else ["--mode", "fallback", "--data", str(ramet.data)])
+    result = CliRunner().invoke(main, ["restore", *where, sid, "--name", "inspect-me"])
+    assert result.exit_code == 1  # EIO
+    assert result.stdout == "inspect-me\n"  # kept for inspection
+    assert [line.split(" (")[0] for line in result.stderr.splitlines()] == [
+        "first: inputs ok", "first: command ok", "first: check FAILED", "not ready",
+        f"rametfs: restore of {sid[:12]} into execution inspect-me: recipe first: check "
+        "failed: echo not ready >&2; exit 3 exited 3; output ends with:", "not ready"]
+    assert (ramet.execution("inspect-me").path / "conf" / "second.cfg").exists()
+    ramet.release("inspect-me")
     ramet.release(ex)
 
 
