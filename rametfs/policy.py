@@ -99,22 +99,24 @@ class Policy:
     patterns: dict[str, tuple[Pattern, ...]]  # durable, shared, ephemeral
     recipes: dict[str, RecipeSpec]  # in file order
     every: tuple[Pattern, ...] = field(init=False)
+    matchers: tuple = field(init=False)  # (class, recipe, dirs regex, files regex), by precedence
 
     def __post_init__(self) -> None:
-        every = [p for ps in self.patterns.values() for p in ps]
-        every += [p for r in self.recipes.values() for p in r.paths]
-        object.__setattr__(self, "every", tuple(every))
+        groups = [(DURABLE, None, self.patterns[DURABLE]), (SHARED, None, self.patterns[SHARED])]
+        groups += [(REBUILDABLE, r.name, r.paths) for r in self.recipes.values()]
+        groups.append((EPHEMERAL, None, self.patterns[EPHEMERAL]))
+        object.__setattr__(self, "every", tuple(p for *_, ps in groups for p in ps))
+        object.__setattr__(self, "matchers", tuple(
+            (cls, recipe, _alternation(ps), _alternation([p for p in ps if not p.dir_only]))
+            for cls, recipe, ps in groups if ps))
 
     def classify(self, path: str, is_dir: bool) -> tuple[str, str | None] | None:
         """``(class, recipe name or None)`` of the patterns naming ``path`` itself, or None
         when none does (the path takes its directory's class)."""
-        for cls in CLASSES:
-            if cls == REBUILDABLE:
-                for recipe in self.recipes.values():
-                    if any(p.matches(path, is_dir) for p in recipe.paths):
-                        return REBUILDABLE, recipe.name
-            elif any(p.matches(path, is_dir) for p in self.patterns[cls]):
-                return cls, None
+        for cls, recipe, dirs, files in self.matchers:
+            regex = dirs if is_dir else files
+            if regex is not None and regex.fullmatch(path):
+                return cls, recipe
         return None
 
     def class_of(self, path: str, is_dir: bool) -> tuple[str, str | None, str]:
@@ -257,6 +259,13 @@ class _Parser:
             return tuple(value)
         raise self.fail(where, key, f"rebuildable.{where[1]}: {key}: expected a command "
                         "string (run by sh -c) or a non-empty list of arguments")
+
+
+def _alternation(patterns: list[Pattern]) -> re.Pattern | None:
+    """One regex matching what any of ``patterns`` matches (None for none)."""
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{p.regex.pattern})" for p in patterns), re.S)
 
 
 def compile_pattern(text: str) -> Pattern:

@@ -168,6 +168,7 @@ def snapshot_files(ramet: Ramet, sid: str, tmp_path: Path) -> dict[str, str]:
 
 
 def test_preview_then_promote_applies_the_policy(ramet, project, tmp_path):
+    write(project, {"docs/readme.md": "read me\n", "docs/notes.log": "noise\n"})  # unchanged
     base = ramet.snapshot(project)
     ex = ramet.create(base)
     write(ex.path, {"src/c.py": "C = 3\n", "run.log": "log line\n", "tmp/scratch": "0123456789",
@@ -176,23 +177,24 @@ def test_preview_then_promote_applies_the_policy(ramet, project, tmp_path):
     report = ex.preview()
     assert ex.diff() == before  # a preview changes nothing
     assert [(p["path"], p["class"], p["bytes"]) for p in report["paths"]] == [
-        ("build/", "rebuildable", 6), ("data/", "shared", 8), ("keep.log", "durable", 5),
+        ("build/", "rebuildable", 6), ("data/", "shared", 8), ("docs/notes.log", "ephemeral", 6),
+        ("docs/readme.md", "durable", 8), ("keep.log", "durable", 5),
         ("old.log", "ephemeral", 6), ("ramet.toml", "durable", len(POLICY)),
         ("run.log", "ephemeral", 9), ("src/a.py", "durable", 6), ("src/b.py", "durable", 6),
         ("src/c.py", "durable", 6), ("tmp/", "ephemeral", 10), ("x.tmp", "ephemeral", 1)]
     assert report["totals"] == {
-        "durable": {"paths": 5, "files": 5, "bytes": 23 + len(POLICY)},
+        "durable": {"paths": 6, "files": 6, "bytes": 31 + len(POLICY)},
         "shared": {"paths": 1, "files": 1, "bytes": 8},
         "rebuildable": {"paths": 1, "files": 1, "bytes": 6},
-        "ephemeral": {"paths": 4, "files": 4, "bytes": 26}}
+        "ephemeral": {"paths": 5, "files": 5, "bytes": 32}}
     assert (report["ok"], report["policy"], report["problems"]) == (True, "ramet.toml", [])
     assert [(r["name"], r["outputs"], r["inputs"]) for r in report["recipes"]] == [
         ("bundle", ["build"], ["src"])]
 
     sid = ex.promote(label="with policy")
     assert snapshot_files(ramet, sid, tmp_path) == {
-        "data/table.csv": "x,y\n1,2\n", "keep.log": "kept\n", "ramet.toml": POLICY,
-        "src/a.py": "A = 1\n", "src/b.py": "B = 2\n", "src/c.py": "C = 3\n"}
+        "data/table.csv": "x,y\n1,2\n", "docs/readme.md": "read me\n", "keep.log": "kept\n",
+        "ramet.toml": POLICY, "src/a.py": "A = 1\n", "src/b.py": "B = 2\n", "src/c.py": "C = 3\n"}
     record = next(s for s in ramet.snapshots() if s["id"] == sid)
     assert record["recipes"] == [{
         "name": "bundle", "outputs": ["build"],
@@ -201,13 +203,14 @@ def test_preview_then_promote_applies_the_policy(ramet, project, tmp_path):
         "check": ["test", "-s", "build/bundle.py"], "timeout": 60.0}]
     assert (record["policy"], record["left_out"]) == ("ramet.toml", {
         "rebuildable": {"paths": 1, "files": 1, "bytes": 6},
-        "ephemeral": {"paths": 4, "files": 4, "bytes": 26}})
+        "ephemeral": {"paths": 5, "files": 5, "bytes": 32}})
     assert (ex.path / "run.log").read_text() == "log line\n"  # the execution is untouched
 
     # a checkpoint without --policy keeps everything
     everything = ex.checkpoint()
     assert set(snapshot_files(ramet, everything, tmp_path)) == {
-        "build/bundle.py", "data/table.csv", "keep.log", "old.log", "ramet.toml", "run.log",
+        "build/bundle.py", "data/table.csv", "docs/notes.log", "docs/readme.md", "keep.log",
+        "old.log", "ramet.toml", "run.log",
         "src/a.py", "src/b.py", "src/c.py", "tmp/scratch", "x.tmp"}
 
     calls = []
@@ -442,3 +445,5 @@ check = "test -f build/app.py"
     assert not (path / "run.log").exists()
     for eid in (restored, ex.id):
         ramet.release(eid)
+    fsck = run(sys.executable, "-m", "rametfs", "fsck", "--data", shared_daemon.data_dir)
+    assert fsck.stdout == "" and "; 0 problems" in fsck.stderr
