@@ -332,6 +332,15 @@ command = "mkdir -p two"
         "failed: echo not ready >&2; exit 3 exited 3; output ends with:", "not ready"]
     assert (ramet.execution("inspect-me").path / "conf" / "second.cfg").exists()
     ramet.release("inspect-me")
+
+    (ex.path / "ramet.toml").write_text(
+        '[rebuildable.slow]\npaths = ["one/"]\ncommand = ["sleep", "30"]\ntimeout = 0.2\n')
+    sid = ex.promote()
+    with pytest.raises(RestoreError) as info:
+        ramet.restore(sid)
+    assert (info.value.errno, str(info.value).split(": ", 1)[1]) == (
+        errno.ETIMEDOUT, "recipe slow: command failed: sleep 30 timed out after 0.2 s")
+    ramet.release(info.value.execution)
     ramet.release(ex)
 
 
@@ -413,7 +422,7 @@ check = "test -f build/app.py"
     run(py, "-m", "pip", "--python", ".venv/bin/python", "install", "-q", "--no-index",
         "--find-links", "wheels", "-r", "requirements.txt", "--log", "pip.log", cwd=ex.path)
     write(ex.path, {"build/app.py": "import tinypkg\n", "tmp/t": "scratch", "run.log": "ran\n"})
-    assert run(ex.path / ".venv/bin/python", "-c", "import tinypkg", cwd=ex.path)
+    run(ex.path / ".venv/bin/python", "-c", "import tinypkg", cwd=ex.path)
 
     report = ex.preview()
     left_out = {p["path"]: (p["class"], p.get("recipe")) for p in report["paths"]
