@@ -62,9 +62,6 @@ class Pattern:
     floating: bool  # no "/" inside: matches a name at any depth
     parts: tuple[str, ...]
 
-    def matches(self, path: str, is_dir: bool) -> bool:
-        return (is_dir or not self.dir_only) and self.regex.fullmatch(path) is not None
-
     def may_match_below(self, parts: list[str]) -> bool:
         """Whether some path below the directory ``parts`` (components) could match."""
         if self.floating:

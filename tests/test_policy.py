@@ -65,7 +65,8 @@ timeout = 60
     ("*", ".hidden", False, True),
 ])
 def test_pattern_matches_whole_paths(pattern, path, is_dir, expected):
-    assert policy.compile_pattern(pattern).matches(path, is_dir) is expected
+    pol = policy.load(f"ephemeral = [{json.dumps(pattern)}]".encode(), "p")
+    assert (pol.classify(path, is_dir) == (policy.EPHEMERAL, None)) is expected
 
 
 def test_classes_precedence_and_whole_directories():
