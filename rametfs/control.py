@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 import trio
 
 from . import protocol
-from .capture import capture, diff
+from .capture import capture, diff, preview
 from .errors import Busy, InvalidArgument, RametError
 from .overlay import Execution, Overlay
 from .store import import_git, import_tree
@@ -49,7 +49,8 @@ class Control:
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
-            "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset}
+            "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
+            "preview": self._preview}
 
     # -- running commands ----------------------------------------------------------------
 
@@ -139,13 +140,15 @@ class Control:
     # -- execution commands --------------------------------------------------------------
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
-        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""))
+        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
+                             _policy_text(args), tree_policy=True)
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
-        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""))
+        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
+                             _policy_text(args))
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
@@ -153,6 +156,9 @@ class Control:
         await self.invalidate(self.overlay.reset(ex))
         return {"ok": True, "snapshot": ex.base.id,
                 "reset_ms": round((time.monotonic_ns() - started) / 1e6, 3)}
+
+    async def _preview(self, ex: Execution, args: dict) -> dict:
+        return {"ok": True, "preview": preview(self.overlay, ex, _policy_text(args))}
 
     # -- what the files read -------------------------------------------------------------
 
@@ -178,6 +184,22 @@ class Control:
         return b"".join(f"{letter} ".encode() + path + b"\n"
                         for letter, path in diff(self.overlay, ex))
 
+    def preview_text(self, ex: Execution) -> bytes:
+        """``.ramet/preview``: the preview under the execution's ``ramet.toml``, as JSON.
+        A malformed policy fails the open (EINVAL) with its message in ``.ramet/error``."""
+        try:
+            report = preview(self.overlay, ex)
+        except RametError as exc:
+            self.errors[ex.id] = self._failed(exc, protocol.PREVIEW)
+            raise
+        return (json.dumps(report, indent=1) + "\n").encode()
+
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
+
+
+def _policy_text(args: dict) -> bytes | None:
+    """The ``--policy`` text of a command, as bytes (None when not given)."""
+    text = args.get("policy")
+    return None if text is None else text.encode()

@@ -454,6 +454,7 @@ class Operations(pyfuse3.Operations):
         ex = self.overlay.execution(v.execution)
         return {protocol.STATUS: c.execution_status,
                 protocol.DIFF: c.diff_text,
+                protocol.PREVIEW: c.preview_text,
                 protocol.PROMOTE: c.promoted_text,
                 protocol.ERROR: lambda e: c.errors.get(e.id, "").encode()}[v.kind](ex)
 

@@ -15,6 +15,7 @@ Layout (paths relative to the mountpoint)::
     executions/<id>/.ramet/promote   write anything to promote; read: last promoted id
     executions/<id>/.ramet/status    JSON: id, base, head, state, last reply
     executions/<id>/.ramet/diff      ``A|M|D <path>`` lines, like ``git status --porcelain``
+    executions/<id>/.ramet/preview   JSON: what a promote would keep, by class (docs/policy.md)
     executions/<id>/.ramet/error     text: message of the last failed command here
 
 A command is one line written to a ``ctl`` file, split like a POSIX shell does (``shlex``), so
@@ -42,9 +43,16 @@ or no such commit, EINVAL not a repository, EOPNOTSUPP git support not installed
 
 Execution commands::
 
-    promote [--label L] [--message M]   -> {"ok", "snapshot", "stats"}   (execution continues on it)
-    checkpoint [--label L] [--message M] -> {"ok", "snapshot", "stats"}  (base stays; not a new head)
+    promote [--label L] [--message M] [--policy TOML]   -> {"ok", "snapshot", "stats"}
+                                         (execution continues on it)
+    checkpoint [--label L] [--message M] [--policy TOML] -> {"ok", "snapshot", "stats"}
+                                         (base stays; not a new head)
     reset                               -> {"ok", "snapshot"}            (back to its base)
+    preview [--policy TOML]             -> {"ok", "preview"}             (changes nothing)
+
+``--policy`` carries a persistence policy's text itself (the client reads the file), so the
+daemon never opens a path a sandbox names.  Without it, promote and preview apply the
+execution's own ``ramet.toml`` if there is one; checkpoint applies none (docs/policy.md).
 
 Snapshot ids are 64 hex digits (BLAKE3); any unique prefix of at least
 :data:`MIN_ID_PREFIX` digits is accepted where an id is expected.  Execution ids are
@@ -64,11 +72,12 @@ STATUS = "status"
 ERROR = "error"
 PROMOTE = "promote"
 DIFF = "diff"
+PREVIEW = "preview"
 SNAPSHOTS_DIR = "snapshots"
 EXECUTIONS_DIR = "executions"
 
 ROOT_CONTROL_FILES = (CTL, STATUS, ERROR)
-EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR)
+EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR, PREVIEW)
 
 MIN_ID_PREFIX = 8
 EXECUTION_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -89,9 +98,10 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "promote": ((), frozenset({"label", "message"})),
-    "checkpoint": ((), frozenset({"label", "message"})),
+    "promote": ((), frozenset({"label", "message", "policy"})),
+    "checkpoint": ((), frozenset({"label", "message", "policy"})),
     "reset": ((), frozenset()),
+    "preview": ((), frozenset({"policy"})),
 }
 
 
