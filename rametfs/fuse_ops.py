@@ -5,8 +5,9 @@ rametfs.overlay / rametfs.control.  Errors map to errno in one place (:func:`_er
 RametError or OSError becomes ``FUSEError(errno)``; any other exception is a bug, logged with
 its traceback and answered with EIO so one bad request cannot take the daemon down.
 
-Fixed inode numbers: 1 the mount root, 2 ``snapshots/``, 3 ``executions/``, 4 ``.ramet/`` and
-5-7 its files.  Each execution's ``.ramet/`` directory and files get numbers on first lookup.
+Fixed inode numbers: 1 the mount root, 2 ``snapshots/``, 3 ``executions/``, 4 ``.ramet/``.
+Each execution's ``.ramet/`` directory gets a number on first lookup; control files get one per
+content (:class:`ControlSlot`).
 Snapshot inodes are cached by the kernel for :data:`CACHE_TIMEOUT` (immutable).  So are
 execution inodes: every change to them passes through this kernel mount, which keeps its
 caches coherent, except reset and release, which invalidate what the kernel may hold.
@@ -19,9 +20,10 @@ as the file handle.  Either way there is no per-open state: a file's upper data 
 cached (``Overlay.upper_fds``), dirty inode records are stored by :func:`daemon` every second
 and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
 
-Control files have no per-open state either: each holds its content (a ``ctl`` file the reply
-of its last command) and reports it with a new mtime whenever it changes, at attribute timeout
-0, so the kernel (FUSE_AUTO_INVAL_DATA) drops a cached page as soon as it is stale; without the
+Control files are looked up at entry timeout 0, and every content a control file shows is an
+inode of its own whose bytes never change, so the page cache cannot mix two of them; ``ctl``
+and ``promote`` get a new inode at every lookup, whose content becomes the reply of the
+command written to it (a new mtime tells the kernel to drop the cached page).  Without the
 patch they are opened with direct I/O.
 """
 
@@ -55,18 +57,36 @@ CONTROL_NAME = protocol.CONTROL_DIR.encode()
 OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
     os.environ.get("RAMETFS_OPEN_LESS", "1") != "0"
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
+GENERATIONS = 64  # inodes kept per control file: older ones read as ESTALE
+WRITTEN = (protocol.CTL, protocol.PROMOTE)  # control files that take commands
+
+
+@dataclass
+class ControlSlot:
+    """One control file name in a ``.ramet/`` directory; each of its contents is an inode
+    (a generation), newest last in ``gens``."""
+
+    mode: int
+    kind: str  # ctl, status, error, promote, diff, preview
+    execution: str | None  # None: the root scope
+    gens: list[int] = field(default_factory=list)
+    reply: bytes = b""  # a ctl file: the reply of the last command written to it
 
 
 @dataclass
 class Virtual:
-    """A node the daemon makes up: the top directories and the control files."""
+    """A node the daemon makes up: the top and ``.ramet/`` directories, and one generation
+    of a control file (``slot``)."""
 
     ino: int
     mode: int
-    kind: str  # "dir" or a control file name (ctl, status, error, promote, diff)
+    kind: str  # "dir" or a control file kind
     execution: str | None = None  # None: the root scope
     children: dict[bytes, int] = field(default_factory=dict)
-    content: bytes = b""  # what a read returns; a ctl file: the reply of its last command
+    files: dict[bytes, ControlSlot] = field(default_factory=dict)  # a .ramet/ directory's
+    slot: ControlSlot | None = None
+    lookups: int = 0  # of a generation: the kernel's lookup count, down to 0 by forgets
+    content: bytes = b""  # what a read returns
     mtime_ns: int = field(default_factory=time.time_ns)  # changes with content or listing
 
     def changed(self, content: bytes | None = None) -> None:
@@ -109,11 +129,10 @@ class Operations(pyfuse3.Operations):
                                   children={**TOP, CONTROL_NAME: CONTROL}))
         self._add_virtual(Virtual(SNAPSHOTS, stat.S_IFDIR | 0o755, "dir"))
         self._add_virtual(Virtual(EXECUTIONS, stat.S_IFDIR | 0o755, "dir"))
-        self._add_virtual(Virtual(CONTROL, stat.S_IFDIR | 0o755, "dir"))
-        for i, name in enumerate(protocol.ROOT_CONTROL_FILES):
-            mode = 0o600 if name == protocol.CTL else 0o444
-            self._add_virtual(Virtual(5 + i, stat.S_IFREG | mode, name))
-            self.virtual[CONTROL].children[name.encode()] = 5 + i
+        self._add_virtual(Virtual(CONTROL, stat.S_IFDIR | 0o755, "dir", files={
+            name.encode(): ControlSlot(stat.S_IFREG | (0o600 if name == protocol.CTL else 0o444),
+                                       name, None)
+            for name in protocol.ROOT_CONTROL_FILES}))
         self.exec_control: dict[str, int] = {}  # execution id -> its .ramet dir ino
         self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
 
@@ -156,14 +175,26 @@ class Operations(pyfuse3.Operations):
         return e
 
     def _virtual_attrs(self, v: Virtual) -> pyfuse3.EntryAttributes:
-        if v.kind == "dir":
-            nlink = 2
-        else:
-            nlink = 1
-            v.changed(self._control_content(v))
+        nlink = 2 if v.kind == "dir" else 1
         a = Attrs(v.ino, v.mode, nlink, self.uid, self.gid, 0, len(v.content), 0,
                   v.mtime_ns, v.mtime_ns)
         return self._entry(a, 0)
+
+    def _control_file(self, slot: ControlSlot) -> Virtual:
+        """The inode to hand out for ``slot`` now: the newest one if its content is still
+        current, else a new one; always a new one for a file that takes commands."""
+        content = slot.reply if slot.kind == protocol.CTL else self._control_content(slot)
+        if slot.kind not in WRITTEN and slot.gens:
+            newest = self.virtual[slot.gens[-1]]
+            if newest.content == content:
+                return newest
+        v = Virtual(self.overlay._alloc_ino(), slot.mode, slot.kind, slot.execution,
+                    slot=slot, content=content)
+        self._add_virtual(v)
+        slot.gens.append(v.ino)
+        if len(slot.gens) > GENERATIONS:
+            del self.virtual[slot.gens.pop(0)]
+        return v
 
     def _node_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         return self._entry(self.overlay.attrs(node), CACHE_TIMEOUT)
@@ -177,13 +208,11 @@ class Operations(pyfuse3.Operations):
     def _exec_control_dir(self, ex: Execution) -> Virtual:
         ino = self.exec_control.get(ex.id)
         if ino is None or ino not in self.virtual:
-            d = Virtual(self.overlay._alloc_ino(), stat.S_IFDIR | 0o755, "dir", ex.id)
+            d = Virtual(self.overlay._alloc_ino(), stat.S_IFDIR | 0o755, "dir", ex.id, files={
+                name.encode(): ControlSlot(
+                    stat.S_IFREG | (0o666 if name in WRITTEN else 0o444), name, ex.id)
+                for name in protocol.EXECUTION_CONTROL_FILES})
             self._add_virtual(d)
-            for name in protocol.EXECUTION_CONTROL_FILES:
-                mode = 0o666 if name in (protocol.CTL, protocol.PROMOTE) else 0o444
-                f = Virtual(self.overlay._alloc_ino(), stat.S_IFREG | mode, name, ex.id)
-                self._add_virtual(f)
-                d.children[name.encode()] = f.ino
             self.exec_control[ex.id] = d.ino
             ino = d.ino
         return self.virtual[ino]
@@ -199,7 +228,13 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def lookup(self, parent_inode, name, ctx=None):
         ino = self._lookup_ino(parent_inode, name)
+        self._looked_up(ino)
         return self._attrs(ino)
+
+    def _looked_up(self, ino: int) -> None:
+        v = self.virtual.get(ino)
+        if v is not None and v.slot is not None:
+            v.lookups += 1
 
     def _lookup_ino(self, parent: int, name: bytes) -> int:
         v = self.virtual.get(parent)
@@ -208,6 +243,8 @@ class Operations(pyfuse3.Operations):
                 return self.overlay.snapshot_view(name.decode("ascii", "replace")).root_ino
             if parent == EXECUTIONS:
                 return self.overlay.execution(name.decode("utf-8", "replace")).root_ino
+            if name in v.files:
+                return self._control_file(v.files[name]).ino
             if name not in v.children:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return v.children[name]
@@ -308,7 +345,8 @@ class Operations(pyfuse3.Operations):
             entries = [(eid.encode(), ex.root_ino)
                        for eid, ex in sorted(self.overlay.executions.items())]
         else:  # .ramet is found by lookup, never listed
-            entries = sorted((n, i) for n, i in v.children.items() if n != CONTROL_NAME)
+            entries = sorted([(n, i) for n, i in v.children.items() if n != CONTROL_NAME] +
+                             [(n, self._control_file(slot).ino) for n, slot in v.files.items()])
         return [(name, self._attrs(i)) for name, i in entries]
 
     @_errors
@@ -325,6 +363,7 @@ class Operations(pyfuse3.Operations):
             name, attrs = listing[i]
             if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
                 break
+            self._looked_up(attrs.st_ino)
 
     # -- files ---------------------------------------------------------------------------
 
@@ -340,7 +379,6 @@ class Operations(pyfuse3.Operations):
             if v is not None:
                 if v.kind == "dir":
                     raise pyfuse3.FUSEError(errno.EISDIR)
-                v.changed(self._control_content(v))
                 return pyfuse3.FileInfo(fh=inode, direct_io=True)
             node = self.overlay.node(inode)
             if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC) and node.view.read_only:
@@ -436,17 +474,22 @@ class Operations(pyfuse3.Operations):
     async def forget(self, inode_list):
         # Nodes stay while the daemon runs, so inode numbers stay stable; an unlinked one
         # goes now that no process can reach it.
-        for ino, _ in inode_list:
+        for ino, count in inode_list:
             node = self.overlay.nodes.get(ino)
             if node is not None:
                 self.overlay.forgotten(node)
+            v = self.virtual.get(ino)
+            if v is not None and v.slot is not None:  # a control file generation
+                v.lookups -= count
+                if v.lookups <= 0:  # else a lookup answered since the kernel let it go
+                    del self.virtual[ino]
+                    v.slot.gens.remove(ino)
 
     # -- control files -------------------------------------------------------------------
 
-    def _control_content(self, v: Virtual) -> bytes:
+    def _control_content(self, v: ControlSlot | Virtual) -> bytes:
+        """What a control file other than ``ctl`` shows now."""
         c = self.control
-        if v.kind == protocol.CTL:
-            return v.content
         if v.execution is None:
             if v.kind == protocol.STATUS:
                 return c.root_status()
@@ -459,7 +502,7 @@ class Operations(pyfuse3.Operations):
                 protocol.ERROR: lambda e: c.errors.get(e.id, "").encode()}[v.kind](ex)
 
     async def _control_write(self, v: Virtual, buf: bytes) -> int:
-        if v.kind not in (protocol.CTL, protocol.PROMOTE):
+        if v.kind not in WRITTEN:
             raise pyfuse3.FUSEError(errno.EBADF)
         if len(buf) > protocol.MAX_COMMAND_BYTES:
             raise pyfuse3.FUSEError(errno.E2BIG)
@@ -475,13 +518,14 @@ class Operations(pyfuse3.Operations):
             else:
                 reply = await self.control.run_execution(self.overlay.execution(v.execution), line)
         except RametError as exc:
-            if v.kind == protocol.CTL:
-                v.changed(protocol.encode_reply({"ok": False, "errno": exc.errno,
-                                                  "error": str(exc)}))
+            reply = {"ok": False, "errno": exc.errno, "error": str(exc)}
             raise
         finally:
             for listing in (SNAPSHOTS, EXECUTIONS):  # a command may add or remove entries
                 self.virtual[listing].changed()
-        v.changed(protocol.encode_reply(reply) if v.kind == protocol.CTL
-                  else self._control_content(v))
+            if v.kind == protocol.CTL:
+                v.slot.reply = protocol.encode_reply(reply)
+                v.changed(v.slot.reply)
+            else:
+                v.changed(self._control_content(v))
         return len(buf)

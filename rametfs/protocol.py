@@ -22,11 +22,10 @@ A command is one line written to a ``ctl`` file, split like a POSIX shell does (
 arguments with spaces are quoted.  The ``write()`` returns once the command is done: the
 written length on success, else -1 with a precise errno (:data:`EINVAL` malformed,
 :data:`ENOENT` unknown id or path, :data:`EBUSY` busy, :data:`ENOSPC` no room, :data:`EIO`
-store failure).  After the write, reading the ``ctl`` file from offset 0 gives the reply of
-the last command written to it, as one JSON object followed by a newline: ``{"ok": true, ...}``
-or ``{"ok": false, "errno": 22, "error": "..."}``.  Clients that may share a ``ctl`` file hold
-an exclusive ``flock(2)`` on it from the write to the read, as the Python wrapper and the CLI
-do; ``echo CMD > ctl; cat ctl`` from one shell needs no lock.
+store failure).  After the write, reading the same open file descriptor from offset 0 gives
+the reply as one JSON object followed by a newline: ``{"ok": true, ...}`` or
+``{"ok": false, "errno": 22, "error": "..."}``; ``echo CMD > ctl; cat ctl`` in a shell reads
+the reply of the last command written to that ``ctl`` file.
 
 Root commands and their replies::
 
