@@ -17,7 +17,8 @@ MS = 1e-3
 MB = 1e6
 SYSTEM_ORDER = list(SYSTEMS)
 COLORS = {"native": "#4c4c4c", "cp-a": "#8c564b", "git-worktree": "#e377c2",
-          "overlayfs": "#1f77b4", "fuse-overlayfs": "#ff7f0e", "rametfs": "#2ca02c"}
+          "overlayfs": "#1f77b4", "fuse-overlayfs": "#ff7f0e", "rametfs": "#2ca02c",
+          "rametfs-changed": "#98df8a", "rametfs-snapshot": "#17becf"}
 
 
 def add_ratios(report: dict) -> None:

@@ -9,6 +9,8 @@ it (keeps its state as a new immutable base) and discards it.
 | overlayfs | mount(2) overlay, lower = tree | unmount, empty upper, mount | ``cp -a upper layer`` (a new lower layer) | unmount, ``rm -rf`` upper |
 | fuse-overlayfs | ``fuse-overlayfs -o lowerdir=...`` | ``fusermount3 -u``, empty upper, mount | ``cp -a upper layer`` | ``fusermount3 -u``, ``rm -rf`` |
 | rametfs | ``create`` | ``reset`` | ``promote`` | ``release`` |
+| rametfs-changed | ``create``, then 10 files changed | ``reset`` | ``promote`` | ``release`` |
+| rametfs-snapshot | - (the read-only snapshot itself: read workloads only) | - | - | - |
 
 Every mount a system makes is undone by :meth:`System.close`, whatever happened before; the
 rametfs daemon is stopped by unmounting it (``rametfs umount``), then by its pid only.
@@ -31,9 +33,10 @@ from pathlib import Path
 
 from rametfs import Execution, Ramet
 
-from .trees import BenchError, Tree, git, remove, run
+from .trees import BenchError, Tree, change_files, git, remove, run
 
 MNT_DETACH = 2
+VIEW_CHANGED_FILES = 10  # files rametfs-changed changes in each view it forks
 STOP_SECONDS = 60.0
 LOG_LINES = 40  # daemon log lines kept with a failure
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -406,6 +409,29 @@ class Rametfs(System):
         self.stop()
 
 
+class RametfsChanged(Rametfs):
+    """rametfs, each view an execution in which :data:`VIEW_CHANGED_FILES` files were
+    changed (copied up), as an attempt's workspace is."""
+
+    id = "rametfs-changed"
+
+    def fork(self, tree: Tree) -> View:
+        view = super().fork(tree)
+        change_files(view.path, tree.sample(VIEW_CHANGED_FILES, seed=1), "changed view")
+        return view
+
+
+class RametfsSnapshot(Rametfs):
+    """rametfs read-only: the views are the snapshot directory itself."""
+
+    id = "rametfs-snapshot"
+
+    @contextlib.contextmanager
+    def view(self, tree: Tree) -> Iterator[Path]:
+        self.prepare(tree)
+        yield self.mount / "snapshots" / self.snapshots[tree.name]
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie has exited)."""
     try:
@@ -427,4 +453,5 @@ def disk_usage(paths: list[Path]) -> int:
 
 
 SYSTEMS: dict[str, type[System]] = {
-    cls.id: cls for cls in (Native, CpA, GitWorktree, Overlayfs, FuseOverlayfs, Rametfs)}
+    cls.id: cls for cls in (Native, CpA, GitWorktree, Overlayfs, FuseOverlayfs, Rametfs,
+                            RametfsChanged, RametfsSnapshot)}

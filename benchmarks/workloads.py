@@ -29,6 +29,8 @@ from .trees import (BIG_FILE, MIB, Size, Tree, big_tree, change_files, git, make
 
 LIFECYCLE = ("cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs")
 IO = ("native", "overlayfs", "fuse-overlayfs", "rametfs")
+CHANGED_VIEW = IO + ("rametfs-changed",)  # also in an execution with a few changed files
+READS = CHANGED_VIEW + ("rametfs-snapshot",)  # also on the read-only snapshot itself
 CHANGED_FILES = 10  # files changed before each reset and promote
 STORAGE_VIEWS = 16  # views of the storage workload, each changing STORAGE_SHARE of the files
 STORAGE_SHARE = 0.01
@@ -282,7 +284,7 @@ def _git_status(path: Path, *config: str) -> None:
     git(*config, "status", "--porcelain", cwd=path)
 
 
-@workload(*IO)
+@workload(*CHANGED_VIEW)
 def git_status(b: Bench, s: System) -> list[Result]:
     """git-status: warm ``git status --porcelain`` (the first runs refresh the index);
     git-status-untracked-cache: the same with ``core.untrackedCache=true``, which skips
@@ -319,13 +321,13 @@ def _warm_and_cold(b: Bench, s: System, name: str, tree: Tree,
     return results
 
 
-@workload(*IO)
+@workload(*READS)
 def find(b: Bench, s: System) -> list[Result]:
     """find: ``find .`` inside the view (names only), cold then warm."""
     return _warm_and_cold(b, s, "find", b.tree, lambda: run("find", "."))
 
 
-@workload(*IO)
+@workload(*READS)
 def walk(b: Bench, s: System) -> list[Result]:
     """walk: ``os.walk`` + ``os.lstat`` of every entry, cold then warm; walk-warm-abspath:
     warm, every path absolute (resolved from the file system root, not inside the view)."""
@@ -344,13 +346,13 @@ def _read_tree(b: Bench, s: System, name: str, tree) -> list[Result]:
     return results
 
 
-@workload(*IO)
+@workload(*READS)
 def read_all(b: Bench, s: System) -> list[Result]:
     """read: read every file of the tree (not ``.git``), cold then warm."""
     return _read_tree(b, s, "read", b.tree)
 
 
-@workload(*IO)
+@workload(*READS)
 def seqread(b: Bench, s: System) -> list[Result]:
     """seqread: read the big file sequentially, cold then warm."""
     return _read_tree(b, s, "seqread", b.big)

@@ -175,10 +175,12 @@ class Operations(pyfuse3.Operations):
         return e
 
     def _virtual_attrs(self, v: Virtual) -> pyfuse3.EntryAttributes:
-        nlink = 2 if v.kind == "dir" else 1
-        a = Attrs(v.ino, v.mode, nlink, self.uid, self.gid, 0, len(v.content), 0,
+        # Directories are cached like the rest (a command tells the kernel when the listing
+        # of snapshots/ or executions/ changes); control files are looked up every time.
+        is_dir = v.kind == "dir"
+        a = Attrs(v.ino, v.mode, 2 if is_dir else 1, self.uid, self.gid, 0, len(v.content), 0,
                   v.mtime_ns, v.mtime_ns)
-        return self._entry(a, 0)
+        return self._entry(a, CACHE_TIMEOUT if is_dir else 0)
 
     def _control_file(self, slot: ControlSlot) -> Virtual:
         """The inode to hand out for ``slot`` now: the newest one if its content is still
@@ -523,6 +525,7 @@ class Operations(pyfuse3.Operations):
         finally:
             for listing in (SNAPSHOTS, EXECUTIONS):  # a command may add or remove entries
                 self.virtual[listing].changed()
+            await self._invalidate([(SNAPSHOTS, b""), (EXECUTIONS, b"")])
             if v.kind == protocol.CTL:
                 v.slot.reply = protocol.encode_reply(reply)
                 v.changed(v.slot.reply)

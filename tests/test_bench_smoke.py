@@ -36,10 +36,12 @@ def test_smoke_run_reports_every_figure(tmp_path):
     # native and rametfs need nothing beyond tools/setup; the others run where available.
     assert {"native", "rametfs"} <= set(report["systems"])
     assert set(report["systems"]) | set(report["skipped"]) == {
-        "native", "cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs"}
+        "native", "cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs",
+        "rametfs-changed", "rametfs-snapshot"}
 
     measured = {(r["workload"], r["system"]) for r in report["results"]}
-    lifecycle = [s for s in report["systems"] if s != "native"]
+    read_views = {"native", "rametfs-changed", "rametfs-snapshot"}  # no lifecycle workloads
+    lifecycle = [s for s in report["systems"] if s not in read_views]
     assert measured == {(w, s) for w in WORKLOADS + ["discard"] for s in lifecycle}
     for r in report["results"]:
         assert r["unit"] == "s" and r["files"] is None and r["ratio"] is None
