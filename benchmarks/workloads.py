@@ -288,11 +288,17 @@ def _git_status(path: Path, *config: str) -> None:
 def git_status(b: Bench, s: System) -> list[Result]:
     """git-status: warm ``git status --porcelain`` (the first runs refresh the index);
     git-status-untracked-cache: the same with ``core.untrackedCache=true``, which skips
-    reading directories whose mtime did not change."""
+    reading directories whose mtime did not change; git-status-fsmonitor (rametfs): that and
+    ``core.fsmonitor`` set to the execution's ``.ramet/fsmonitor`` hook, so git lstat()s only
+    what the daemon says changed."""
     results = []
     with s.view(b.tree) as path:
-        for name, config in (("git-status", ()),
-                             ("git-status-untracked-cache", ("-c", "core.untrackedCache=true"))):
+        untracked = ("-c", "core.untrackedCache=true")
+        variants = [("git-status", ()), ("git-status-untracked-cache", untracked)]
+        if (path / ".ramet" / "fsmonitor").exists():
+            variants.append(("git-status-fsmonitor", untracked + (
+                "-c", f"core.fsmonitor={path / '.ramet' / 'fsmonitor'}")))
+        for name, config in variants:
             for _ in range(2):
                 _git_status(path, *config)
             results.append(Result(name, s.id, [timed(_git_status, path, *config)

@@ -25,6 +25,22 @@ from .store import import_git, import_tree
 
 log = logging.getLogger(__name__)
 
+# What reading .ramet/fsmonitor gives: git's fsmonitor hook, answered by the daemon.  Writing
+# to the file it opens ("$0", a fresh inode per open) makes that inode's content the answer,
+# which cat reads back through /proc/self/fd (the same inode; a path lookup gives a new one).
+FSMONITOR_HOOK = b"""#!/bin/sh
+# git fsmonitor hook (protocol 2), answered by rametfs from the execution's own change record:
+#   git config core.fsmonitor "$(pwd)/.ramet/fsmonitor"; git config core.untrackedCache true
+[ "$1" = 2 ] || { echo "rametfs fsmonitor: only hook protocol version 2" >&2; exit 1; }
+root=$(cd "$(dirname "$0")/.." && pwd -P) && top=$(pwd -P) || exit 1
+case $top in
+    "$root") prefix= ;;
+    "$root"/*) prefix=${top#"$root"/} ;;
+    *) echo "rametfs fsmonitor: $top is not in the execution $root" >&2; exit 1 ;;
+esac
+exec 3<>"$0" && printf '%s\n%s' "$2" "$prefix" >&3 && exec cat /proc/self/fd/3
+"""
+
 Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
 
 
@@ -193,6 +209,31 @@ class Control:
             self.errors[ex.id] = self._failed(exc, protocol.PREVIEW)
             raise
         return (json.dumps(report, indent=1) + "\n").encode()
+
+    def fsmonitor_answer(self, ex: Execution, request: bytes) -> bytes:
+        """The answer to git's fsmonitor hook, protocol 2 (githooks(5), "fsmonitor-watchman").
+
+        ``request`` is ``TOKEN\nPREFIX``: the token git kept from the last answer, and the
+        work tree's path relative to the execution root (empty at the root).  The answer is
+        ``NEW_TOKEN\0`` followed by each changed path under the work tree (relative to it, not
+        in ``.git/``) and a NUL, or by ``/\0`` when everything may have changed (a token of
+        another daemon run or layer, or none).
+        """
+        token, _, prefix = request.decode(errors="surrogateescape").partition("\n")
+        out = [self.overlay.fsmonitor_token(ex).encode()]
+        paths = self.overlay.changed_since(ex, token)
+        if paths is None:
+            out.append(b"/")
+        else:
+            base = os.fsencode(prefix.strip("/"))
+            cut = len(base) + 1 if base else 0
+            for path in paths:
+                if base and not path.startswith(base + b"/"):
+                    continue
+                path = path[cut:]
+                if path != b".git" and not path.startswith(b".git/"):
+                    out.append(path)
+        return b"\0".join(out) + b"\0"
 
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")

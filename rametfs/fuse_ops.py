@@ -42,7 +42,7 @@ import pyfuse3
 import trio
 
 from . import protocol
-from .control import Control
+from .control import FSMONITOR_HOOK, Control
 from .errors import RametError, ReadOnly
 from .overlay import Attrs, Execution, Node, Overlay
 from .store import EMPTY_CONTENT
@@ -58,7 +58,8 @@ OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
     os.environ.get("RAMETFS_OPEN_LESS", "1") != "0"
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 GENERATIONS = 64  # inodes kept per control file: older ones read as ESTALE
-WRITTEN = (protocol.CTL, protocol.PROMOTE)  # control files that take commands
+CONTROL_MODES = {protocol.CTL: 0o666, protocol.PROMOTE: 0o666, protocol.FSMONITOR: 0o777}
+WRITTEN = (protocol.CTL, protocol.PROMOTE, protocol.FSMONITOR)  # control files written to
 
 
 @dataclass
@@ -211,8 +212,8 @@ class Operations(pyfuse3.Operations):
         ino = self.exec_control.get(ex.id)
         if ino is None or ino not in self.virtual:
             d = Virtual(self.overlay._alloc_ino(), stat.S_IFDIR | 0o755, "dir", ex.id, files={
-                name.encode(): ControlSlot(
-                    stat.S_IFREG | (0o666 if name in WRITTEN else 0o444), name, ex.id)
+                name.encode(): ControlSlot(stat.S_IFREG | CONTROL_MODES.get(name, 0o444), name,
+                                           ex.id)
                 for name in protocol.EXECUTION_CONTROL_FILES})
             self._add_virtual(d)
             self.exec_control[ex.id] = d.ino
@@ -501,6 +502,7 @@ class Operations(pyfuse3.Operations):
                 protocol.DIFF: c.diff_text,
                 protocol.PREVIEW: c.preview_text,
                 protocol.PROMOTE: c.promoted_text,
+                protocol.FSMONITOR: lambda e: FSMONITOR_HOOK,
                 protocol.ERROR: lambda e: c.errors.get(e.id, "").encode()}[v.kind](ex)
 
     async def _control_write(self, v: Virtual, buf: bytes) -> int:
@@ -508,6 +510,9 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         if len(buf) > protocol.MAX_COMMAND_BYTES:
             raise pyfuse3.FUSEError(errno.E2BIG)
+        if v.kind == protocol.FSMONITOR:
+            v.changed(self.control.fsmonitor_answer(self.overlay.execution(v.execution), buf))
+            return len(buf)
         try:
             text = buf.decode()
         except UnicodeDecodeError:

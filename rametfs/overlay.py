@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import secrets
 import stat
 import time
 from collections import OrderedDict
@@ -156,6 +157,10 @@ class Execution(View):
         self.layer = layer
         self.created_ns = created_ns
         self.frozen: trio.Event | None = None
+        # What changed in this layer since the daemon started, for git's fsmonitor hook:
+        # an inode number or a (parent inode, name) dentry -> the change clock when it last
+        # changed (Overlay.clock).
+        self.changes: dict[int | tuple[int, bytes], int] = {}
 
     def record(self) -> bytes:
         return msgpack.packb({"base": self.base.id, "head": self.head, "layer": self.layer,
@@ -307,6 +312,8 @@ class Overlay:
         self.base_fds = OpenFiles()  # by content id
         self.hydrating: dict[bytes, trio.Event] = {}
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
+        self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
+        self.clock = 0  # counts changes to executions (Execution.changes)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
@@ -347,6 +354,8 @@ class Overlay:
         matches; ``drop_stale_nodes`` frees them later, in batches."""
         self.stale_inos.append(view.inos)
         view.inos, view.dcache, view.link_inos, view.dirty = set(), {}, {}, set()
+        if isinstance(view, Execution):
+            view.changes = {}
 
     def drop_stale_nodes(self, budget: int = 10000) -> bool:
         """Free up to ``budget`` nodes of dropped layers; True when some are left."""
@@ -631,10 +640,51 @@ class Overlay:
     # -- copy-up -------------------------------------------------------------------------
 
     def _writable(self, node: Node) -> Execution:
+        """``node``'s execution, which every change to the node passes through (and is
+        recorded by); EROFS for a snapshot."""
         view = node.view
         if view.read_only:
             raise ReadOnly("snapshots are read-only")
+        self._changed(view, node.ino)
         return view  # type: ignore[return-value]
+
+    def _changed(self, ex: Execution, key: int | tuple[int, bytes]) -> None:
+        self.clock += 1
+        ex.changes[key] = self.clock
+
+    def path(self, node: Node) -> bytes:
+        """``node``'s path relative to its view's root (b"" for the root), by its parents."""
+        parts = []
+        while node.ino != node.view.root_ino:
+            parts.append(node.name)
+            node = self.node(node.parent)
+        return b"/".join(reversed(parts))
+
+    def fsmonitor_token(self, ex: Execution) -> str:
+        """An opaque token for "now" in ``ex``, for :meth:`changed_since`."""
+        return f"rametfs:{self.boot}:{ex.layer}:{self.clock}"
+
+    def changed_since(self, ex: Execution, token: str) -> list[bytes] | None:
+        """Paths (relative to the execution root, sorted) of the files, symlinks and names
+        changed in ``ex`` after ``token`` was given out; None when the token is not one of
+        this daemon run and layer (after a restart or a reset), so everything may differ."""
+        prefix = f"rametfs:{self.boot}:{ex.layer}:"
+        if not token.startswith(prefix) or not token[len(prefix):].isdigit():
+            return None
+        since = int(token[len(prefix):])
+        paths = set()
+        for key, clock in ex.changes.items():
+            if clock <= since:
+                continue
+            if isinstance(key, tuple):
+                parent = self.nodes.get(key[0])
+                if parent is not None and self.is_live(parent):
+                    paths.add(b"/".join(p for p in (self.path(parent), key[1]) if p))
+            else:
+                node = self.nodes.get(key)
+                if node is not None and self.is_live(node) and not node.is_dir:
+                    paths.add(self.path(node))
+        return sorted(paths)
 
     def copy_up(self, node: Node) -> UpperInode:
         """Materialise ``node`` (and its parent directories) in its execution's upper layer.
@@ -696,6 +746,7 @@ class Overlay:
 
     def _set_dentry(self, parent: Node, name: bytes, child: Node) -> None:
         ex = self._writable(parent)
+        self._changed(ex, (parent.ino, name))
         self.copy_up(parent)
         with self.store.write() as txn:
             txn.put(dentry_key(ex.layer, parent.ino, name), u64(child.ino),
@@ -711,6 +762,7 @@ class Overlay:
 
     def _remove_dentry(self, parent: Node, name: bytes) -> None:
         ex = self._writable(parent)
+        self._changed(ex, (parent.ino, name))
         self.copy_up(parent)
         key = dentry_key(ex.layer, parent.ino, name)
         in_base = parent.tree is not None and name in self.tree(parent.tree)

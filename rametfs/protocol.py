@@ -17,6 +17,8 @@ Layout (paths relative to the mountpoint)::
     executions/<id>/.ramet/diff      ``A|M|D <path>`` lines, like ``git status --porcelain``
     executions/<id>/.ramet/preview   JSON: what a promote would keep, by class (docs/policy.md)
     executions/<id>/.ramet/error     text: message of the last failed command here
+    executions/<id>/.ramet/fsmonitor git's fsmonitor hook (protocol 2): run it, or write
+                                     ``TOKEN\nPREFIX`` and read ``TOKEN\0PATH\0...`` back
 
 A command is one line written to a ``ctl`` file, split like a POSIX shell does (``shlex``), so
 arguments with spaces are quoted.  The ``write()`` returns once the command is done: the
@@ -72,11 +74,12 @@ ERROR = "error"
 PROMOTE = "promote"
 DIFF = "diff"
 PREVIEW = "preview"
+FSMONITOR = "fsmonitor"
 SNAPSHOTS_DIR = "snapshots"
 EXECUTIONS_DIR = "executions"
 
 ROOT_CONTROL_FILES = (CTL, STATUS, ERROR)
-EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR, PREVIEW)
+EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR, PREVIEW, FSMONITOR)
 
 MIN_ID_PREFIX = 8
 EXECUTION_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

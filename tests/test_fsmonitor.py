@@ -1,0 +1,68 @@
+"""git's fsmonitor hook answered by rametfs (``.ramet/fsmonitor``): git status with the hook
+must say exactly what git status without it says, while the hook names only what changed."""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import ctl_command, run
+
+GIT = ("git", "-c", "user.email=test@example.com", "-c", "user.name=test")
+
+
+def hook(workdir, token: str) -> tuple[str, list[str]]:
+    """Run the execution's hook from ``workdir`` as git does; (new token, paths)."""
+    hook_path = next(p for p in [workdir, *workdir.parents] if (p / ".ramet").exists())
+    out = subprocess.run([hook_path / ".ramet" / "fsmonitor", "2", token], cwd=workdir,
+                         capture_output=True, check=True).stdout
+    assert out.endswith(b"\0")
+    new, *paths = out[:-1].decode().split("\0")
+    return new, paths
+
+
+def status(repo, *config: str) -> str:
+    return run(*GIT, *config, "status", "--porcelain", "--untracked-files=all", cwd=repo).stdout
+
+
+def test_git_status_with_the_hook_equals_git_status_without(shared_daemon, tmp_path):
+    src = tmp_path / "src"
+    for i in range(40):
+        (src / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 4}" / f"f{i}.txt").write_text(f"file {i}\n")
+    run(*GIT, "init", "-q", cwd=src)
+    run(*GIT, "add", "-A", cwd=src)
+    run(*GIT, "commit", "-qm", "init", cwd=src)
+    ex = shared_daemon.exec_path(shared_daemon.create(shared_daemon.snapshot(src)))
+    monitor = ("-c", "core.untrackedCache=true", "-c",
+               f"core.fsmonitor={ex / '.ramet' / 'fsmonitor'}")
+
+    token, paths = hook(ex, "")
+    assert paths == ["/"]  # no token yet: everything may have changed
+    assert status(ex, *monitor) == status(ex) == ""
+    token, paths = hook(ex, token)
+    assert paths == []
+
+    (ex / "d1" / "f1.txt").write_text("changed\n")
+    (ex / "d2" / "new.txt").write_text("new\n")
+    (ex / "d3" / "f3.txt").unlink()
+    (ex / "d0" / "f0.txt").rename(ex / "d0" / "moved.txt")
+    (ex / "d1" / "f5.txt").chmod(0o755)
+    token, paths = hook(ex, token)
+    assert paths == ["d0/f0.txt", "d0/moved.txt", "d1/f1.txt", "d1/f5.txt", "d2/new.txt",
+                     "d3/f3.txt"]
+    expected = ("?? d0/moved.txt\n?? d2/new.txt\n M d1/f1.txt\n M d1/f5.txt\n D d0/f0.txt\n"
+                " D d3/f3.txt\n")
+    assert sorted(status(ex, *monitor).splitlines()) == sorted(expected.splitlines())
+    assert status(ex, *monitor) == status(ex)
+
+    # A work tree below the execution root gets paths relative to itself.
+    sub = ex / "d2"
+    token, _ = hook(sub, token)
+    (ex / "d2" / "f2.txt").write_text("changed\n")
+    (ex / "d1" / "f9.txt").write_text("changed\n")
+    assert hook(sub, token)[1] == ["f2.txt"]
+
+    # A reset makes every old token mean "rescan everything" (so does another daemon run).
+    ctl_command(ex / ".ramet" / "ctl", "reset")
+    assert hook(ex, token)[1] == ["/"]
+    assert status(ex, *monitor) == status(ex) == ""
