@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 # which cat reads back through /proc/self/fd (the same inode; a path lookup gives a new one).
 FSMONITOR_HOOK = b"""#!/bin/sh
 # git fsmonitor hook (protocol 2), answered by rametfs from the execution's own change record:
-#   git config core.fsmonitor "$(pwd)/.ramet/fsmonitor"; git config core.untrackedCache true
+#   git config core.fsmonitor .ramet/fsmonitor; git config core.untrackedCache true
+# (from a work tree at the execution root; elsewhere, the hook's path from the work tree)
 [ "$1" = 2 ] || { echo "rametfs fsmonitor: only hook protocol version 2" >&2; exit 1; }
 root=$(cd "$(dirname "$0")/.." && pwd -P) && top=$(pwd -P) || exit 1
 case $top in

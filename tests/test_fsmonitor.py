@@ -33,8 +33,8 @@ def test_git_status_with_the_hook_equals_git_status_without(shared_daemon, tmp_p
     run(*GIT, "add", "-A", cwd=src)
     run(*GIT, "commit", "-qm", "init", cwd=src)
     ex = shared_daemon.exec_path(shared_daemon.create(shared_daemon.snapshot(src)))
-    monitor = ("-c", "core.untrackedCache=true", "-c",
-               f"core.fsmonitor={ex / '.ramet' / 'fsmonitor'}")
+    # Relative to the work tree, so the setting still holds in a promoted copy.
+    monitor = ("-c", "core.untrackedCache=true", "-c", "core.fsmonitor=.ramet/fsmonitor")
 
     token, paths = hook(ex, "")
     assert paths == ["/"]  # no token yet: everything may have changed
