@@ -41,7 +41,8 @@ def _names(value: str | None) -> list[str] | None:
 def main(size: str, repeat: int, out: Path, only: str | None, systems: str | None,
          workdir: Path, scale_1m: bool, profile_dir: Path | None) -> None:
     """Benchmark rametfs against native ext4, overlayfs, fuse-overlayfs, cp -a and
-    git worktree (issue 4).  Needs root for overlayfs and the cold runs."""
+    git worktree (issue 4), and against its own fallback mode (issue 7).  Needs root for
+    overlayfs, the xfs image of fallback-reflink and the cold runs."""
     try:
         report = run(size, repeat, _names(only), _names(systems), workdir.resolve(),
                      scale_1m=scale_1m, profile_dir=profile_dir)

@@ -18,7 +18,8 @@ MB = 1e6
 SYSTEM_ORDER = list(SYSTEMS)
 COLORS = {"native": "#4c4c4c", "cp-a": "#8c564b", "git-worktree": "#e377c2",
           "overlayfs": "#1f77b4", "fuse-overlayfs": "#ff7f0e", "rametfs": "#2ca02c",
-          "rametfs-changed": "#98df8a", "rametfs-snapshot": "#17becf"}
+          "rametfs-changed": "#98df8a", "rametfs-snapshot": "#17becf",
+          "fallback-copy": "#9467bd", "fallback-reflink": "#bcbd22"}
 
 
 def add_ratios(report: dict) -> None:
@@ -217,7 +218,9 @@ def markdown(report: dict) -> str:
 
 def _fmt_extra(key: str, value: float) -> str:
     if key.endswith("_bytes"):
-        return f"{value / (1 << 20):.1f}MiB"
+        return f"{value / (1 << 20):.1f}MiB" if value >= 1 << 20 else f"{value:.0f}B"
+    if isinstance(value, int):  # a count: files hashed, paths scanned
+        return str(value)
     return f"{value:.3g}"
 
 

@@ -11,9 +11,12 @@ it (keeps its state as a new immutable base) and discards it.
 | rametfs | ``create`` | ``reset`` | ``promote`` | ``release`` |
 | rametfs-changed | ``create``, then 10 files changed | ``reset`` | ``promote`` | ``release`` |
 | rametfs-snapshot | - (the read-only snapshot itself: read workloads only) | - | - | - |
+| fallback-copy | ``create`` in fallback mode: a real directory, files copied | ``reset`` | ``promote`` | ``release`` |
+| fallback-reflink | the same, the data directory on a loop-mounted xfs image: files reflinked | ``reset`` | ``promote`` | ``release`` |
 
 Every mount a system makes is undone by :meth:`System.close`, whatever happened before; the
-rametfs daemon is stopped by unmounting it (``rametfs umount``), then by its pid only.
+rametfs daemon is stopped by unmounting it (``rametfs umount``), then by its pid only.  The
+fallback systems run rametfs.fallback in this process (no daemon), as the wrapper does.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ from .trees import BenchError, Tree, change_files, git, remove, run
 MNT_DETACH = 2
 VIEW_CHANGED_FILES = 10  # files rametfs-changed changes in each view it forks
 STOP_SECONDS = 60.0
+XFS_IMAGE_BYTES = 16 << 30  # a sparse file: only what xfs writes takes disk space
+# What a reset or promote reports doing (fallback: rametfs.fallback's reply stats; FUSE
+# promote: its capture stats), kept with the timings.
+COUNTERS = ("scanned", "hashed_files", "changed_files", "new_chunk_bytes", "kept", "removed",
+            "written", "file_bytes")
 LOG_LINES = 40  # daemon log lines kept with a failure
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -109,6 +117,11 @@ class System:
     def base_bytes(self, tree: Tree) -> int:
         """Disk bytes the system stores for ``tree`` alone."""
         return disk_usage([tree.path])
+
+    def counters(self, view: View) -> dict[str, int]:
+        """What the last reset or promote of ``view`` reports doing (:data:`COUNTERS`: paths
+        scanned, files hashed, bytes of files written ...), or {} when it reports nothing."""
+        return {}
 
     def diagnose(self) -> str:
         """What may explain a failure (a log's tail), or ""."""
@@ -297,7 +310,57 @@ class FuseOverlayfs(_OverlayBase):
         run("fusermount3", "-u", *(["-z"] * lazy), target)
 
 
-class Rametfs(System):
+class _Executions(System):
+    """Views as rametfs executions of one snapshot per tree, through the wrapper
+    (``self.ramet``, set by the subclass before :meth:`prepare`)."""
+
+    ramet: Ramet
+    data: Path
+
+    def __init__(self, scratch: Path) -> None:
+        super().__init__(scratch)
+        self.snapshots: dict[str, str] = {}
+        self.import_seconds: dict[str, float] = {}
+        self.base_stored: dict[str, int] = {}  # tree name -> data dir growth of its import
+
+    def prepare(self, tree: Tree) -> None:
+        if tree.name not in self.snapshots:
+            before = disk_usage([self.data])
+            start = time.perf_counter()
+            self.snapshots[tree.name] = self.ramet.snapshot(tree.path, label=tree.name)
+            self.import_seconds[tree.name] = time.perf_counter() - start
+            self.base_stored[tree.name] = disk_usage([self.data]) - before
+
+    def fork(self, tree: Tree) -> View:
+        execution = self.ramet.create(self.snapshots[tree.name])
+        os.stat(execution.path)
+        return View(tree, execution.path, execution)
+
+    def reset(self, view: View) -> None:
+        execution: Execution = view.handle
+        execution.reset()
+
+    def promote(self, view: View) -> None:
+        execution: Execution = view.handle
+        execution.promote()
+
+    def discard(self, view: View) -> None:
+        self.ramet.release(view.handle)
+
+    def counters(self, view: View) -> dict[str, int]:
+        execution: Execution = view.handle
+        stats = (execution.status()["last"] or {}).get("stats", {})
+        return {key: stats[key] for key in COUNTERS if key in stats}
+
+    def stored_paths(self, tree: Tree, views: list[View]) -> list[Path]:
+        return [self.data]
+
+    def base_bytes(self, tree: Tree) -> int:
+        self.prepare(tree)
+        return self.base_stored[tree.name]
+
+
+class Rametfs(_Executions):
     """One rametfs daemon (``rametfs serve --background``) for the whole run; a snapshot per
     tree, an execution per view."""
 
@@ -308,9 +371,6 @@ class Rametfs(System):
         self.data = self.scratch / "data"
         self.mount = self.scratch / "mnt"
         self.mount.mkdir()
-        self.snapshots: dict[str, str] = {}
-        self.import_seconds: dict[str, float] = {}
-        self.base_stored: dict[str, int] = {}  # tree name -> data dir growth of its import
         self.pid: int | None = None
         self.start()
 
@@ -369,41 +429,10 @@ class Rametfs(System):
             raise BenchError(f"no memory figures for pid {self.pid}")
         return found
 
-    def prepare(self, tree: Tree) -> None:
-        if tree.name not in self.snapshots:
-            before = disk_usage([self.data])
-            start = time.perf_counter()
-            self.snapshots[tree.name] = self.ramet.snapshot(tree.path, label=tree.name)
-            self.import_seconds[tree.name] = time.perf_counter() - start
-            self.base_stored[tree.name] = disk_usage([self.data]) - before
-
-    def fork(self, tree: Tree) -> View:
-        execution = self.ramet.create(self.snapshots[tree.name])
-        os.stat(execution.path)
-        return View(tree, execution.path, execution)
-
-    def reset(self, view: View) -> None:
-        execution: Execution = view.handle
-        execution.reset()
-
-    def promote(self, view: View) -> None:
-        execution: Execution = view.handle
-        execution.promote()
-
-    def discard(self, view: View) -> None:
-        self.ramet.release(view.handle)
-
-    def stored_paths(self, tree: Tree, views: list[View]) -> list[Path]:
-        return [self.data]
-
     def diagnose(self) -> str:
         log = self.data / "daemon.log"
         lines = log.read_text(errors="replace").splitlines() if log.exists() else []
         return "\n".join(lines[-LOG_LINES:])
-
-    def base_bytes(self, tree: Tree) -> int:
-        self.prepare(tree)
-        return self.base_stored[tree.name]
 
     def close(self) -> None:
         self.stop()
@@ -430,6 +459,74 @@ class RametfsSnapshot(Rametfs):
     def view(self, tree: Tree) -> Iterator[Path]:
         self.prepare(tree)
         yield self.mount / "snapshots" / self.snapshots[tree.name]
+class _Fallback(_Executions):
+    """rametfs in fallback mode (``Ramet(data=..., mode="fallback")``) in this process: each
+    view is a real directory made with :attr:`method` (``"copy"``, ``"reflink"``)."""
+
+    method = ""
+    ramet: Ramet | None = None
+
+    def __init__(self, scratch: Path) -> None:
+        super().__init__(scratch)
+        try:
+            self.data = self._data_dir() / "data"
+            self.ramet = Ramet(data=self.data, mode="fallback")
+            found = self.ramet.status()["copy_method"]
+            if found != self.method:
+                raise BenchError(f"the data directory's file system gives {found!r}, "
+                                 f"not {self.method!r}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _data_dir(self) -> Path:
+        """The directory the data directory goes in."""
+        return self.scratch
+
+    def close(self) -> None:
+        if self.ramet is not None:
+            self.ramet.close()
+            self.ramet = None
+
+
+class FallbackCopy(_Fallback):
+    """Fallback mode with the data directory on the scratch disk (ext4: plain copies)."""
+
+    id = "fallback-copy"
+    method = "copy"
+
+
+class FallbackReflink(_Fallback):
+    """Fallback mode with the data directory on an xfs file system (``mkfs.xfs -m
+    reflink=1``) in a sparse image on the scratch disk, loop-mounted for the run."""
+
+    id = "fallback-reflink"
+    method = "reflink"
+    xfs: Path | None = None  # the mountpoint, while mounted
+
+    @staticmethod
+    def unavailable() -> str | None:
+        if os.geteuid() != 0:
+            return "mounting a loop device needs root"
+        return None if shutil.which("mkfs.xfs") else "mkfs.xfs is absent (Debian xfsprogs)"
+
+    def _data_dir(self) -> Path:
+        image, mnt = self.scratch / "xfs.img", self.scratch / "xfs"
+        mnt.mkdir()
+        with open(image, "wb") as f:
+            f.truncate(XFS_IMAGE_BYTES)
+        run("mkfs.xfs", "-q", "-m", "reflink=1", image)
+        run("mount", "-o", "loop", image, mnt)
+        self.xfs = mnt
+        return mnt
+
+    def close(self) -> None:
+        super().close()  # the store first: LMDB keeps its files open
+        if self.xfs is not None:
+            done = subprocess.run(["umount", str(self.xfs)], capture_output=True)
+            if done.returncode != 0:  # still busy: detach it, so nothing is left mounted
+                subprocess.run(["umount", "-l", str(self.xfs)], capture_output=True)
+            self.xfs = None
 
 
 def _alive(pid: int) -> bool:
@@ -454,4 +551,5 @@ def disk_usage(paths: list[Path]) -> int:
 
 SYSTEMS: dict[str, type[System]] = {
     cls.id: cls for cls in (Native, CpA, GitWorktree, Overlayfs, FuseOverlayfs, Rametfs,
-                            RametfsChanged, RametfsSnapshot)}
+                            RametfsChanged, RametfsSnapshot,
+                            FallbackCopy, FallbackReflink)}

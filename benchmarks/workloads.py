@@ -27,7 +27,8 @@ from .systems import Rametfs, System, Unsupported, View, disk_usage
 from .trees import (BIG_FILE, MIB, Size, Tree, big_tree, change_files, git, make_git_repo,
                     run, synthetic_tree, tarball)
 
-LIFECYCLE = ("cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs")
+LIFECYCLE = ("cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs",
+             "fallback-copy", "fallback-reflink")
 IO = ("native", "overlayfs", "fuse-overlayfs", "rametfs")
 CHANGED_VIEW = IO + ("rametfs-changed",)  # also in an execution with a few changed files
 READS = CHANGED_VIEW + ("rametfs-snapshot",)  # also on the read-only snapshot itself
@@ -243,27 +244,31 @@ def _forked(s: System, tree: Tree) -> Iterator[View]:
         s.discard(view)
 
 
-def _after_changes(b: Bench, s: System, tree: Tree, op: Callable[[View], None]) -> list[float]:
-    """Seconds of ``op(view)`` after each of ``repeat`` rounds of CHANGED_FILES changes."""
-    files = tree.sample(CHANGED_FILES, seed=len(tree.files))
+def _after_changes(b: Bench, s: System, tree: Tree, name: str, op: Callable[[View], None],
+                   files: int | None = None) -> Result:
+    """Result ``name``: seconds of ``op(view)`` after each of ``repeat`` rounds of
+    CHANGED_FILES changes; ``extra``: what the system reports doing in the last round
+    (:meth:`System.counters`)."""
+    changed = tree.sample(CHANGED_FILES, seed=len(tree.files))
     samples = []
     with _forked(s, tree) as view:
         for i in range(b.repeat):
-            change_files(view.path, files, f"round {i}")
+            change_files(view.path, changed, f"round {i}")
             samples.append(timed(op, view))
-    return samples
+        counters = s.counters(view)
+    return Result(name, s.id, samples, files=files, extra=counters)
 
 
 @workload(*LIFECYCLE)
 def reset(b: Bench, s: System) -> list[Result]:
     """reset: back to the tree's state after CHANGED_FILES files changed."""
-    return [Result("reset", s.id, _after_changes(b, s, b.tree, s.reset))]
+    return [_after_changes(b, s, b.tree, "reset", s.reset)]
 
 
 @workload(*LIFECYCLE)
 def promote(b: Bench, s: System) -> list[Result]:
     """promote: keep the view (CHANGED_FILES files changed) as a new immutable base."""
-    return [Result("promote", s.id, _after_changes(b, s, b.tree, s.promote))]
+    return [_after_changes(b, s, b.tree, "promote", s.promote)]
 
 
 @workload("cp-a", "overlayfs", "fuse-overlayfs", "rametfs")
@@ -547,8 +552,6 @@ def scaling(b: Bench, s: System) -> list[Result]:
         except Unsupported:
             continue
         results.append(Result("scale-fork", s.id, forks, files=files))
-        results.append(Result("scale-reset", s.id, _after_changes(b, s, tree, s.reset),
-                              files=files))
-        results.append(Result("scale-promote", s.id, _after_changes(b, s, tree, s.promote),
-                              files=files))
+        results.append(_after_changes(b, s, tree, "scale-reset", s.reset, files))
+        results.append(_after_changes(b, s, tree, "scale-promote", s.promote, files))
     return results

@@ -342,6 +342,8 @@ class _Mount:
         return json.loads(self._read(execution_id, protocol.STATUS))
 
     def _control(self, execution_id: str, name: str) -> Path:
+        if not protocol.EXECUTION_NAME_RE.fullmatch(execution_id):  # "..": the root's files
+            raise RametError(errno.ENOENT, self._missing(execution_id))
         return self.execution_path(execution_id) / protocol.CONTROL_DIR / name
 
     def _missing(self, execution_id: str) -> str:

@@ -11,6 +11,9 @@ Fixtures:
 - ``shared_daemon``: one daemon for the whole session, for tests that only need their own
   executions.
 - ``allow_other_daemon``: one daemon served with ``--allow-other`` per test module.
+- ``ramet``: a :class:`rametfs.Ramet` in each mode (parametrized): on the shared daemon
+  (FUSE), or fallback mode forced on a data directory of the test's own; ``cli_where(ramet)``
+  gives the CLI options that reach it.
 - a session janitor that lazily unmounts whatever is still mounted under pytest's basetemp.
 
 After a test, the log of its daemon must have no line containing ``Traceback``, `` ERROR ``
@@ -37,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from rametfs import protocol
+from rametfs import Ramet, protocol
 
 RUN_TIMEOUT_S = 600
 START_TIMEOUT_S = 60
@@ -362,6 +365,25 @@ def allow_other_daemon(tmp_path_factory):
     finally:
         d.stop()
         check_log(d.log_text(), [], repr(d))
+
+
+@pytest.fixture(params=["fuse", "fallback"])
+def ramet(request, tmp_path):
+    """The wrapper in each mode: ``Ramet`` on the shared daemon's mount, or
+    ``Ramet(data=tmp_path / "data", mode="fallback")`` (forced, although this host has
+    /dev/fuse), closed after the test."""
+    if request.param == "fuse":
+        yield Ramet(request.getfixturevalue("shared_daemon").mnt)
+    else:
+        with Ramet(data=tmp_path / "data", mode="fallback") as r:
+            yield r
+
+
+def cli_where(ramet: Ramet) -> list[str]:
+    """The CLI options that reach ``ramet``: ``-m MNT``, or ``--mode fallback --data DIR``."""
+    if ramet.mode == "fuse":
+        return ["-m", str(ramet.mount)]
+    return ["--mode", "fallback", "--data", str(ramet.data)]
 
 
 def _mounts_under(base: str) -> list[tuple[str, str]]:

@@ -33,11 +33,13 @@ def test_smoke_run_reports_every_figure(tmp_path):
     assert report["errors"] == []
     assert report["tree"]["files"] == 300
     assert report["machine"]["nproc"] > 0 and report["machine"]["mem_bytes"] > 0
-    # native and rametfs need nothing beyond tools/setup; the others run where available.
-    assert {"native", "rametfs"} <= set(report["systems"])
+    # native, rametfs and fallback-copy need nothing beyond tools/setup; the others run where
+    # available.
+    assert {"native", "rametfs", "fallback-copy"} <= set(report["systems"])
     assert set(report["systems"]) | set(report["skipped"]) == {
         "native", "cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs",
-        "rametfs-changed", "rametfs-snapshot"}
+        "rametfs-changed", "rametfs-snapshot",
+        "fallback-copy", "fallback-reflink"}
 
     measured = {(r["workload"], r["system"]) for r in report["results"]}
     read_views = {"native", "rametfs-changed", "rametfs-snapshot"}  # no lifecycle workloads
@@ -46,6 +48,13 @@ def test_smoke_run_reports_every_figure(tmp_path):
     for r in report["results"]:
         assert r["unit"] == "s" and r["files"] is None and r["ratio"] is None
         assert len(r["samples"]) == 1 and r["samples"][0] > 0 and r["median"] == r["samples"][0]
+    # The fallback systems report what their promote hashed and their reset wrote: the 10
+    # changed files (in 3 directories, whose mtimes reset puts back), not the whole tree.
+    for r in report["results"]:
+        if r["system"].startswith("fallback-") and r["workload"] == "promote":
+            assert (r["extra"]["hashed_files"], r["extra"]["changed_files"]) == (10, 10)
+        elif r["system"].startswith("fallback-") and r["workload"] == "reset":
+            assert (r["extra"]["removed"], r["extra"]["written"]) == (10, 13)
     goals = {g["goal"]: g for g in report["goals"]}
     assert goals["fork < 5 ms at every tree size"]["value"] > 0
     assert goals["warm git status <= 3x native"]["met"] is None  # not run

@@ -1,9 +1,11 @@
-"""Fallback mode (no FUSE): executions as real directories, through the wrapper and the CLI.
+"""Fallback mode (no FUSE): what only fallback executions have.
 
-Fallback mode is forced (``mode="fallback"``) although this host has /dev/fuse, so the same
-host also runs the FUSE daemon for the cross-mode tests.  Expected trees come from the source
-on the host file system, read by :func:`tree_signature` as the mounted tests do; expected diffs
-are the ones the FUSE tests expect (``KNOWN_DIFF``).
+The wrapper and CLI calls both modes share (pool, promote, reset, diff, verify, preview,
+errors) run in both modes in test_client.py; here are the copy methods (reflink on a
+loop-mounted xfs image, plain copy, clonefile on macOS), the manifest and the O(changed) cost,
+locks, ``auto`` mode, the fallback CLI's mode line, and snapshots passed between a FUSE daemon
+and fallback mode.  Fallback mode is forced (``mode="fallback"``) although this host has
+/dev/fuse, so the same host also runs the FUSE daemon for the cross-mode test.
 """
 
 from __future__ import annotations
@@ -24,24 +26,10 @@ from click.testing import CliRunner
 from conftest import run
 from rametfs import Ramet, RametError, client
 from rametfs.cli import main
-from test_control import KNOWN_DIFF, make_known_changes
-from test_snapshots import TIMES_NS, rich_source, tree_signature, write_tree  # noqa: F401
+from test_snapshots import tree_signature, write_tree
 
 XFS_IMAGE_SIZE = "300M"
 BIG = 32 << 20  # bytes: three copies of it would not fit in the xfs image beside the store
-
-
-@pytest.fixture
-def source(rich_source) -> Path:
-    """The rich tree of test_snapshots plus a fifo and (as root) a character device."""
-    os.mkfifo(rich_source / "fifo", 0o640)
-    if os.geteuid() == 0:
-        os.mknod(rich_source / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
-    for name in ("fifo", "null"):
-        if os.path.lexists(rich_source / name):
-            os.utime(rich_source / name, ns=TIMES_NS, follow_symlinks=False)
-    os.utime(rich_source, ns=TIMES_NS)
-    return rich_source
 
 
 @pytest.fixture
@@ -67,92 +55,20 @@ def copy_method_for(path: Path) -> str:
 
 # ----- the wrapper ------------------------------------------------------------------------------
 
-def test_pool_acquire_promote_reset_release(ramet, tmp_path, source):
+def test_executions_are_real_directories(ramet, tmp_path):
+    # The flow of the wrapper runs in both modes in test_client; here what only fallback has.
     assert (ramet.mode, ramet.mount, ramet.data) == ("fallback", None, tmp_path / "data")
-    status = ramet.status()
-    assert (status["mode"], status["copy_method"]) == ("fallback", copy_method_for(tmp_path))
-    base = ramet.snapshot(source, label="clean")
-    assert [(s["id"], s["label"]) for s in ramet.snapshots()] == [(base, "clean")]
-
-    with ramet.execution_pool(base, concurrency=2) as pool:
-        assert {(e["base"], e["head"]) for e in ramet.executions()} == {(base, base)}
-        with pool.acquire() as ex:
-            assert ex.path == tmp_path / "data" / "fallback" / "executions" / ex.id
-            assert not os.path.ismount(ex.path)
-            assert tree_signature(ex.path) == tree_signature(source)
-            (ex.path / "result.txt").write_text("attempt 1\n")
-            os.unlink(ex.path / "empty")
-            os.rename(ex.path / "dir" / "owned.txt", ex.path / "moved.txt")
-            with open(ex.path / "hl1", "ab") as f:  # dir/hl2 is the same inode
-                f.write(b"more\n")
-            changes = [("M", "dir/hl2"), ("D", "dir/owned.txt"), ("D", "empty"), ("M", "hl1"),
-                       ("A", "moved.txt"), ("A", "result.txt")]
-            assert ex.diff() == changes
-            saved = ex.promote(label="attempt 1")
-            promoted_tree = tree_signature(ex.path)
-            assert ex.diff() == changes  # still against the base
-            status = ex.status()
-            assert (status["base"], status["head"], status["mode"]) == (base, saved, "fallback")
-        first_id = ex.id
-        with pool.acquire() as ex:
-            assert ex.id == first_id  # the pool hands back the execution just returned
-            assert tree_signature(ex.path) == tree_signature(source)
-            assert (ex.diff(), ex.verify(), ex.verify(deep=True)) == ([], [], [])
-    assert ramet.executions() == []
-    assert os.listdir(tmp_path / "data" / "fallback" / "executions") == []
-
-    record, = [s for s in ramet.snapshots() if s["id"] == saved]
-    assert (record["label"], record["parents"], record["source"]) == (
-        "attempt 1", [base], f"execution:{first_id}")
-    with ramet.execution_pool(saved, concurrency=1) as pool:
-        with pool.acquire() as ex:
-            assert tree_signature(ex.path) == promoted_tree
-
-
-def test_diff_is_the_fuse_diff(ramet, tmp_path):
-    # The FUSE suite expects KNOWN_DIFF for the same changes (test_control).
-    src = write_tree(tmp_path / "src", {"a.txt": b"alpha\n", "c.txt": b"gamma\n",
-                                        "dir/b.txt": b"beta\n", "dir/keep.txt": b"keep\n",
-                                        "old/x": b"x\n", "big.bin": os.urandom(200_000)})
-    os.symlink("a.txt", src / "link")
-    ex = ramet.create(ramet.snapshot(src))
-    assert ex.diff() == []
-    make_known_changes(ex.path)
-    assert [f"{letter} {path}" for letter, path in ex.diff()] == KNOWN_DIFF
-    ex.reset()
-    assert ex.diff() == []
-
-
-def test_reset_puts_back_only_what_differs(ramet, tmp_path, source):
     method = copy_method_for(tmp_path)
-    ex = ramet.create(ramet.snapshot(source))
-    p = ex.path
-    os.chmod(p / "small.txt", 0o600)
-    os.setxattr(p / "dir", "user.kind", b"changed")
-    os.chown(p / "big.bin", 42, 42)
-    os.truncate(p / "big.bin", 3)
-    os.link(p / "pages.bin", p / "pages-link")  # pages.bin must be a lone inode again
-    shutil.rmtree(p / "dir" / "sub")
-    (p / "dir" / "sub").write_text("now a file")
-    os.unlink(p / "rel_link")
-    os.symlink("elsewhere", p / "rel_link")
-    os.unlink(p / "empty")
-    os.mkdir(p / "empty")
-    (p / "empty" / "x").write_text("x")
-    os.unlink(p / "dir" / "hl2")
-    shutil.copy2(p / "hl1", p / "dir" / "hl2")  # same bytes, but no longer hl1's inode
-    os.unlink(p / "fifo")
-    os.symlink("fifo", p / "fifo")
-
-    ex.reset()
-    assert tree_signature(p) == tree_signature(source)
-    assert (ex.verify(), ex.verify(deep=True)) == ([], [])
-    # Written again: small.txt, big.bin, pages.bin, the hl1 + dir/hl2 inode and
-    # dir/sub/deep.txt from the cache; the empty file; the rest was kept.
-    assert last_stats(ex)["methods"] == {method: 5, "empty": 1}
-    ex.reset()
-    assert {k: last_stats(ex)[k] for k in ("removed", "written", "methods")} == {
-        "removed": 0, "written": 0, "methods": {}}
+    status = ramet.status()
+    assert (status["mode"], status["copy_method"], status["mount"]) == ("fallback", method, None)
+    ex = ramet.create(ramet.snapshot(write_tree(tmp_path / "src", {"a": b"a\n"})))
+    assert ex.path == tmp_path / "data" / "fallback" / "executions" / ex.id
+    assert stat.S_ISDIR(os.lstat(ex.path).st_mode) and not os.path.ismount(ex.path)
+    mine = ex.status()
+    assert (mine["mode"], mine["copy_method"], mine["path"], mine["upper_bytes"]) == (
+        "fallback", method, str(ex.path), None)
+    ramet.release(ex)
+    assert os.listdir(tmp_path / "data" / "fallback" / "executions") == []
 
 
 def test_promote_and_reset_cost_o_changed(ramet, tmp_path):
@@ -178,6 +94,9 @@ def test_promote_and_reset_cost_o_changed(ramet, tmp_path):
     assert {k: stats[k] for k in ("kept", "removed", "written", "methods")} == {
         "kept": 497, "removed": 3, "written": 6, "methods": {method: 3}}
     assert tree_signature(ex.path) == tree_signature(src)
+    ex.reset()  # nothing differs: nothing is written
+    assert {k: last_stats(ex)[k] for k in ("kept", "removed", "written", "methods")} == {
+        "kept": 500, "removed": 0, "written": 0, "methods": {}}
     with ramet.execution_pool(promoted, concurrency=1) as pool, pool.acquire() as again:
         for rel in changed:
             assert (again.path / rel).read_bytes() == files[rel] + b"changed\n"
@@ -200,23 +119,20 @@ def test_verify_trusts_the_manifest_and_deep_reads_the_bytes(ramet, tmp_path):
     assert f.read_bytes() == b"alpha\n"
 
 
-def test_errors_carry_their_errno(ramet, tmp_path, monkeypatch):
+def test_errors_only_fallback_has(ramet, tmp_path, monkeypatch):
+    # The errors of both modes are in test_client.
     src = write_tree(tmp_path / "src", {"a": b"a\n"})
     base = ramet.snapshot(src)
     ex = ramet.create(base, name="one")
-    (ex.path / ".ramet").mkdir()
+    (ex.path / ".ramet").mkdir()  # under FUSE the name is the control directory
     monkeypatch.delenv("RAMET_DATA", raising=False)
     cases = [
-        (lambda: ramet.create("0" * 64), errno.ENOENT),
         (lambda: ramet.create(base, name="one"), errno.EEXIST),
-        (lambda: ramet.create(base, name="../up"), errno.EINVAL),
-        (lambda: ramet.snapshot(tmp_path / "missing"), errno.ENOENT),
         (lambda: ramet.release("nope"), errno.ENOENT),
         (lambda: ramet.execution("nope").promote(), errno.ENOENT),
         (lambda: ramet.execution("../data").status(), errno.ENOENT),
         (lambda: ex.promote(), errno.EINVAL),  # .ramet is reserved
         (lambda: Ramet(mode="fallback"), errno.EINVAL),
-        (lambda: Ramet(data=tmp_path / "d", mode="nfs"), errno.EINVAL),
     ]
     for call, err in cases:
         with pytest.raises(RametError) as caught:
@@ -233,19 +149,14 @@ def test_errors_carry_their_errno(ramet, tmp_path, monkeypatch):
     assert ex.reset() == base and not (ex.path / ".ramet").exists()
 
 
-def test_any_execution_name_and_a_removed_root(ramet, tmp_path):
+def test_a_removed_root_is_made_again(ramet, tmp_path):
     src = write_tree(tmp_path / "src", {"a": b"a\n"})
     base = ramet.snapshot(src)
-    names = ["run.1", "x.lock", "y.tmp-1"]  # dots are allowed, whatever follows them
-    for name in names:
-        ramet.create(base, name=name)
-    assert sorted(e["id"] for e in ramet.executions()) == names
-    ex = ramet.execution("run.1")
+    ex = ramet.create(base)
     shutil.rmtree(ex.path)  # a sandbox may remove everything, its root included
     assert ex.reset() == base
     assert tree_signature(ex.path) == tree_signature(src)
-    for name in names:
-        ramet.release(name)
+    ramet.release(ex)
     assert ramet.executions() == []
 
 
@@ -376,32 +287,23 @@ def test_clonefile_on_macos(ramet, tmp_path):
 # ----- the CLI ----------------------------------------------------------------------------------
 
 def test_cli_in_fallback_mode(tmp_path):
+    # The commands of both modes are in test_client; here the mode line and the options.
     data = tmp_path / "data"
-    src = write_tree(tmp_path / "src", {"a.txt": b"alpha\n"})
 
     def cli(*args, env=None):
         env = {"RAMET_MOUNT": None, "RAMET_MODE": "fallback", "RAMET_DATA": str(data),
                **(env or {})}
         return CliRunner(env=env).invoke(main, list(args))
 
-    base = cli("snapshot", str(src)).stdout.strip()
-    assert cli("create", base, "--name", "run-1").stdout == "run-1\n"
-    (data / "fallback" / "executions" / "run-1" / "new.txt").write_text("new\n")
-    assert cli("diff", "run-1").stdout == "A new.txt\n"
-    promoted = cli("promote", "run-1").stdout.strip()
+    base = cli("snapshot", str(write_tree(tmp_path / "src", {"a.txt": b"alpha\n"}))).stdout
+    assert cli("create", base.strip(), "--name", "run-1").stdout == "run-1\n"
     listing = cli("ls").stdout.splitlines()
     method = copy_method_for(tmp_path)
     assert listing[0] == f"mode: fallback  copy method: {method}  data: {data}"
-    assert listing[-1].split()[:4] == ["run-1", base[:12], promoted[:12], "-"]
+    assert listing[-1].split()[:4] == ["run-1", base[:12], base[:12], "-"]
     status = json.loads(cli("status").stdout)
     assert (status["mode"], status["copy_method"], status["mount"]) == ("fallback", method, None)
-    assert json.loads(cli("status", "run-1").stdout)["head"] == promoted
-    assert cli("reset", "run-1").exit_code == 0
-    assert cli("diff", "run-1").stdout == ""
-    assert cli("release", "run-1").exit_code == 0
-    result = cli("status", "run-1")
-    assert (result.exit_code, result.stderr) == (3, f"rametfs: no execution 'run-1' in {data}\n")
     # The options work as well as the environment, and a missing --data is a usage error.
     assert cli("ls", "--mode", "fallback", "--data", str(data),
-               env={"RAMET_MODE": None, "RAMET_DATA": None}).exit_code == 0
+               env={"RAMET_MODE": None, "RAMET_DATA": None}).stdout.splitlines() == listing
     assert cli("ls", env={"RAMET_DATA": None}).exit_code == 2

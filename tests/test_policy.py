@@ -1,7 +1,8 @@
 """Persistence policies: the parser and classifier, preview, promote with a policy, restore.
 
 Unit tests of rametfs.policy need no mount.  The wrapper-level tests run in both modes
-(``ramet`` fixture: the shared FUSE daemon, or fallback mode forced on a data directory).
+(the ``ramet`` fixture of conftest: the shared FUSE daemon, or fallback mode forced on a data
+directory).
 The real case builds a virtual environment from a wheel made here with ``pip wheel`` (no
 network: ``--no-index``), promotes without it and restores it through the mount.
 """
@@ -19,7 +20,7 @@ import blake3
 import pytest
 from click.testing import CliRunner
 
-from conftest import run
+from conftest import cli_where, run
 from rametfs import Ramet, RametError, policy
 from rametfs.cli import main
 from rametfs.client import RestoreError
@@ -134,15 +135,6 @@ def test_input_digest_of_a_file_and_a_directory(tmp_path):
 
 
 # ----- preview and promote, in both modes ------------------------------------------------------
-
-@pytest.fixture(params=["fuse", "fallback"])
-def ramet(request, tmp_path):
-    if request.param == "fuse":
-        yield Ramet(request.getfixturevalue("shared_daemon").mnt)
-    else:
-        with Ramet(data=tmp_path / "data", mode="fallback") as r:
-            yield r
-
 
 def write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
@@ -322,9 +314,7 @@ command = "mkdir -p two"
         "output ends with:\nnot ready")
     ramet.release(info.value.execution)
 
-    where = (["-m", str(ramet.mount)] if ramet.mode == "fuse"
-             else ["--mode", "fallback", "--data", str(ramet.data)])
-    result = CliRunner().invoke(main, ["restore", *where, sid, "--name", "inspect-me"])
+    result = CliRunner().invoke(main, ["restore", *cli_where(ramet), sid, "--name", "inspect-me"])
     assert result.exit_code == 1  # EIO
     assert result.stdout == "inspect-me\n"  # kept for inspection
     assert [line.split(" (")[0] for line in result.stderr.splitlines()] == [
