@@ -551,8 +551,9 @@ def _command(ctl: Path, line: str, mount: Path, missing: str | None = None) -> d
     """Write one command line to ``ctl`` and return its JSON reply, read back from the file.
     Raises :class:`RametError` with the reply's errno and message on failure.
 
-    The file holds the reply of its last command, so the write and the read hold an
-    exclusive flock(2) on it: other clients of the same ``ctl`` wait their turn.
+    Each open of a ``ctl`` file is an inode of its own, holding the reply to the command
+    written to it; two opens racing in one path lookup can share one, so the write and the
+    read hold an exclusive flock(2) on it.
     """
     try:
         fd = os.open(ctl, os.O_RDWR)
