@@ -18,17 +18,21 @@ MB = 1e6
 SYSTEM_ORDER = list(SYSTEMS)
 COLORS = {"native": "#4c4c4c", "cp-a": "#8c564b", "git-worktree": "#e377c2",
           "overlayfs": "#1f77b4", "fuse-overlayfs": "#ff7f0e", "rametfs": "#2ca02c",
-          "rametfs-changed": "#98df8a", "rametfs-snapshot": "#17becf",
+          "rametfs-changed": "#98df8a", "rametfs-snapshot": "#17becf", "native-changed": "#a0a0a0",
           "fallback-copy": "#9467bd", "fallback-reflink": "#bcbd22"}
 
 
+# The reference of a system that is not compared to plain native ext4.
+REFERENCE = {"rametfs-changed": "native-changed", "native-changed": "native-changed"}
+
+
 def add_ratios(report: dict) -> None:
-    """Give each result measured in seconds its ``ratio`` to native's median of the same
-    workload (None where native has none)."""
-    native = {(r["workload"], r["files"]): r["median"] for r in report["results"]
-              if r["system"] == "native"}
+    """Give each result measured in seconds its ``ratio`` to the median of its reference
+    (native ext4, or :data:`REFERENCE`) on the same workload (None where it has none)."""
+    medians = {(r["system"], r["workload"], r["files"]): r["median"] for r in report["results"]}
     for r in report["results"]:
-        base = native.get((r["workload"], r["files"]))
+        reference = REFERENCE.get(r["system"], "native")
+        base = medians.get((reference, r["workload"], r["files"]))
         r["ratio"] = r["median"] / base if r["unit"] == "s" and base else None
 
 

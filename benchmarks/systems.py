@@ -4,6 +4,7 @@ it (keeps its state as a new immutable base) and discards it.
 | system | fork | reset | promote | discard |
 |---|---|---|---|---|
 | native | - (the tree is copied once, untimed, and written in place) | - | - | - |
+| native-changed | - (the same, with the 10 files rametfs-changed changes changed; its reference) | - | - | - |
 | cp-a | ``cp -a tree view`` | ``rm -rf`` + ``cp -a`` | ``cp -a view copy`` | ``rm -rf`` |
 | git-worktree | ``git worktree add --detach`` | ``git reset --hard`` + ``git clean -fdq`` | ``git add -A`` + ``git commit`` | ``git worktree remove --force`` |
 | overlayfs | mount(2) overlay, lower = tree | unmount, empty upper, mount | ``cp -a upper layer`` (a new lower layer) | unmount, ``rm -rf`` upper |
@@ -150,6 +151,18 @@ class Native(System):
     def view(self, tree: Tree) -> Iterator[Path]:
         self.prepare(tree)
         yield self.copies[tree.name]
+
+
+class NativeChanged(Native):
+    """The native copy with the files :class:`RametfsChanged` changes changed the same way:
+    what ``rametfs-changed`` is compared to."""
+
+    id = "native-changed"
+
+    def prepare(self, tree: Tree) -> None:
+        if tree.name not in self.copies:
+            super().prepare(tree)
+            change_files(self.copies[tree.name], changed_sample(tree), "changed view")
 
 
 class CpA(System):
@@ -446,7 +459,7 @@ class RametfsChanged(Rametfs):
 
     def fork(self, tree: Tree) -> View:
         view = super().fork(tree)
-        change_files(view.path, tree.sample(VIEW_CHANGED_FILES, seed=1), "changed view")
+        change_files(view.path, changed_sample(tree), "changed view")
         return view
 
 
@@ -529,6 +542,11 @@ class FallbackReflink(_Fallback):
             self.xfs = None
 
 
+def changed_sample(tree: Tree) -> list[str]:
+    """The files the ``-changed`` systems change in every view of ``tree``."""
+    return tree.sample(VIEW_CHANGED_FILES, seed=1)
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie has exited)."""
     try:
@@ -550,6 +568,6 @@ def disk_usage(paths: list[Path]) -> int:
 
 
 SYSTEMS: dict[str, type[System]] = {
-    cls.id: cls for cls in (Native, CpA, GitWorktree, Overlayfs, FuseOverlayfs, Rametfs,
+    cls.id: cls for cls in (Native, NativeChanged, CpA, GitWorktree, Overlayfs, FuseOverlayfs, Rametfs,
                             RametfsChanged, RametfsSnapshot,
                             FallbackCopy, FallbackReflink)}

@@ -30,7 +30,7 @@ from .trees import (BIG_FILE, MIB, Size, Tree, big_tree, change_files, git, make
 LIFECYCLE = ("cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs",
              "fallback-copy", "fallback-reflink")
 IO = ("native", "overlayfs", "fuse-overlayfs", "rametfs")
-CHANGED_VIEW = IO + ("rametfs-changed",)  # also in an execution with a few changed files
+CHANGED_VIEW = IO + ("native-changed", "rametfs-changed")  # also with a few files changed
 READS = CHANGED_VIEW + ("rametfs-snapshot",)  # also on the read-only snapshot itself
 CHANGED_FILES = 10  # files changed before each reset and promote
 STORAGE_VIEWS = 16  # views of the storage workload, each changing STORAGE_SHARE of the files

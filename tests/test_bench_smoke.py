@@ -37,12 +37,11 @@ def test_smoke_run_reports_every_figure(tmp_path):
     # available.
     assert {"native", "rametfs", "fallback-copy"} <= set(report["systems"])
     assert set(report["systems"]) | set(report["skipped"]) == {
-        "native", "cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs",
-        "rametfs-changed", "rametfs-snapshot",
-        "fallback-copy", "fallback-reflink"}
+        "native", "native-changed", "cp-a", "git-worktree", "overlayfs", "fuse-overlayfs",
+        "rametfs", "rametfs-changed", "rametfs-snapshot", "fallback-copy", "fallback-reflink"}
 
     measured = {(r["workload"], r["system"]) for r in report["results"]}
-    read_views = {"native", "rametfs-changed", "rametfs-snapshot"}  # no lifecycle workloads
+    read_views = {"native", "native-changed", "rametfs-changed", "rametfs-snapshot"}
     lifecycle = [s for s in report["systems"] if s not in read_views]
     assert measured == {(w, s) for w in WORKLOADS + ["discard"] for s in lifecycle}
     for r in report["results"]:
