@@ -29,7 +29,10 @@ import contextlib
 import errno
 import json
 import os
+import secrets
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,8 @@ MODE_ENV = "RAMET_MODE"
 MODES = ("fuse", "fallback", "auto")
 FUSE_DEVICE = "/dev/fuse"
 _MAX_REPLY = 1 << 20
+DEFAULT_TTL = 30.0  # seconds a lease lasts unless renewed; the wrapper renews at a third
+_ACQUIRE_STEP = 5.0  # seconds one acquire command may wait in the daemon
 
 
 class RametError(OSError):
@@ -143,9 +148,25 @@ class Ramet:
         """A handle on an existing execution (not checked until first used)."""
         return Execution(self, execution_id)
 
-    def execution_pool(self, snapshot: str, concurrency: int = 4) -> ExecutionPool:
-        """Create ``concurrency`` executions of ``snapshot`` to hand out with ``acquire()``."""
+    def execution_pool(self, snapshot: str, concurrency: int = 4, *, name: str | None = None,
+                       ttl: float = DEFAULT_TTL, verify: str = "root") -> ExecutionPool:
+        """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
+
+        FUSE mode: the daemon keeps the pool and a lease per acquired execution
+        (:class:`LeasedPool`); ``name`` reattaches to (or creates) a named pool that
+        outlives this process, ``ttl`` is the lease time in seconds, ``verify`` the check
+        after each reset (``"root"`` or ``"deep"``).  Fallback mode: the pool lives in this
+        process (``name``, ``ttl`` and ``verify`` are not used).  Errors: ENOENT unknown
+        snapshot, EEXIST a pool of that name has another base, EINVAL bad name or size.
+        """
+        if self.mode == "fuse":
+            return LeasedPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify)
         return ExecutionPool(self, snapshot, concurrency)
+
+    def pools(self) -> list[dict]:
+        """Every pool the daemon keeps: ``{"name", "base", "size", "created_ns",
+        "executions", "ready", "leased", "quarantined"}`` (none in fallback mode)."""
+        return self.status().get("pools", [])
 
     def status(self) -> dict:
         """The status: ``{"mode", "pid", "data", "mount", "version", "snapshots",
@@ -160,7 +181,10 @@ class Ramet:
 
     def executions(self) -> list[dict]:
         """Every execution record: ``{"id", "base", "head", "created_ns", "upper_bytes",
-        "state"}`` (``upper_bytes`` is None in fallback mode)."""
+        "state"}`` (``upper_bytes`` is None in fallback mode); in FUSE mode also ``"pool"``,
+        ``"lease"`` (``{"holder", "pid", "host", "expires_ns", "acquired_ns"}`` or None)
+        and ``"quarantine_reason"``; ``"state"`` is ``"ready"``, ``"leased"``,
+        ``"quarantined"`` or ``"promoting"``."""
         return self.status()["executions"]
 
 
@@ -205,7 +229,10 @@ class Execution:
         equals the base, as it must after :meth:`reset`.
 
         Fallback mode checks the manifest (a path it cannot vouch for counts as different);
-        ``deep`` reads and hashes every file.  FUSE mode answers with :meth:`diff`.
+        ``deep`` reads and hashes every file.  FUSE mode compares the root tree id the
+        execution would promote to with its base's, rehashing files that hold changed
+        bytes; ``deep`` also rehashes every base byte it serves.  A ready execution of a
+        pool that differs is quarantined by the daemon (never handed out again).
         """
         return self.ramet._backend.verify(self.id, deep)
 
@@ -253,7 +280,8 @@ class _Mount:
         return [tuple(line.split(" ", 1)) for line in text.splitlines() if line]
 
     def verify(self, execution_id: str, deep: bool) -> list[tuple[str, str]]:
-        return self.diff(execution_id)  # the daemon's reset is checked by its root tree id
+        reply = self.command(execution_id, "verify", mode="deep" if deep else "root")
+        return [tuple(pair) for pair in reply["verification"]["differences"]]
 
     def execution_status(self, execution_id: str) -> dict:
         return json.loads(self._read(execution_id, protocol.STATUS))
@@ -430,6 +458,126 @@ class ExecutionPool:
             if not self._closed:
                 self._free.append(execution)
                 self._cond.notify()
+
+
+class LeasedPool(ExecutionPool):
+    """A pool kept by the daemon (FUSE mode), so it outlives this process.
+
+    Each :meth:`acquire` takes a lease on one execution for ``ttl`` seconds, recorded by the
+    daemon with this pool handle's :attr:`holder` token, this pid and host; a background
+    thread renews the leases held here every ``ttl / 3`` seconds.  Leaving ``acquire()``
+    returns the execution: the daemon resets it, verifies it (``verify``: ``"root"`` or
+    ``"deep"``) and puts it back, or quarantines it when verification fails (then the
+    pool makes a new one).  If this process dies, its leases expire and the daemon returns
+    those executions itself.
+
+    Unnamed pools are dropped (every execution released) by :meth:`close`; a named pool
+    stays in the daemon for the next process to reattach to, and :meth:`close` only returns
+    the executions still held here; :meth:`drop` deletes it.  :attr:`renew_error` is the
+    last error of the renewing thread (None while renewals succeed).
+    """
+
+    def __init__(self, ramet: Ramet, snapshot: str, concurrency: int, *,
+                 name: str | None = None, ttl: float = DEFAULT_TTL,
+                 verify: str = "root") -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+        if not ttl > 0:
+            raise ValueError(f"ttl must be positive seconds, not {ttl}")
+        self.ramet = ramet
+        self.ttl = ttl
+        self.verify = verify
+        self.host = socket.gethostname()
+        self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
+        reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name)
+        self.name: str = reply["pool"]
+        self.base: str = reply["snapshot"]
+        self._owned = name is None
+        self._lock = threading.Lock()
+        self._held: dict[str, Execution] = {}
+        self._closed = False
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self.renew_error: RametError | None = None
+
+    def close(self) -> None:
+        """Unnamed pool: drop it (release every execution, held ones too).  Named pool:
+        return the executions held here.  Raises the first error after trying them all."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            held, self._held = list(self._held.values()), {}
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        if self._owned:
+            self._root("drop", self.name)
+            return
+        first_error = None
+        for execution in held:
+            try:
+                self._return(execution)
+            except RametError as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def drop(self) -> None:
+        """Release every execution of the pool, held ones too, and delete the pool."""
+        self._owned = True
+        self.close()
+
+    def _root(self, command: str, *positional: str, **options: str | None) -> dict:
+        return self.ramet._backend.root_command(command, *positional, **options)
+
+    def _take(self, timeout: float | None) -> Execution:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:
+                raise RametError(errno.EINVAL, "the execution pool is closed")
+            left = _ACQUIRE_STEP if deadline is None else deadline - time.monotonic()
+            try:
+                reply = self._root("acquire", self.name, holder=self.holder, ttl=str(self.ttl),
+                                   wait=f"{max(0.0, min(left, _ACQUIRE_STEP)):.3f}",
+                                   pid=str(os.getpid()), host=self.host)
+            except RametError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise PoolTimeout(errno.EBUSY, f"no free execution after {timeout} s: "
+                                      f"{exc}") from None
+                continue
+            execution = Execution(self.ramet, reply["execution"])
+            with self._lock:
+                self._held[execution.id] = execution
+                if self._renewer is None:
+                    self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
+                                                     name=f"rametfs lease renewer {self.name}")
+                    self._renewer.start()
+            return execution
+
+    def _give_back(self, execution: Execution) -> None:
+        with self._lock:
+            if self._held.pop(execution.id, None) is None:
+                return  # the pool was closed meanwhile
+        self._return(execution)
+
+    def _return(self, execution: Execution) -> dict:
+        return self._root("return", execution.id, holder=self.holder, verify=self.verify)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            with self._lock:
+                held = list(self._held)
+            for execution_id in held:
+                try:
+                    self._root("renew", execution_id, holder=self.holder, ttl=str(self.ttl))
+                    self.renew_error = None
+                except RametError as exc:  # the daemon may be restarting: try again later
+                    with self._lock:
+                        if execution_id in self._held:  # not returned meanwhile
+                            self.renew_error = exc
 
 
 def _error(exc: OSError, mount: Path, missing: str | None = None) -> RametError:

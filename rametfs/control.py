@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -21,7 +22,9 @@ from . import protocol
 from .capture import capture, diff
 from .errors import Busy, InvalidArgument, RametError
 from .overlay import Execution, Overlay
+from .pools import READY, Member, Pools
 from .store import import_tree
+from .verify import ROOT, verify
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,11 @@ class Control:
             "snapshot": self._snapshot, "create": self._create, "release": self._release}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset}
+        self.pools = Pools(overlay)
+        self.root_handlers.update({"pool": self._pool, "acquire": self._acquire,
+                                   "renew": self._renew, "return": self._return,
+                                   "drop": self._drop})
+        self.execution_handlers["verify"] = self._verify
 
     # -- running commands ----------------------------------------------------------------
 
@@ -117,6 +125,7 @@ class Control:
         ex = self.overlay.execution(args["execution"])
         if ex.id in self.busy:
             raise Busy(f"execution {ex.id!r} is running a command")
+        self.pools.forget(ex.id)
         await self.invalidate(self.overlay.release(ex))
         for table in (self.last, self.errors, self.promoted):
             table.pop(ex.id, None)
@@ -140,11 +149,86 @@ class Control:
         return {"ok": True, "snapshot": ex.base.id,
                 "reset_ms": round((time.monotonic_ns() - started) / 1e6, 3)}
 
+    # -- pools and leases ----------------------------------------------------------------
+
+    async def _pool(self, args: dict) -> dict:
+        snap = self.overlay.store.snapshot(args["snapshot"])
+        pool, created = self.pools.open(args.get("name"), snap, _count(args["size"], "--size"))
+        return {"ok": True, "pool": pool.name, "snapshot": snap.id, "size": pool.size,
+                "created": created, "executions": list(pool.members)}
+
+    async def _acquire(self, args: dict) -> dict:
+        member = await self.pools.acquire(
+            args["pool"], args["holder"], _count(args.get("pid", "0"), "--pid", minimum=0),
+            args.get("host", ""), _seconds_ns(args["ttl"], "--ttl"),
+            _seconds_ns(args.get("wait", "0"), "--wait") / 1e9)
+        ex = self.overlay.execution(member.execution)
+        return {"ok": True, "execution": ex.id, "pool": member.pool, "snapshot": ex.base.id,
+                "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
+                "lease": member.lease.to_json()}
+
+    async def _renew(self, args: dict) -> dict:
+        member = self.pools.renew(args["execution"], args["holder"],
+                                  _seconds_ns(args["ttl"], "--ttl"))
+        return {"ok": True, "execution": member.execution, "lease": member.lease.to_json()}
+
+    async def _return(self, args: dict) -> dict:
+        member = self.pools.held(args["execution"], args["holder"])
+        return await self.recycle(member, _verify_mode(args.get("verify", ROOT)))
+
+    async def _drop(self, args: dict) -> dict:
+        pool = self.pools.pool(args["pool"])
+        busy = [eid for eid in pool.members if eid in self.busy]
+        if busy:
+            raise Busy(f"pool {pool.name!r}: executions {', '.join(busy)} are running commands")
+        released = self.pools.drop(pool.name)
+        for eid in released:
+            await self._release({"execution": eid})
+        return {"ok": True, "pool": pool.name, "executions": released}
+
+    async def recycle(self, member: Member, mode: str) -> dict:
+        """Reset ``member``'s execution, verify it in ``mode``, and return it to its pool,
+        or quarantine it when verification fails.  Raises Busy (EBUSY) while the execution
+        runs another command."""
+        ex = self.overlay.execution(member.execution)
+        if ex.id in self.busy:
+            raise Busy(f"execution {ex.id!r} is running a command")
+        self.busy.add(ex.id)
+        try:
+            started = time.monotonic_ns()
+            await self.invalidate(self.overlay.reset(ex))
+            reset_ms = round((time.monotonic_ns() - started) / 1e6, 3)
+            try:
+                result = (await verify(self.overlay, ex, mode)).to_json()
+                reason = "" if result["equal"] else _quarantine_reason(result)
+            except RametError as exc:
+                result, reason = None, f"{mode} verification failed: {exc}"
+        finally:
+            self.busy.discard(ex.id)
+        for table in (self.last, self.errors, self.promoted):
+            table.pop(ex.id, None)
+        self.pools.returned(member, reason)
+        if reason:
+            log.warning("execution %s quarantined: %s", ex.id, reason)
+        return {"ok": True, "execution": ex.id, "pool": member.pool, "state": member.state,
+                "reset_ms": reset_ms, "verification": result}
+
+    async def _verify(self, ex: Execution, args: dict) -> dict:
+        result = (await verify(self.overlay, ex, _verify_mode(args.get("mode", ROOT)))).to_json()
+        member = self.pools.members.get(ex.id)
+        if member is not None and member.state == READY and not result["equal"]:
+            reason = _quarantine_reason(result)
+            self.pools.quarantine(member, reason)
+            log.warning("execution %s quarantined: %s", ex.id, reason)
+        return {"ok": True, "execution": ex.id,
+                "state": self.pools.member_json(ex.id)["state"], "verification": result}
+
     # -- what the files read -------------------------------------------------------------
 
     def execution_json(self, ex: Execution) -> dict:
-        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
-                "state": "promoting" if ex.frozen else "ready", "created_ns": ex.created_ns,
+        pool = self.pools.member_json(ex.id)
+        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head, **pool,
+                "state": "promoting" if ex.frozen else pool["state"], "created_ns": ex.created_ns,
                 "upper_bytes": self.overlay.upper_bytes(ex), "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}
 
@@ -154,6 +238,7 @@ class Control:
                   "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
                   "executions": [self.execution_json(ex)
                                  for ex in self.overlay.executions.values()],
+                  "pools": self.pools.to_json(),
                   "last": self.root_last}
         return (json.dumps(status, indent=1) + "\n").encode()
 
@@ -167,3 +252,39 @@ class Control:
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
+
+
+def _count(text: str, what: str, minimum: int = 1) -> int:
+    """A whole number given as an option; InvalidArgument (EINVAL) otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise InvalidArgument(f"{what} must be a whole number >= {minimum}, not {text!r}")
+    return value
+
+
+def _seconds_ns(text: str, what: str) -> int:
+    """A duration in seconds (decimals allowed) as ns; InvalidArgument (EINVAL) otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1e9:
+        raise InvalidArgument(f"{what} must be seconds >= 0, not {text!r}")
+    return int(value * 1e9)
+
+
+def _verify_mode(mode: str) -> str:
+    if mode not in protocol.VERIFY_MODES:
+        raise InvalidArgument(f"verification mode must be one of "
+                              f"{', '.join(protocol.VERIFY_MODES)}, not {mode!r}")
+    return mode
+
+
+def _quarantine_reason(result: dict) -> str:
+    shown = ", ".join(f"{letter} {path}" for letter, path in result["differences"][:5])
+    more = len(result["differences"]) - 5
+    return (f"{result['mode']} verification: differs from its base ({shown}"
+            f"{f' and {more} more' if more > 0 else ''})")

@@ -31,11 +31,43 @@ Root commands and their replies::
     create <snapshot-id> [--name N]                -> {"ok", "execution", "path"}
     release <execution-id>                         -> {"ok", "execution"}
 
+Pool and lease commands (rametfs.pools; ``--size``, ``--holder`` and ``--ttl`` are required;
+times in seconds, decimals allowed; lease times in the replies are wall-clock ns)::
+
+    pool <snapshot-id> --size N [--name P]    -> {"ok", "pool", "snapshot", "size", "created",
+                                                  "executions"}
+    acquire <pool> --holder H --ttl S [--wait S] [--pid PID] [--host HOST]
+                                              -> {"ok", "execution", "path", "pool",
+                                                  "snapshot", "lease"}
+    renew <execution-id> --holder H --ttl S   -> {"ok", "execution", "lease"}
+    return <execution-id> --holder H [--verify root|deep]
+                                              -> {"ok", "execution", "pool", "state",
+                                                  "reset_ms", "verification"}
+    drop <pool>                               -> {"ok", "pool", "executions"}
+
+``pool`` creates a pool of N warm executions of a snapshot, or reattaches to the pool named
+P (growing it to N; EEXIST when it has another base).  ``acquire`` leases a ready execution
+to holder H (a token the client chooses; PID and HOST are recorded for people) for S seconds,
+waiting up to ``--wait`` seconds (default 0) for one: EBUSY when none is ready in time,
+ENOENT unknown pool.  ``renew`` extends the lease: EBUSY when another holder has it, EINVAL
+when it is not leased (it expired and went back to the pool).  ``return`` resets the
+execution, verifies it (``root`` by default) and puts it back in the pool, or, when
+verification fails, quarantines it: state ``"quarantined"``, never handed out again, replaced
+by a new member; the reply says which.  An expired lease is returned the same way by the
+daemon.  ``drop`` releases every execution of the pool and forgets it.  ``release`` of a pool
+member takes it out of its pool (EBUSY while leased).
+
 Execution commands::
 
     promote [--label L] [--message M]   -> {"ok", "snapshot", "stats"}   (execution continues on it)
     checkpoint [--label L] [--message M] -> {"ok", "snapshot", "stats"}  (base stays; not a new head)
     reset                               -> {"ok", "snapshot"}            (back to its base)
+    verify [--mode root|deep]           -> {"ok", "execution", "state", "verification"}
+
+``verify`` compares the execution with its base (rametfs.verify): ``verification`` is
+``{"mode", "equal", "root", "base_root", "verify_ms", "differences"}``, ``differences`` a
+list of ``[letter, path]`` like ``diff``.  A ready pool member that is not equal is
+quarantined.
 
 Snapshot ids are 64 hex digits (BLAKE3); any unique prefix of at least
 :data:`MIN_ID_PREFIX` digits is accepted where an id is expected.  Execution ids are
@@ -76,12 +108,26 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "snapshot": (("path",), frozenset({"label", "message"})),
     "create": (("snapshot",), frozenset({"name"})),
     "release": (("execution",), frozenset()),
+    "pool": (("snapshot",), frozenset({"size", "name"})),
+    "acquire": (("pool",), frozenset({"holder", "ttl", "wait", "pid", "host"})),
+    "renew": (("execution",), frozenset({"holder", "ttl"})),
+    "return": (("execution",), frozenset({"holder", "verify"})),
+    "drop": (("pool",), frozenset()),
 }
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "promote": ((), frozenset({"label", "message"})),
     "checkpoint": ((), frozenset({"label", "message"})),
     "reset": ((), frozenset()),
+    "verify": ((), frozenset({"mode"})),
 }
+# options a command cannot do without (either table)
+REQUIRED_OPTIONS: dict[str, frozenset[str]] = {
+    "pool": frozenset({"size"}),
+    "acquire": frozenset({"holder", "ttl"}),
+    "renew": frozenset({"holder", "ttl"}),
+    "return": frozenset({"holder"}),
+}
+VERIFY_MODES = ("root", "deep")
 
 
 class ProtocolError(ValueError):
@@ -96,7 +142,8 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
 
     ``arguments`` maps each positional name and each given ``--option`` to its string value.
     Raises :class:`ProtocolError` (EINVAL) for an unknown command, a missing or extra
-    argument, an unknown or repeated option, or unbalanced quotes.
+    argument, an unknown, repeated or missing required option (:data:`REQUIRED_OPTIONS`), or
+    unbalanced quotes.
     """
     try:
         words = shlex.split(line)
@@ -129,6 +176,9 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
     if len(values) != len(positional):
         want = " ".join(f"<{p}>" for p in positional) or "no arguments"
         raise ProtocolError(f"{name}: expected {want}, got {len(values)} argument(s)")
+    missing = sorted(REQUIRED_OPTIONS.get(name, frozenset()) - args.keys())
+    if missing:
+        raise ProtocolError(f"{name}: missing {', '.join('--' + m for m in missing)}")
     args.update(zip(positional, values))
     return name, args
 

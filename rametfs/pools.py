@@ -1,0 +1,328 @@
+"""Execution pools and leases, kept by the daemon so they outlive the harness that made them.
+
+A *pool* is a named set of executions of one snapshot, kept warm for hand-out.  Each member
+execution is in one state:
+
+* ``ready``: equal to its base (verified after its last reset), waiting in the pool;
+* ``leased``: handed out to one *holder* until its lease expires (``expires_ns``, wall-clock
+  ns, so it means the same to every process and across a daemon restart); the holder renews
+  it, and the daemon's lease task resets an expired one and returns it to the pool;
+* ``quarantined``: it failed verification; never handed out again, kept for inspection
+  until released.  The pool makes a new member in its place, so it keeps ``size`` warm.
+
+Ready members are handed out last-returned first.  This module keeps the records and the
+in-memory state on the trio thread (every method but :meth:`Pools.acquire` is synchronous);
+resetting and verifying is the caller's job (rametfs.control).  Records live in the ``pools``
+and ``leases`` databases (rametfs.store.format).
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+
+import msgpack
+import trio
+
+from .errors import Busy, InvalidArgument, NotFound, RametError
+from .overlay import Overlay
+from .store import Snapshot
+
+READY, LEASED, QUARANTINED = "ready", "leased", "quarantined"
+POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")  # member ids add 9 characters
+MAX_POOL_SIZE = 4096
+
+
+@dataclass
+class Lease:
+    """Who holds a member: ``holder`` (the client's token), its ``pid`` and ``host``, and
+    when the lease ends and began (``expires_ns``, ``acquired_ns``: wall-clock ns)."""
+
+    holder: str
+    pid: int
+    host: str
+    expires_ns: int
+    acquired_ns: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Member:
+    """One execution of a pool; ``reason`` says why verification quarantined it."""
+
+    execution: str
+    pool: str
+    state: str = READY
+    lease: Lease | None = None
+    reason: str = ""
+
+    def record(self) -> bytes:
+        return msgpack.packb({"pool": self.pool, "state": self.state, "reason": self.reason,
+                              "lease": self.lease.to_json() if self.lease else None})
+
+
+@dataclass
+class Pool:
+    """A pool: ``members`` in creation order, ``ready`` the hand-out stack (last returned on
+    top); ``changed`` is set, then replaced, whenever a member becomes ready or the pool
+    goes away, to wake waiting acquires."""
+
+    name: str
+    base: Snapshot
+    size: int
+    created_ns: int
+    members: list[str] = field(default_factory=list)
+    ready: list[str] = field(default_factory=list)
+    changed: trio.Event = field(default_factory=trio.Event)
+    dropped: bool = False
+
+    def record(self) -> bytes:
+        return msgpack.packb({"base": self.base.id, "size": self.size,
+                              "created_ns": self.created_ns})
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class Pools:
+    """Every pool of one overlay, loaded from the store at start.
+
+    Members whose execution no longer exists are forgotten on load.  ``leases_changed`` is
+    set when a lease is taken or renewed, so the lease task recomputes its next deadline.
+    """
+
+    def __init__(self, overlay: Overlay):
+        self.overlay = overlay
+        self.store = overlay.store
+        self.pools: dict[str, Pool] = {}
+        self.members: dict[str, Member] = {}
+        self.leases_changed = trio.Event()
+        gone = []
+        with self.store.read() as txn:
+            for key, value in txn.cursor(db=self.store.db["pools"]):
+                rec = msgpack.unpackb(value)
+                name = key.decode()
+                self.pools[name] = Pool(name, self.store.snapshot(rec["base"]), rec["size"],
+                                        rec["created_ns"])
+            for key, value in txn.cursor(db=self.store.db["leases"]):
+                eid, rec = key.decode(), msgpack.unpackb(value)
+                pool = self.pools.get(rec["pool"])
+                if pool is None or eid not in overlay.executions:
+                    gone.append(key)
+                    continue
+                lease = Lease(**rec["lease"]) if rec["lease"] else None
+                self.members[eid] = Member(eid, pool.name, rec["state"], lease, rec["reason"])
+                pool.members.append(eid)
+                if rec["state"] == READY:
+                    pool.ready.append(eid)
+        if gone:
+            with self.store.write() as txn:
+                for key in gone:
+                    txn.delete(key, db=self.store.db["leases"])
+
+    # -- pools ---------------------------------------------------------------------------
+
+    def pool(self, name: str) -> Pool:
+        """The pool ``name``; NotFound (ENOENT) when there is none."""
+        pool = self.pools.get(name)
+        if pool is None:
+            raise NotFound(f"no pool {name!r}")
+        return pool
+
+    def open(self, name: str | None, snap: Snapshot, size: int) -> tuple[Pool, bool]:
+        """Create pool ``name`` (generated when None) of ``size`` executions of ``snap``, or
+        reattach to the pool of that name, growing it to ``size`` members.
+
+        Returns ``(pool, created)``.  Raises InvalidArgument (EINVAL) for a bad name or
+        size, RametError (EEXIST) when the pool exists with another base.
+        """
+        if not 1 <= size <= MAX_POOL_SIZE:
+            raise InvalidArgument(f"pool size must be 1 to {MAX_POOL_SIZE}, not {size}")
+        name = name or f"pool-{secrets.token_hex(4)}"
+        if not POOL_NAME_RE.fullmatch(name):
+            raise InvalidArgument(f"pool name {name!r} must match {POOL_NAME_RE.pattern}")
+        pool = self.pools.get(name)
+        created = pool is None
+        if pool is None:
+            pool = Pool(name, snap, size, time.time_ns())
+        elif pool.base.id != snap.id:
+            raise RametError(f"pool {name!r} exists with base {pool.base.id}, not {snap.id}",
+                             errno.EEXIST)
+        pool.size = max(pool.size, size)
+        with self.store.write() as txn:
+            txn.put(name.encode(), pool.record(), db=self.store.db["pools"])
+        self.pools[name] = pool
+        while self._serving(pool) < pool.size:
+            self._add_member(pool)
+        return pool, created
+
+    def _serving(self, pool: Pool) -> int:
+        return sum(1 for eid in pool.members if self.members[eid].state != QUARANTINED)
+
+    def _add_member(self, pool: Pool) -> Member:
+        """A new ready execution in ``pool``: one execution record and one member record."""
+        eid = f"{pool.name}-{secrets.token_hex(4)}"
+        self.overlay.create_execution(pool.base, eid)
+        member = Member(eid, pool.name)
+        self._save(member)
+        self.members[eid] = member
+        pool.members.append(eid)
+        pool.ready.append(eid)
+        pool.wake()
+        return member
+
+    def drop(self, name: str) -> list[str]:
+        """Forget pool ``name`` and its members; returns their execution ids, for the caller
+        to release.  Waiting acquires fail with ENOENT."""
+        pool = self.pool(name)
+        with self.store.write() as txn:
+            txn.delete(name.encode(), db=self.store.db["pools"])
+            for eid in pool.members:
+                txn.delete(eid.encode(), db=self.store.db["leases"])
+        for eid in pool.members:
+            del self.members[eid]
+        del self.pools[name]
+        pool.dropped = True
+        pool.wake()
+        return list(pool.members)
+
+    # -- leases --------------------------------------------------------------------------
+
+    async def acquire(self, name: str, holder: str, pid: int, host: str, ttl_ns: int,
+                      wait_s: float) -> Member:
+        """Lease a ready member of pool ``name`` to ``holder`` for ``ttl_ns``, waiting up to
+        ``wait_s`` seconds for one.  Raises NotFound (ENOENT) unknown or dropped pool, Busy
+        (EBUSY) none ready in time."""
+        pool = self.pool(name)
+        with trio.move_on_after(wait_s):
+            while not pool.ready and not pool.dropped:
+                await pool.changed.wait()
+        if pool.dropped:
+            raise NotFound(f"pool {name!r} was dropped")
+        if not pool.ready:
+            counts = self._counts(pool)
+            raise Busy(f"pool {name!r}: no ready execution after {wait_s:g} s "
+                       f"({counts[LEASED]} leased, {counts[QUARANTINED]} quarantined)")
+        member = self.members[pool.ready.pop()]
+        now = time.time_ns()
+        member.state, member.lease = LEASED, Lease(holder, pid, host, now + ttl_ns, now)
+        self._save(member)
+        self.leases_changed.set()
+        return member
+
+    def held(self, eid: str, holder: str) -> Member:
+        """The member ``eid`` leased by ``holder``.  Raises NotFound (ENOENT) when ``eid`` is
+        no pool member, Busy (EBUSY) when another holder has it, InvalidArgument (EINVAL)
+        when it is not leased (its lease expired and it went back to the pool)."""
+        member = self.members.get(eid)
+        if member is None:
+            raise NotFound(f"execution {eid!r} is not in a pool")
+        if member.state != LEASED:
+            raise InvalidArgument(f"execution {eid!r} is not leased (state {member.state}; "
+                                  "an expired lease returns it to its pool)")
+        if member.lease.holder != holder:
+            raise Busy(f"execution {eid!r} is leased by {member.lease.holder} "
+                       f"(pid {member.lease.pid} on {member.lease.host})")
+        return member
+
+    def renew(self, eid: str, holder: str, ttl_ns: int) -> Member:
+        """Extend ``holder``'s lease on ``eid`` to ``ttl_ns`` from now (errors: :meth:`held`)."""
+        member = self.held(eid, holder)
+        member.lease.expires_ns = time.time_ns() + ttl_ns
+        self._save(member)
+        self.leases_changed.set()
+        return member
+
+    def postpone(self, member: Member, delay_ns: int) -> None:
+        """Push an expired lease back (in memory) while its execution runs a command."""
+        member.lease.expires_ns = time.time_ns() + delay_ns
+
+    def expired(self, now_ns: int) -> list[Member]:
+        """Leased members whose lease ended at or before ``now_ns``."""
+        return [m for m in self.members.values()
+                if m.state == LEASED and m.lease.expires_ns <= now_ns]
+
+    def next_expiry(self) -> int | None:
+        """The earliest lease end (wall-clock ns), or None when nothing is leased."""
+        return min((m.lease.expires_ns for m in self.members.values() if m.state == LEASED),
+                   default=None)
+
+    def returned(self, member: Member, reason: str) -> None:
+        """``member`` was reset and verified: back to the pool when ``reason`` is empty,
+        else quarantined (and replaced by a new member).  Nothing when it left its pool
+        meanwhile (the pool was dropped)."""
+        if self.members.get(member.execution) is not member:
+            return
+        if reason:
+            self.quarantine(member, reason)
+            return
+        pool = self.pools[member.pool]
+        member.state, member.lease = READY, None
+        self._save(member)
+        pool.ready.append(member.execution)
+        pool.wake()
+
+    def quarantine(self, member: Member, reason: str) -> None:
+        """Never hand ``member`` out again; make a new member so the pool keeps its size."""
+        pool = self.pools[member.pool]
+        member.state, member.lease, member.reason = QUARANTINED, None, reason
+        self._save(member)
+        if member.execution in pool.ready:
+            pool.ready.remove(member.execution)
+        if self._serving(pool) < pool.size:
+            self._add_member(pool)
+
+    def forget(self, eid: str) -> None:
+        """Execution ``eid`` is being released: it leaves its pool, which shrinks by one.
+        Raises Busy (EBUSY) when it is leased."""
+        member = self.members.get(eid)
+        if member is None:
+            return
+        if member.state == LEASED:
+            raise Busy(f"execution {eid!r} is leased by {member.lease.holder}; "
+                       "release it with return, or drop its pool")
+        pool = self.pools[member.pool]
+        with self.store.write() as txn:
+            txn.delete(eid.encode(), db=self.store.db["leases"])
+            if member.state != QUARANTINED:
+                pool.size -= 1
+                txn.put(pool.name.encode(), pool.record(), db=self.store.db["pools"])
+        pool.members.remove(eid)
+        if eid in pool.ready:
+            pool.ready.remove(eid)
+        del self.members[eid]
+
+    def _save(self, member: Member) -> None:
+        with self.store.write() as txn:
+            txn.put(member.execution.encode(), member.record(), db=self.store.db["leases"])
+
+    # -- status --------------------------------------------------------------------------
+
+    def _counts(self, pool: Pool) -> dict[str, int]:
+        counts = {READY: 0, LEASED: 0, QUARANTINED: 0}
+        for eid in pool.members:
+            counts[self.members[eid].state] += 1
+        return counts
+
+    def to_json(self) -> list[dict]:
+        """``[{"name", "base", "size", "created_ns", "executions", "ready", "leased",
+        "quarantined"}]``, by name; the last three are counts."""
+        return [{"name": p.name, "base": p.base.id, "size": p.size, "created_ns": p.created_ns,
+                 "executions": list(p.members), **self._counts(p)}
+                for p in sorted(self.pools.values(), key=lambda p: p.name)]
+
+    def member_json(self, eid: str) -> dict:
+        """The pool fields of execution ``eid``'s status: ``{"pool", "state", "lease",
+        "quarantine_reason"}`` (pool and lease None outside a pool)."""
+        m = self.members.get(eid)
+        if m is None:
+            return {"pool": None, "state": READY, "lease": None, "quarantine_reason": None}
+        return {"pool": m.pool, "state": m.state,
+                "lease": m.lease.to_json() if m.lease else None,
+                "quarantine_reason": m.reason or None}
