@@ -10,8 +10,12 @@ from any process that can see the mount, without FUSE or the daemon's dependenci
         with pool.acquire() as ex:                   # ex.path: <mnt>/executions/<id>
             run_agent(cwd=ex.path)
             saved = ex.promote(label="attempt 1")    # the execution carries on from it
-        # leaving acquire() resets the execution and hands it back to the pool
+        # leaving acquire() resets the execution, verifies it and hands it back
     # leaving the pool releases every execution
+
+In FUSE mode the daemon keeps the pool and a lease per acquired execution (renewed by this
+process in the background; expired leases are returned to the pool by the daemon), so a
+named pool outlives the process that made it (:class:`LeasedPool`).
 
 In fallback mode (``Ramet(data=DIR, mode="fallback")``, for hosts without FUSE) the same
 calls run in this process on the data directory: executions are real directories
