@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import secrets
 import time
@@ -153,15 +152,17 @@ class Control:
 
     async def _pool(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
-        pool, created = self.pools.open(args.get("name"), snap, _count(args["size"], "--size"))
+        size = protocol.parse_count(args["size"], "--size")
+        pool, created = self.pools.open(args.get("name"), snap, size)
         return {"ok": True, "pool": pool.name, "snapshot": snap.id, "size": pool.size,
                 "created": created, "executions": list(pool.members)}
 
     async def _acquire(self, args: dict) -> dict:
         member = await self.pools.acquire(
-            args["pool"], args["holder"], _count(args.get("pid", "0"), "--pid", minimum=0),
-            args.get("host", ""), _seconds_ns(args["ttl"], "--ttl"),
-            _seconds_ns(args.get("wait", "0"), "--wait") / 1e9)
+            args["pool"], args["holder"],
+            protocol.parse_count(args.get("pid", "0"), "--pid", minimum=0),
+            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"),
+            protocol.parse_seconds_ns(args.get("wait", "0"), "--wait") / 1e9)
         ex = self.overlay.execution(member.execution)
         return {"ok": True, "execution": ex.id, "pool": member.pool, "snapshot": ex.base.id,
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
@@ -169,12 +170,13 @@ class Control:
 
     async def _renew(self, args: dict) -> dict:
         member = self.pools.renew(args["execution"], args["holder"],
-                                  _seconds_ns(args["ttl"], "--ttl"))
+                                  protocol.parse_seconds_ns(args["ttl"], "--ttl"))
         return {"ok": True, "execution": member.execution, "lease": member.lease.to_json()}
 
     async def _return(self, args: dict) -> dict:
         member = self.pools.held(args["execution"], args["holder"])
-        return await self.recycle(member, _verify_mode(args.get("verify", ROOT)))
+        mode = protocol.parse_verify_mode(args.get("verify", ROOT))
+        return await self.recycle(member, mode)
 
     async def _drop(self, args: dict) -> dict:
         pool = self.pools.pool(args["pool"])
@@ -214,7 +216,8 @@ class Control:
                 "reset_ms": reset_ms, "verification": result}
 
     async def _verify(self, ex: Execution, args: dict) -> dict:
-        result = (await verify(self.overlay, ex, _verify_mode(args.get("mode", ROOT)))).to_json()
+        mode = protocol.parse_verify_mode(args.get("mode", ROOT))
+        result = (await verify(self.overlay, ex, mode)).to_json()
         member = self.pools.members.get(ex.id)
         if member is not None and member.state == READY and not result["equal"]:
             reason = _quarantine_reason(result)
@@ -252,35 +255,6 @@ class Control:
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
-
-
-def _count(text: str, what: str, minimum: int = 1) -> int:
-    """A whole number given as an option; InvalidArgument (EINVAL) otherwise."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise InvalidArgument(f"{what} must be a whole number >= {minimum}, not {text!r}")
-    return value
-
-
-def _seconds_ns(text: str, what: str) -> int:
-    """A duration in seconds (decimals allowed) as ns; InvalidArgument (EINVAL) otherwise."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < 1e9:
-        raise InvalidArgument(f"{what} must be seconds >= 0, not {text!r}")
-    return int(value * 1e9)
-
-
-def _verify_mode(mode: str) -> str:
-    if mode not in protocol.VERIFY_MODES:
-        raise InvalidArgument(f"verification mode must be one of "
-                              f"{', '.join(protocol.VERIFY_MODES)}, not {mode!r}")
-    return mode
 
 
 def _quarantine_reason(result: dict) -> str:

@@ -13,57 +13,25 @@ execution is in one state:
 Ready members are handed out last-returned first.  This module keeps the records and the
 in-memory state on the trio thread (every method but :meth:`Pools.acquire` is synchronous);
 resetting and verifying is the caller's job (rametfs.control).  Records live in the ``pools``
-and ``leases`` databases (rametfs.store.format).
+and ``leases`` databases (rametfs.store.format, rametfs.store.leases).
 """
 
 from __future__ import annotations
 
 import errno
-import re
-import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-import msgpack
 import trio
 
+from . import protocol
 from .errors import Busy, InvalidArgument, NotFound, RametError
 from .overlay import Overlay
 from .store import Snapshot
+from .store.leases import (LEASED, NOT_POOLED, QUARANTINED, READY, Lease, Member, PoolRecord,
+                           pool_json)
 
-READY, LEASED, QUARANTINED = "ready", "leased", "quarantined"
-POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")  # member ids add 9 characters
-MAX_POOL_SIZE = 4096
-
-
-@dataclass
-class Lease:
-    """Who holds a member: ``holder`` (the client's token), its ``pid`` and ``host``, and
-    when the lease ends and began (``expires_ns``, ``acquired_ns``: wall-clock ns)."""
-
-    holder: str
-    pid: int
-    host: str
-    expires_ns: int
-    acquired_ns: int
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Member:
-    """One execution of a pool; ``reason`` says why verification quarantined it."""
-
-    execution: str
-    pool: str
-    state: str = READY
-    lease: Lease | None = None
-    reason: str = ""
-
-    def record(self) -> bytes:
-        return msgpack.packb({"pool": self.pool, "state": self.state, "reason": self.reason,
-                              "lease": self.lease.to_json() if self.lease else None})
+__all__ = ["LEASED", "QUARANTINED", "READY", "Lease", "Member", "Pool", "Pools"]
 
 
 @dataclass
@@ -82,8 +50,7 @@ class Pool:
     dropped: bool = False
 
     def record(self) -> bytes:
-        return msgpack.packb({"base": self.base.id, "size": self.size,
-                              "created_ns": self.created_ns})
+        return PoolRecord(self.base.id, self.size, self.created_ns).pack()
 
     def wake(self) -> None:
         self.changed.set()
@@ -106,21 +73,21 @@ class Pools:
         gone = []
         with self.store.read() as txn:
             for key, value in txn.cursor(db=self.store.db["pools"]):
-                rec = msgpack.unpackb(value)
-                name = key.decode()
-                self.pools[name] = Pool(name, self.store.snapshot(rec["base"]), rec["size"],
-                                        rec["created_ns"])
+                rec, name = PoolRecord.unpack(value), key.decode()
+                self.pools[name] = Pool(name, self.store.snapshot(rec.base), rec.size,
+                                        rec.created_ns)
             for key, value in txn.cursor(db=self.store.db["leases"]):
-                eid, rec = key.decode(), msgpack.unpackb(value)
-                pool = self.pools.get(rec["pool"])
-                if pool is None or eid not in overlay.executions:
+                member = Member.unpack(key.decode(), value)
+                pool = self.pools.get(member.pool)
+                if pool is None or member.execution not in overlay.executions:
                     gone.append(key)
                     continue
-                lease = Lease(**rec["lease"]) if rec["lease"] else None
-                self.members[eid] = Member(eid, pool.name, rec["state"], lease, rec["reason"])
-                pool.members.append(eid)
-                if rec["state"] == READY:
-                    pool.ready.append(eid)
+                self.members[member.execution] = member
+                pool.members.append(member.execution)
+        for pool in self.pools.values():
+            ready = [self.members[eid] for eid in pool.members
+                     if self.members[eid].state == READY]
+            pool.ready = [m.execution for m in sorted(ready, key=lambda m: m.returned_ns)]
         if gone:
             with self.store.write() as txn:
                 for key in gone:
@@ -139,14 +106,10 @@ class Pools:
         """Create pool ``name`` (generated when None) of ``size`` executions of ``snap``, or
         reattach to the pool of that name, growing it to ``size`` members.
 
-        Returns ``(pool, created)``.  Raises InvalidArgument (EINVAL) for a bad name or
-        size, RametError (EEXIST) when the pool exists with another base.
+        Returns ``(pool, created)``.  Raises ProtocolError (EINVAL) for a bad name or size
+        (``protocol.check_pool``), RametError (EEXIST) when the pool exists with another base.
         """
-        if not 1 <= size <= MAX_POOL_SIZE:
-            raise InvalidArgument(f"pool size must be 1 to {MAX_POOL_SIZE}, not {size}")
-        name = name or f"pool-{secrets.token_hex(4)}"
-        if not POOL_NAME_RE.fullmatch(name):
-            raise InvalidArgument(f"pool name {name!r} must match {POOL_NAME_RE.pattern}")
+        name = protocol.check_pool(name, size)
         pool = self.pools.get(name)
         created = pool is None
         if pool is None:
@@ -167,9 +130,9 @@ class Pools:
 
     def _add_member(self, pool: Pool) -> Member:
         """A new ready execution in ``pool``: one execution record and one member record."""
-        eid = f"{pool.name}-{secrets.token_hex(4)}"
+        eid = protocol.member_name(pool.name)
         self.overlay.create_execution(pool.base, eid)
-        member = Member(eid, pool.name)
+        member = Member(eid, pool.name, returned_ns=time.time_ns())
         self._save(member)
         self.members[eid] = member
         pool.members.append(eid)
@@ -263,7 +226,7 @@ class Pools:
             self.quarantine(member, reason)
             return
         pool = self.pools[member.pool]
-        member.state, member.lease = READY, None
+        member.state, member.lease, member.returned_ns = READY, None, time.time_ns()
         self._save(member)
         pool.ready.append(member.execution)
         pool.wake()
@@ -300,29 +263,23 @@ class Pools:
 
     def _save(self, member: Member) -> None:
         with self.store.write() as txn:
-            txn.put(member.execution.encode(), member.record(), db=self.store.db["leases"])
+            txn.put(member.execution.encode(), member.pack(), db=self.store.db["leases"])
 
     # -- status --------------------------------------------------------------------------
 
+    def _json(self, pool: Pool) -> dict:
+        return pool_json(pool.name, PoolRecord(pool.base.id, pool.size, pool.created_ns),
+                         [self.members[eid] for eid in pool.members])
+
     def _counts(self, pool: Pool) -> dict[str, int]:
-        counts = {READY: 0, LEASED: 0, QUARANTINED: 0}
-        for eid in pool.members:
-            counts[self.members[eid].state] += 1
-        return counts
+        return {state: self._json(pool)[state] for state in (READY, LEASED, QUARANTINED)}
 
     def to_json(self) -> list[dict]:
-        """``[{"name", "base", "size", "created_ns", "executions", "ready", "leased",
-        "quarantined"}]``, by name; the last three are counts."""
-        return [{"name": p.name, "base": p.base.id, "size": p.size, "created_ns": p.created_ns,
-                 "executions": list(p.members), **self._counts(p)}
-                for p in sorted(self.pools.values(), key=lambda p: p.name)]
+        """Every pool (rametfs.store.leases.pool_json), by name."""
+        return [self._json(p) for p in sorted(self.pools.values(), key=lambda p: p.name)]
 
     def member_json(self, eid: str) -> dict:
         """The pool fields of execution ``eid``'s status: ``{"pool", "state", "lease",
         "quarantine_reason"}`` (pool and lease None outside a pool)."""
         m = self.members.get(eid)
-        if m is None:
-            return {"pool": None, "state": READY, "lease": None, "quarantine_reason": None}
-        return {"pool": m.pool, "state": m.state,
-                "lease": m.lease.to_json() if m.lease else None,
-                "quarantine_reason": m.reason or None}
+        return dict(NOT_POOLED) if m is None else m.to_json()

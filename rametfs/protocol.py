@@ -78,7 +78,9 @@ from __future__ import annotations
 
 import errno as _errno
 import json
+import math
 import re
+import secrets
 import shlex
 
 CONTROL_DIR = ".ramet"
@@ -128,6 +130,8 @@ REQUIRED_OPTIONS: dict[str, frozenset[str]] = {
     "return": frozenset({"holder"}),
 }
 VERIFY_MODES = ("root", "deep")
+POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")  # member ids add 9 characters
+MAX_POOL_SIZE = 4096
 
 
 class ProtocolError(ValueError):
@@ -200,3 +204,50 @@ def encode_reply(reply: dict) -> bytes:
 def decode_reply(data: bytes) -> dict:
     """Parse a reply read back from a ``ctl`` file descriptor."""
     return json.loads(data.decode() or "{}")
+
+
+def parse_count(text: str, what: str, minimum: int = 1) -> int:
+    """A whole number >= ``minimum`` given as option ``what``; ProtocolError otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ProtocolError(f"{what} must be a whole number >= {minimum}, not {text!r}")
+    return value
+
+
+def parse_seconds_ns(text: str, what: str) -> int:
+    """A duration in seconds (decimals allowed) given as option ``what``, in ns;
+    ProtocolError otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1e9:
+        raise ProtocolError(f"{what} must be seconds >= 0, not {text!r}")
+    return int(value * 1e9)
+
+
+def parse_verify_mode(mode: str) -> str:
+    """``"root"`` or ``"deep"``; ProtocolError otherwise."""
+    if mode not in VERIFY_MODES:
+        raise ProtocolError(f"verification mode must be one of {', '.join(VERIFY_MODES)}, "
+                            f"not {mode!r}")
+    return mode
+
+
+def check_pool(name: str | None, size: int) -> str:
+    """The pool name to use (``name``, or a new ``pool-<8 hex>``); ProtocolError for a name
+    not matching :data:`POOL_NAME_RE` or a size outside 1..:data:`MAX_POOL_SIZE`."""
+    if not 1 <= size <= MAX_POOL_SIZE:
+        raise ProtocolError(f"pool size must be 1 to {MAX_POOL_SIZE}, not {size}")
+    name = name or f"pool-{secrets.token_hex(4)}"
+    if not POOL_NAME_RE.fullmatch(name):
+        raise ProtocolError(f"pool name {name!r} must match {POOL_NAME_RE.pattern}")
+    return name
+
+
+def member_name(pool: str) -> str:
+    """A new execution id for a member of pool ``pool``: ``<pool>-<8 hex>``."""
+    return f"{pool}-{secrets.token_hex(4)}"
