@@ -15,7 +15,7 @@ from any process that can see the mount, without FUSE or the daemon's dependenci
 
 In FUSE mode the daemon keeps the pool and a lease per acquired execution (renewed by this
 process in the background; expired leases are returned to the pool by the daemon), so a
-named pool outlives the process that made it (:class:`LeasedPool`).
+named pool outlives the process that made it (:class:`ExecutionPool`).
 
 In fallback mode (``Ramet(data=DIR, mode="fallback")``, for hosts without FUSE) the same
 calls run in this process on the data directory: executions are real directories
@@ -156,21 +156,19 @@ class Ramet:
                        ttl: float = DEFAULT_TTL, verify: str = "root") -> ExecutionPool:
         """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
 
-        FUSE mode: the daemon keeps the pool and a lease per acquired execution
-        (:class:`LeasedPool`); ``name`` reattaches to (or creates) a named pool that
-        outlives this process, ``ttl`` is the lease time in seconds, ``verify`` the check
-        after each reset (``"root"`` or ``"deep"``).  Fallback mode: the pool lives in this
-        process (``name``, ``ttl`` and ``verify`` are not used).  Errors: ENOENT unknown
-        snapshot, EEXIST a pool of that name has another base, EINVAL bad name or size.
+        The daemon (fallback mode: the data directory) keeps the pool and a lease per
+        acquired execution (:class:`ExecutionPool`); ``name`` reattaches to (or creates) a
+        named pool that outlives this process, ``ttl`` is the lease time in seconds,
+        ``verify`` the check after each reset (``"root"`` or ``"deep"``).  Errors: ENOENT
+        unknown snapshot, EEXIST a pool of that name has another base, EINVAL bad name or
+        size.
         """
-        if self.mode == "fuse":
-            return LeasedPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify)
-        return ExecutionPool(self, snapshot, concurrency)
+        return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify)
 
     def pools(self) -> list[dict]:
-        """Every pool the daemon keeps: ``{"name", "base", "size", "created_ns",
-        "executions", "ready", "leased", "quarantined"}`` (none in fallback mode)."""
-        return self.status().get("pools", [])
+        """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
+        "leased", "quarantined"}`` (the last three count executions in each state)."""
+        return self.status()["pools"]
 
     def status(self) -> dict:
         """The status: ``{"mode", "pid", "data", "mount", "version", "snapshots",
@@ -185,10 +183,10 @@ class Ramet:
 
     def executions(self) -> list[dict]:
         """Every execution record: ``{"id", "base", "head", "created_ns", "upper_bytes",
-        "state"}`` (``upper_bytes`` is None in fallback mode); in FUSE mode also ``"pool"``,
-        ``"lease"`` (``{"holder", "pid", "host", "expires_ns", "acquired_ns"}`` or None)
-        and ``"quarantine_reason"``; ``"state"`` is ``"ready"``, ``"leased"``,
-        ``"quarantined"`` or ``"promoting"``."""
+        "state", "pool", "lease", "quarantine_reason"}`` (``upper_bytes`` is None in
+        fallback mode); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
+        "acquired_ns"}`` or None; ``"state"`` is ``"ready"``, ``"leased"``,
+        ``"quarantined"`` or (FUSE mode) ``"promoting"``."""
         return self.status()["executions"]
 
 
@@ -316,6 +314,10 @@ class _Local:
         self.data = self.engine.data
         self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
                               "release": self.engine.release}
+        pools = self.engine.pools
+        self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
+                                   "renew": pools.renew, "return": pools.return_,
+                                   "drop": pools.drop})
         self.commands = {"promote": self.engine.promote, "checkpoint": self.engine.checkpoint,
                          "reset": self.engine.reset}
 
@@ -362,7 +364,7 @@ def _local_errors() -> Iterator[None]:
         yield
     except RametError:
         raise
-    except errors.RametError as exc:
+    except (errors.RametError, protocol.ProtocolError) as exc:
         raise RametError(exc.errno, str(exc)) from None
     except OSError as exc:
         where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
@@ -370,115 +372,24 @@ def _local_errors() -> Iterator[None]:
 
 
 class ExecutionPool:
-    """``concurrency`` executions of one snapshot, handed out one holder at a time.
+    """``concurrency`` executions of one snapshot, handed out one holder at a time; the pool
+    and its leases are kept by the daemon (FUSE mode) or in the data directory (fallback
+    mode), so they outlive this process.  :meth:`acquire` may be called from several threads.
 
-    Creating the pool creates the executions (releasing those already made if one fails);
-    :meth:`close`, or leaving the ``with`` block, releases them all, including any still
-    acquired.  :meth:`acquire` may be called from several threads.
-    """
+    Each :meth:`acquire` takes a lease on one execution for ``ttl`` seconds, recorded with
+    this pool handle's :attr:`holder` token, this pid and host; a background thread renews
+    the leases held here every ``ttl / 3`` seconds.  Leaving ``acquire()`` returns the
+    execution: it is reset, verified (``verify``: ``"root"`` or ``"deep"``) and put back,
+    or quarantined when verification fails (then the pool makes a new one).  If this
+    process dies, its leases expire: the daemon returns those executions itself; in
+    fallback mode the next ``acquire`` that finds no ready execution takes one of them.
 
-    def __init__(self, ramet: Ramet, snapshot: str, concurrency: int) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, not {concurrency}")
-        self.ramet = ramet
-        self.base = snapshot
-        self._cond = threading.Condition()
-        self._all: list[Execution] = []
-        self._free: list[Execution] = []
-        self._closed = False
-        try:
-            for _ in range(concurrency):
-                self._all.append(ramet.create(snapshot))
-        except BaseException:
-            with contextlib.suppress(RametError):  # the create error is the one to see
-                self.close()
-            raise
-        self._free = list(self._all)
-
-    def __enter__(self) -> ExecutionPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    @contextlib.contextmanager
-    def acquire(self, timeout: float | None = None) -> Iterator[Execution]:
-        """Hold a free execution for the ``with`` block; wait up to ``timeout`` seconds
-        (``None``: forever) for one.  Leaving the block resets the execution and returns it.
-
-        Raises :class:`PoolTimeout` (EBUSY) when none is free in time, :class:`RametError`
-        (EINVAL) when the pool is closed.  If the reset fails, the execution is released and
-        leaves the pool, and the reset's error is raised.
-        """
-        execution = self._take(timeout)
-        try:
-            yield execution
-        finally:
-            self._give_back(execution)
-
-    def close(self) -> None:
-        """Release every execution; raise the first release error after trying them all."""
-        with self._cond:
-            self._closed = True
-            executions, self._all = self._all, []
-            self._cond.notify_all()
-        first_error = None
-        for execution in executions:
-            try:
-                self.ramet.release(execution)
-            except RametError as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-
-    def _take(self, timeout: float | None) -> Execution:
-        with self._cond:
-            ready = self._cond.wait_for(
-                lambda: self._closed or self._free or not self._all, timeout)
-            if self._closed:
-                raise RametError(errno.EINVAL, "the execution pool is closed")
-            if not ready:
-                raise PoolTimeout(errno.EBUSY, f"no free execution after {timeout} s: "
-                                  f"all {len(self._all)} are acquired")
-            if not self._all:
-                raise RametError(errno.EIO, "the execution pool has no executions left "
-                                 "(their resets failed)")
-            return self._free.pop()
-
-    def _give_back(self, execution: Execution) -> None:
-        with self._cond:
-            if self._closed:
-                return
-        try:
-            execution.reset()
-        except RametError:
-            with self._cond:
-                self._all.remove(execution)
-                self._cond.notify_all()
-            with contextlib.suppress(RametError):
-                self.ramet.release(execution)
-            raise
-        with self._cond:
-            if not self._closed:
-                self._free.append(execution)
-                self._cond.notify()
-
-
-class LeasedPool(ExecutionPool):
-    """A pool kept by the daemon (FUSE mode), so it outlives this process.
-
-    Each :meth:`acquire` takes a lease on one execution for ``ttl`` seconds, recorded by the
-    daemon with this pool handle's :attr:`holder` token, this pid and host; a background
-    thread renews the leases held here every ``ttl / 3`` seconds.  Leaving ``acquire()``
-    returns the execution: the daemon resets it, verifies it (``verify``: ``"root"`` or
-    ``"deep"``) and puts it back, or quarantines it when verification fails (then the
-    pool makes a new one).  If this process dies, its leases expire and the daemon returns
-    those executions itself.
-
-    Unnamed pools are dropped (every execution released) by :meth:`close`; a named pool
-    stays in the daemon for the next process to reattach to, and :meth:`close` only returns
-    the executions still held here; :meth:`drop` deletes it.  :attr:`renew_error` is the
-    last error of the renewing thread (None while renewals succeed).
+    Creating the pool creates its executions (or reattaches to the pool ``name``).  Unnamed
+    pools are dropped (every execution released, held ones too) by :meth:`close`, or on
+    leaving the ``with`` block; a named pool stays for the next process to reattach to, and
+    :meth:`close` only returns the executions still held here; :meth:`drop` deletes it.
+    :attr:`renew_error` is the last error of the renewing thread (None while renewals
+    succeed).
     """
 
     def __init__(self, ramet: Ramet, snapshot: str, concurrency: int, *,
@@ -503,6 +414,28 @@ class LeasedPool(ExecutionPool):
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self.renew_error: RametError | None = None
+
+    def __enter__(self) -> ExecutionPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def acquire(self, timeout: float | None = None) -> Iterator[Execution]:
+        """Hold a free execution for the ``with`` block; wait up to ``timeout`` seconds
+        (``None``: forever) for one.  Leaving the block resets and verifies the execution
+        and returns it to the pool (or quarantines it).
+
+        Raises :class:`PoolTimeout` (EBUSY) when none is free in time, :class:`RametError`
+        (EINVAL) when the pool is closed, ENOENT when it was dropped; on leaving, EINVAL
+        when the lease was lost (it expired: the execution went back to the pool).
+        """
+        execution = self._take(timeout)
+        try:
+            yield execution
+        finally:
+            self._give_back(execution)
 
     def close(self) -> None:
         """Unnamed pool: drop it (release every execution, held ones too).  Named pool:

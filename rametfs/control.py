@@ -23,6 +23,7 @@ from .errors import Busy, InvalidArgument, RametError
 from .overlay import Execution, Overlay
 from .pools import READY, Member, Pools
 from .store import import_tree
+from .store.leases import quarantine_reason
 from .verify import ROOT, verify
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class Control:
             reset_ms = round((time.monotonic_ns() - started) / 1e6, 3)
             try:
                 result = (await verify(self.overlay, ex, mode)).to_json()
-                reason = "" if result["equal"] else _quarantine_reason(result)
+                reason = "" if result["equal"] else quarantine_reason(result)
             except RametError as exc:
                 result, reason = None, f"{mode} verification failed: {exc}"
         finally:
@@ -220,7 +221,7 @@ class Control:
         result = (await verify(self.overlay, ex, mode)).to_json()
         member = self.pools.members.get(ex.id)
         if member is not None and member.state == READY and not result["equal"]:
-            reason = _quarantine_reason(result)
+            reason = quarantine_reason(result)
             self.pools.quarantine(member, reason)
             log.warning("execution %s quarantined: %s", ex.id, reason)
         return {"ok": True, "execution": ex.id,
@@ -256,9 +257,3 @@ class Control:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
 
-
-def _quarantine_reason(result: dict) -> str:
-    shown = ", ".join(f"{letter} {path}" for letter, path in result["differences"][:5])
-    more = len(result["differences"]) - 5
-    return (f"{result['mode']} verification: differs from its base ({shown}"
-            f"{f' and {more} more' if more > 0 else ''})")

@@ -22,7 +22,7 @@ import msgpack
 import pytest
 
 from conftest import run, wait_until
-from rametfs import Ramet
+from rametfs import Ramet, RametError
 from rametfs.client import PoolTimeout
 from rametfs.overlay import UpperInode
 from rametfs.store import Store
@@ -306,3 +306,60 @@ def test_pool_commands_check_their_arguments(shared_daemon, source):
         shared_daemon.ctl(f"renew {eid} --holder h --ttl 1")
     assert caught.value.errno == errno.EINVAL  # not leased
     assert shared_daemon.ctl("drop args") == {"ok": True, "pool": "args", "executions": [eid]}
+
+
+# ----- fallback mode: the same pools and leases, kept in the data directory's LMDB -----------
+
+def fallback_harness(data: Path, script: str) -> subprocess.Popen:
+    code = (f"from rametfs import Ramet\nramet = Ramet(data={str(data)!r}, mode='fallback')\n"
+            + textwrap.dedent(script))
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_fallback_leases_expire_into_the_next_acquire_and_quarantine(tmp_path, source):
+    data = tmp_path / "data"
+    with Ramet(data=data, mode="fallback") as ramet:
+        base = ramet.snapshot(source)
+        proc = fallback_harness(data, f"""
+            import time
+            pool = ramet.execution_pool({base!r}, concurrency=2, name="fb", ttl=0.5)
+            with pool.acquire() as ex:
+                (ex.path / "README").write_text("half done\\n")
+                print(ex.id, flush=True)
+                time.sleep(600)
+        """)
+        try:
+            held = proc.stdout.readline().strip()
+            lease = member(ramet, held)["lease"]
+            assert (lease["pid"], member(ramet, held)["state"]) == (proc.pid, "leased")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate(timeout=30)
+
+        pool = ramet.execution_pool(base, concurrency=2, name="fb")  # reattach
+        assert pool_record(ramet, "fb")["leased"] == 1
+        with pytest.raises(RametError) as caught:
+            ramet._backend.root_command("renew", held, holder=pool.holder, ttl="5")
+        assert caught.value.errno == errno.EBUSY
+        with pool.acquire() as first:
+            assert first.id != held  # the ready one goes first
+            # The dead harness's lease ends: the next acquire resets and verifies it.
+            with pool.acquire(timeout=5) as second:
+                assert second.id == held
+                assert (second.path / "README").read_bytes() == b"project\n"
+                assert member(ramet, held)["lease"]["holder"] == pool.holder
+
+        # A ready execution changed behind the wrapper's back is quarantined by verify.
+        victim = ramet.execution(held)
+        with open(victim.path / "data" / "big.bin", "r+b") as f:
+            f.write(b"X")
+        assert victim.verify(deep=True) == [("M", "data/big.bin")]
+        assert member(ramet, held)["state"] == "quarantined"
+        record = pool_record(ramet, "fb")
+        assert (record["ready"], record["quarantined"]) == (2, 1)
+        for _ in range(3):
+            with pool.acquire() as a, pool.acquire() as b:
+                assert held not in (a.id, b.id)
+        pool.drop()
+        assert ramet.executions() == [] and ramet.pools() == []

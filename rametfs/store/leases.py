@@ -88,3 +88,12 @@ def pool_json(name: str, pool: PoolRecord, members: list[Member]) -> dict:
         counts[m.state] += 1
     return {"name": name, "base": pool.base, "size": pool.size, "created_ns": pool.created_ns,
             "executions": [m.execution for m in members], **counts}
+
+
+def quarantine_reason(verification: dict) -> str:
+    """Why a verification (``{"mode", "differences": [[letter, path], ...], ...}``)
+    quarantines an execution, naming at most five differences."""
+    differences = verification["differences"]
+    shown = ", ".join(f"{letter} {path}" for letter, path in differences[:5])
+    more = f" and {len(differences) - 5} more" if len(differences) > 5 else ""
+    return f"{verification['mode']} verification: differs from its base ({shown}{more})"
