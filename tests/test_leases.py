@@ -39,11 +39,36 @@ def source(tmp_path) -> Path:
                                          "data/big.bin": BIG})
 
 
-def harness(mnt: Path, script: str) -> subprocess.Popen:
-    """A Python harness process running ``script`` with ``ramet`` (a Ramet on ``mnt``)."""
-    code = f"from rametfs import Ramet\nramet = Ramet({str(mnt)!r})\n" + textwrap.dedent(script)
+def harness(ramet: Ramet, script: str) -> subprocess.Popen:
+    """A Python harness process running ``script`` with ``ramet`` (a Ramet on the same mount
+    or data directory as ``ramet``)."""
+    where = (repr(str(ramet.mount)) if ramet.mode == "fuse"
+             else f"data={str(ramet.data)!r}, mode='fallback'")
+    code = f"from rametfs import Ramet\nramet = Ramet({where})\n" + textwrap.dedent(script)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def killed_holder(ramet: Ramet, base: str, pool: str, ttl: float) -> str:
+    """Run a harness that leases an execution of the pool ``pool`` (2 of ``base``), writes
+    to its README and is killed with SIGKILL; returns the execution's id."""
+    proc = harness(ramet, f"""
+        import time
+        pool = ramet.execution_pool({base!r}, concurrency=2, name={pool!r}, ttl={ttl})
+        with pool.acquire() as ex:
+            (ex.path / "README").write_text("half done\\n")
+            print(ex.id, flush=True)
+            time.sleep(600)
+    """)
+    try:
+        held = proc.stdout.readline().strip()
+        lease = member(ramet, held)["lease"]
+        assert (lease["pid"], member(ramet, held)["state"]) == (proc.pid, "leased")
+        assert (ramet.execution(held).path / "README").read_text() == "half done\n"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=30)
+    return held
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -131,21 +156,7 @@ def test_acquire_renew_ebusy_timeout_and_ls(daemon, source):
 def test_sigkilled_harness_lease_expires_and_a_new_process_reattaches(daemon, source):
     ramet = Ramet(daemon.mnt)
     base = ramet.snapshot(source)
-    proc = harness(daemon.mnt, f"""
-        import sys, time
-        pool = ramet.execution_pool({base!r}, concurrency=2, name="rl", ttl=1)
-        with pool.acquire() as ex:
-            (ex.path / "README").write_text("half done\\n")
-            print(ex.id, flush=True)
-            time.sleep(600)
-    """)
-    try:
-        held = proc.stdout.readline().strip()
-        assert member(ramet, held)["lease"]["pid"] == proc.pid
-        assert (daemon.exec_path(held) / "README").read_text() == "half done\n"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=30)
+    held = killed_holder(ramet, base, "rl", ttl=1)
     killed_at = time.monotonic()
     wait_until(lambda: member(ramet, held)["state"] == "ready", 10, "the lease to expire")
     assert time.monotonic() - killed_at < 5
@@ -154,7 +165,7 @@ def test_sigkilled_harness_lease_expires_and_a_new_process_reattaches(daemon, so
     members = set(pool_record(ramet, "rl")["executions"])
     assert held in members and len(members) == 2
 
-    out = finish(harness(daemon.mnt, f"""
+    out = finish(harness(ramet, f"""
         pool = ramet.execution_pool({base!r}, concurrency=2, name="rl")
         with pool.acquire(timeout=10) as a, pool.acquire(timeout=10) as b:
             print(a.id, b.id, (a.path / "README").read_text() == "project\\n")
@@ -269,7 +280,7 @@ def test_leases_survive_a_restart_and_snapshots_restore_byte_for_byte(daemon, so
     Path(tmp_path / "ids.json").write_text(json.dumps([saved]))  # what a harness keeps
 
     daemon.restart()
-    out = finish(harness(daemon.mnt, f"""
+    out = finish(harness(ramet, f"""
         import hashlib, json
         saved, = json.load(open({str(tmp_path / "ids.json")!r}))
         with ramet.execution_pool(saved, concurrency=1) as pool, pool.acquire() as ex:
@@ -278,6 +289,22 @@ def test_leases_survive_a_restart_and_snapshots_restore_byte_for_byte(daemon, so
     """))
     assert json.loads(out) == expected
     pool.drop()
+
+
+def test_a_lease_ending_while_the_daemon_is_down_is_returned_by_the_next(daemon, source):
+    base = daemon.snapshot(source)
+    daemon.ctl(f"pool {base} --size 1 --name down")
+    reply = daemon.ctl("acquire down --holder gone --ttl 3 --pid 4242 --host elsewhere")
+    eid, expires_ns = reply["execution"], reply["lease"]["expires_ns"]
+    (daemon.exec_path(eid) / "README").write_text("left behind\n")
+    daemon.stop()
+    assert time.time_ns() < expires_ns, "the daemon took the whole lease to stop"
+    wait_until(lambda: time.time_ns() > expires_ns, 5, "the lease to end")
+    daemon.start()
+    ramet = Ramet(daemon.mnt)
+    wait_until(lambda: member(ramet, eid)["state"] == "ready", 10, "the lease to be returned")
+    assert (daemon.exec_path(eid) / "README").read_text() == "project\n"
+    assert f"lease of {eid} by gone (pid 4242 on elsewhere) expired" in daemon.log_text()
 
 
 def test_pool_commands_check_their_arguments(shared_daemon, source):
@@ -310,32 +337,10 @@ def test_pool_commands_check_their_arguments(shared_daemon, source):
 
 # ----- fallback mode: the same pools and leases, kept in the data directory's LMDB -----------
 
-def fallback_harness(data: Path, script: str) -> subprocess.Popen:
-    code = (f"from rametfs import Ramet\nramet = Ramet(data={str(data)!r}, mode='fallback')\n"
-            + textwrap.dedent(script))
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
 def test_fallback_leases_expire_into_the_next_acquire_and_quarantine(tmp_path, source):
-    data = tmp_path / "data"
-    with Ramet(data=data, mode="fallback") as ramet:
+    with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
         base = ramet.snapshot(source)
-        proc = fallback_harness(data, f"""
-            import time
-            pool = ramet.execution_pool({base!r}, concurrency=2, name="fb", ttl=0.5)
-            with pool.acquire() as ex:
-                (ex.path / "README").write_text("half done\\n")
-                print(ex.id, flush=True)
-                time.sleep(600)
-        """)
-        try:
-            held = proc.stdout.readline().strip()
-            lease = member(ramet, held)["lease"]
-            assert (lease["pid"], member(ramet, held)["state"]) == (proc.pid, "leased")
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.communicate(timeout=30)
+        held = killed_holder(ramet, base, "fb", ttl=0.5)
 
         pool = ramet.execution_pool(base, concurrency=2, name="fb")  # reattach
         assert pool_record(ramet, "fb")["leased"] == 1
