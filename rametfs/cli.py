@@ -303,6 +303,21 @@ def release(ramet: Ramet, execution: str) -> None:
 
 @main.command()
 @click.argument("execution")
+@click.option("--deep", is_flag=True,
+              help="Also reread the stored state and rehash every byte served from the base.")
+@ramet_options
+def verify(ramet: Ramet, execution: str, deep: bool) -> None:
+    """Check that EXECUTION equals its base; print each difference like diff.  Exit 1 when
+    it differs (a ready pool execution that differs is quarantined)."""
+    differences = ramet.execution(execution).verify(deep=deep)
+    for status, path in differences:
+        click.echo(f"{status} {path}")
+    if differences:
+        raise click.exceptions.Exit(EXIT_OTHER)
+
+
+@main.command()
+@click.argument("execution")
 @ramet_options
 def diff(ramet: Ramet, execution: str) -> None:
     """Print what changed in EXECUTION: A, M or D, then the path."""

@@ -239,8 +239,9 @@ class Execution:
         return self.ramet._backend.verify(self.id, deep)
 
     def status(self) -> dict:
-        """``{"execution", "base", "head", "state", "created_ns", "upper_bytes", "last"}``;
-        ``"last"`` is the reply of its last command, with the promote's ``"stats"``."""
+        """``{"execution", "base", "head", "state", "pool", "lease", "quarantine_reason",
+        "created_ns", "upper_bytes", "last"}`` (see :meth:`Ramet.executions`); ``"last"``
+        is the reply of its last command, with the promote's ``"stats"``."""
         return self.ramet._backend.execution_status(self.id)
 
 

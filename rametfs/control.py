@@ -232,7 +232,8 @@ class Control:
     def execution_json(self, ex: Execution) -> dict:
         pool = self.pools.member_json(ex.id)
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head, **pool,
-                "state": "promoting" if ex.frozen else pool["state"], "created_ns": ex.created_ns,
+                "state": "promoting" if ex.frozen else pool["state"],
+                "created_ns": ex.created_ns,
                 "upper_bytes": self.overlay.upper_bytes(ex), "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}
 
@@ -256,4 +257,3 @@ class Control:
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
-

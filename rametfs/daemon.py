@@ -24,6 +24,7 @@ from .fuse_ops import Operations
 from .overlay import Overlay
 from .pools import LEASED
 from .store import Store
+from .verify import ROOT
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ async def _expire_leases(control: Control) -> None:
                      member.execution, member.lease.holder, member.lease.pid, member.lease.host,
                      member.pool)
             try:
-                await control.recycle(member, "root")
+                await control.recycle(member, ROOT)
             except RametError as exc:
                 log.info("execution %s not returned yet: %s", member.execution, exc)
                 pools.postpone(member, EXPIRY_RETRY_NS)

@@ -7,7 +7,7 @@ without pulling in FUSE, LMDB or trio.
 Layout (paths relative to the mountpoint)::
 
     .ramet/ctl                       root control file (mode 0600)
-    .ramet/status                    JSON: snapshots, executions, last root reply
+    .ramet/status                    JSON: snapshots, executions, pools, last root reply
     .ramet/error                     text: message of the last failed root command
     snapshots/<snapshot-id>/         read-only tree
     executions/<execution-id>/       writable copy-on-write view

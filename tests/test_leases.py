@@ -240,6 +240,10 @@ def test_corrupted_executions_are_quarantined_and_never_acquired(daemon, source)
     assert (record["size"], record["ready"], record["quarantined"]) == (2, 2, 2)
     daemon.restart()
     assert {e["id"] for e in ramet.executions() if e["state"] == "quarantined"} == quarantined
+    # A restarted daemon serves the layer as stored: root verification sees it now.
+    done = run(sys.executable, "-m", "rametfs", "verify", upper_victim, "-m", daemon.mnt,
+               check=False)
+    assert (done.returncode, done.stdout) == (1, "M README\n")
     pool = ramet.execution_pool(base, concurrency=2, name="checked")
     for _ in range(3):
         with pool.acquire(timeout=5) as a, pool.acquire(timeout=5) as b:
