@@ -480,6 +480,8 @@ class ExecutionPool:
                                    wait=f"{max(0.0, min(left, _ACQUIRE_STEP)):.3f}",
                                    pid=str(os.getpid()), host=self.host)
             except RametError as exc:
+                if self._closed:  # closed (and maybe dropped) by another thread meanwhile
+                    raise RametError(errno.EINVAL, "the execution pool is closed") from None
                 if exc.errno != errno.EBUSY:
                     raise
                 if deadline is not None and time.monotonic() >= deadline:

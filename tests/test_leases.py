@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -309,6 +310,27 @@ def test_a_lease_ending_while_the_daemon_is_down_is_returned_by_the_next(daemon,
     wait_until(lambda: member(ramet, eid)["state"] == "ready", 10, "the lease to be returned")
     assert (daemon.exec_path(eid) / "README").read_text() == "project\n"
     assert f"lease of {eid} by gone (pid 4242 on elsewhere) expired" in daemon.log_text()
+
+
+def test_closing_a_pool_fails_an_acquire_waiting_in_another_thread(shared_daemon, source):
+    ramet = Ramet(shared_daemon.mnt)
+    pool = ramet.execution_pool(ramet.snapshot(source), concurrency=1)
+    failures = []
+
+    def wait_forever() -> None:
+        try:
+            with pool.acquire():
+                pass
+        except RametError as exc:
+            failures.append((exc.errno, str(exc)))
+
+    with pool.acquire():
+        waiter = threading.Thread(target=wait_forever)
+        waiter.start()
+        pool.close()  # drops the pool: the daemon wakes the waiting acquire
+        waiter.join(10)
+    assert failures == [(errno.EINVAL, "the execution pool is closed")]
+    assert pool.name not in {p["name"] for p in ramet.pools()}
 
 
 def test_pool_commands_check_their_arguments(shared_daemon, source):
