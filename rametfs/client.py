@@ -410,6 +410,7 @@ class ExecutionPool:
         self.base: str = reply["snapshot"]
         self._owned = name is None
         self._lock = threading.Lock()
+        self._waiting = threading.Lock()  # held by the thread whose acquire is in flight
         self._held: dict[str, Execution] = {}
         self._closed = False
         self._stop = threading.Event()
@@ -471,14 +472,24 @@ class ExecutionPool:
 
     def _take(self, timeout: float | None) -> Execution:
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float:
+            step = _ACQUIRE_STEP if deadline is None else deadline - time.monotonic()
+            return max(0.0, min(step, _ACQUIRE_STEP))
+
         while True:
             if self._closed:
                 raise RametError(errno.EINVAL, "the execution pool is closed")
-            left = _ACQUIRE_STEP if deadline is None else deadline - time.monotonic()
+            # One acquire of this handle waits in the daemon at a time: each holds one of
+            # its FUSE worker tasks; the other threads wait here.
+            if not self._waiting.acquire(timeout=left()):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise PoolTimeout(errno.EBUSY, f"no free execution after {timeout} s: "
+                                      "other threads wait for one")
+                continue
             try:
                 reply = self._root("acquire", self.name, holder=self.holder, ttl=str(self.ttl),
-                                   wait=f"{max(0.0, min(left, _ACQUIRE_STEP)):.3f}",
-                                   pid=str(os.getpid()), host=self.host)
+                                   wait=f"{left():.3f}", pid=str(os.getpid()), host=self.host)
             except RametError as exc:
                 if self._closed:  # closed (and maybe dropped) by another thread meanwhile
                     raise RametError(errno.EINVAL, "the execution pool is closed") from None
@@ -488,6 +499,8 @@ class ExecutionPool:
                     raise PoolTimeout(errno.EBUSY, f"no free execution after {timeout} s: "
                                       f"{exc}") from None
                 continue
+            finally:
+                self._waiting.release()
             execution = Execution(self.ramet, reply["execution"])
             with self._lock:
                 self._held[execution.id] = execution
