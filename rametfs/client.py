@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import secrets
 import socket
@@ -50,7 +51,7 @@ MODES = ("fuse", "fallback", "auto")
 FUSE_DEVICE = "/dev/fuse"
 _MAX_REPLY = 1 << 20
 DEFAULT_TTL = 30.0  # seconds a lease lasts unless renewed; the wrapper renews at a third
-_ACQUIRE_STEP = 5.0  # seconds one acquire command may wait in the daemon
+_POLL_FIRST, _POLL_MAX = 0.002, 0.05  # seconds between acquires of a busy pool (doubling)
 
 
 class RametError(OSError):
@@ -410,7 +411,6 @@ class ExecutionPool:
         self.base: str = reply["snapshot"]
         self._owned = name is None
         self._lock = threading.Lock()
-        self._waiting = threading.Lock()  # held by the thread whose acquire is in flight
         self._held: dict[str, Execution] = {}
         self._closed = False
         self._stop = threading.Event()
@@ -426,7 +426,7 @@ class ExecutionPool:
     @contextlib.contextmanager
     def acquire(self, timeout: float | None = None) -> Iterator[Execution]:
         """Hold a free execution for the ``with`` block; wait up to ``timeout`` seconds
-        (``None``: forever) for one.  Leaving the block resets and verifies the execution
+        (``None``: forever) for one, asking again every few ms (at most 50 ms apart).  Leaving the block resets and verifies the execution
         and returns it to the pool (or quarantines it).
 
         Raises :class:`PoolTimeout` (EBUSY) when none is free in time, :class:`RametError`
@@ -472,35 +472,25 @@ class ExecutionPool:
 
     def _take(self, timeout: float | None) -> Execution:
         deadline = None if timeout is None else time.monotonic() + timeout
-
-        def left() -> float:
-            step = _ACQUIRE_STEP if deadline is None else deadline - time.monotonic()
-            return max(0.0, min(step, _ACQUIRE_STEP))
-
+        delay = _POLL_FIRST
         while True:
             if self._closed:
                 raise RametError(errno.EINVAL, "the execution pool is closed")
-            # One acquire of this handle waits in the daemon at a time: each holds one of
-            # its FUSE worker tasks; the other threads wait here.
-            if not self._waiting.acquire(timeout=left()):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise PoolTimeout(errno.EBUSY, f"no free execution after {timeout} s: "
-                                      "other threads wait for one")
-                continue
             try:
                 reply = self._root("acquire", self.name, holder=self.holder, ttl=str(self.ttl),
-                                   wait=f"{left():.3f}", pid=str(os.getpid()), host=self.host)
+                                   pid=str(os.getpid()), host=self.host)
             except RametError as exc:
                 if self._closed:  # closed (and maybe dropped) by another thread meanwhile
                     raise RametError(errno.EINVAL, "the execution pool is closed") from None
                 if exc.errno != errno.EBUSY:
                     raise
-                if deadline is not None and time.monotonic() >= deadline:
+                remaining = math.inf if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
                     raise PoolTimeout(errno.EBUSY, f"no free execution after {timeout} s: "
                                       f"{exc}") from None
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, _POLL_MAX)
                 continue
-            finally:
-                self._waiting.release()
             execution = Execution(self.ramet, reply["execution"])
             with self._lock:
                 self._held[execution.id] = execution

@@ -159,11 +159,10 @@ class Control:
                 "created": created, "executions": list(pool.members)}
 
     async def _acquire(self, args: dict) -> dict:
-        member = await self.pools.acquire(
+        member = self.pools.acquire(
             args["pool"], args["holder"],
             protocol.parse_count(args.get("pid", "0"), "--pid", minimum=0),
-            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"),
-            protocol.parse_seconds_ns(args.get("wait", "0"), "--wait") / 1e9)
+            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"))
         ex = self.overlay.execution(member.execution)
         return {"ok": True, "execution": ex.id, "pool": member.pool, "snapshot": ex.base.id,
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),

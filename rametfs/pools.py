@@ -11,8 +11,10 @@ execution is in one state:
   until released.  The pool makes a new member in its place, so it keeps ``size`` warm.
 
 Ready members are handed out last-returned first.  This module keeps the records and the
-in-memory state on the trio thread (every method but :meth:`Pools.acquire` is synchronous);
-resetting and verifying is the caller's job (rametfs.control).  Records live in the ``pools``
+in-memory state on the trio thread (every method is synchronous); resetting and verifying is
+the caller's job (rametfs.control).  ``acquire`` never waits: writes to one control file are
+serialised by the kernel, so a waiting command would hold up every other root command (the
+return that would free an execution included); the wrapper polls instead.  Records live in the ``pools``
 and ``leases`` databases (rametfs.store.format, rametfs.store.leases).
 """
 
@@ -37,8 +39,7 @@ __all__ = ["LEASED", "QUARANTINED", "READY", "Lease", "Member", "Pool", "Pools"]
 @dataclass
 class Pool:
     """A pool: ``members`` in creation order, ``ready`` the hand-out stack (last returned on
-    top); ``changed`` is set, then replaced, whenever a member becomes ready or the pool
-    goes away, to wake waiting acquires."""
+    top)."""
 
     name: str
     base: Snapshot
@@ -46,15 +47,9 @@ class Pool:
     created_ns: int
     members: list[str] = field(default_factory=list)
     ready: list[str] = field(default_factory=list)
-    changed: trio.Event = field(default_factory=trio.Event)
-    dropped: bool = False
 
     def record(self) -> bytes:
         return PoolRecord(self.base.id, self.size, self.created_ns).pack()
-
-    def wake(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
 
 
 class Pools:
@@ -137,12 +132,11 @@ class Pools:
         self.members[eid] = member
         pool.members.append(eid)
         pool.ready.append(eid)
-        pool.wake()
         return member
 
     def drop(self, name: str) -> list[str]:
         """Forget pool ``name`` and its members; returns their execution ids, for the caller
-        to release.  Waiting acquires fail with ENOENT."""
+        to release."""
         pool = self.pool(name)
         with self.store.write() as txn:
             txn.delete(name.encode(), db=self.store.db["pools"])
@@ -151,27 +145,18 @@ class Pools:
         for eid in pool.members:
             del self.members[eid]
         del self.pools[name]
-        pool.dropped = True
-        pool.wake()
         return list(pool.members)
 
     # -- leases --------------------------------------------------------------------------
 
-    async def acquire(self, name: str, holder: str, pid: int, host: str, ttl_ns: int,
-                      wait_s: float) -> Member:
-        """Lease a ready member of pool ``name`` to ``holder`` for ``ttl_ns``, waiting up to
-        ``wait_s`` seconds for one.  Raises NotFound (ENOENT) unknown or dropped pool, Busy
-        (EBUSY) none ready in time."""
+    def acquire(self, name: str, holder: str, pid: int, host: str, ttl_ns: int) -> Member:
+        """Lease the last returned ready member of pool ``name`` to ``holder`` for
+        ``ttl_ns``.  Raises NotFound (ENOENT) unknown pool, Busy (EBUSY) none ready."""
         pool = self.pool(name)
-        with trio.move_on_after(wait_s):
-            while not pool.ready and not pool.dropped:
-                await pool.changed.wait()
-        if pool.dropped:
-            raise NotFound(f"pool {name!r} was dropped")
         if not pool.ready:
             counts = self._counts(pool)
-            raise Busy(f"pool {name!r}: no ready execution after {wait_s:g} s "
-                       f"({counts[LEASED]} leased, {counts[QUARANTINED]} quarantined)")
+            raise Busy(f"pool {name!r}: no ready execution ({counts[LEASED]} leased, "
+                       f"{counts[QUARANTINED]} quarantined)")
         member = self.members[pool.ready.pop()]
         now = time.time_ns()
         member.state, member.lease = LEASED, Lease(holder, pid, host, now + ttl_ns, now)
@@ -195,9 +180,14 @@ class Pools:
         return member
 
     def renew(self, eid: str, holder: str, ttl_ns: int) -> Member:
-        """Extend ``holder``'s lease on ``eid`` to ``ttl_ns`` from now (errors: :meth:`held`)."""
+        """Extend ``holder``'s lease on ``eid`` to ``ttl_ns`` from now.  Errors: those of
+        :meth:`held`, and InvalidArgument (EINVAL) when the lease has ended (the lease task
+        is returning the execution)."""
         member = self.held(eid, holder)
-        member.lease.expires_ns = time.time_ns() + ttl_ns
+        now = time.time_ns()
+        if member.lease.expires_ns <= now:
+            raise InvalidArgument(f"the lease on execution {eid!r} has ended")
+        member.lease.expires_ns = now + ttl_ns
         self._save(member)
         self.leases_changed.set()
         return member
@@ -229,7 +219,6 @@ class Pools:
         member.state, member.lease, member.returned_ns = READY, None, time.time_ns()
         self._save(member)
         pool.ready.append(member.execution)
-        pool.wake()
 
     def quarantine(self, member: Member, reason: str) -> None:
         """Never hand ``member`` out again; make a new member so the pool keeps its size."""

@@ -36,7 +36,7 @@ times in seconds, decimals allowed; lease times in the replies are wall-clock ns
 
     pool <snapshot-id> --size N [--name P]    -> {"ok", "pool", "snapshot", "size", "created",
                                                   "executions"}
-    acquire <pool> --holder H --ttl S [--wait S] [--pid PID] [--host HOST]
+    acquire <pool> --holder H --ttl S [--pid PID] [--host HOST]
                                               -> {"ok", "execution", "path", "pool",
                                                   "snapshot", "lease"}
     renew <execution-id> --holder H --ttl S   -> {"ok", "execution", "lease"}
@@ -46,16 +46,18 @@ times in seconds, decimals allowed; lease times in the replies are wall-clock ns
     drop <pool>                               -> {"ok", "pool", "executions"}
 
 ``pool`` creates a pool of N warm executions of a snapshot, or reattaches to the pool named
-P (growing it to N; EEXIST when it has another base).  ``acquire`` leases a ready execution
-to holder H (a token the client chooses; PID and HOST are recorded for people) for S seconds,
-waiting up to ``--wait`` seconds (default 0) for one: EBUSY when none is ready in time,
-ENOENT unknown pool.  ``renew`` extends the lease: EBUSY when another holder has it, EINVAL
-when it is not leased (it expired and went back to the pool).  ``return`` resets the
-execution, verifies it (``root`` by default) and puts it back in the pool, or, when
-verification fails, quarantines it: state ``"quarantined"``, never handed out again, replaced
-by a new member; the reply says which.  An expired lease is returned the same way by the
-daemon.  ``drop`` releases every execution of the pool and forgets it.  ``release`` of a pool
-member takes it out of its pool (EBUSY while leased).
+P (growing it to N; EEXIST when it has another base).  ``acquire`` leases the ready execution
+returned last to holder H (a token the client chooses; PID and HOST are recorded for people)
+for S seconds: EBUSY when none is ready, ENOENT unknown pool.  It answers at once: the kernel
+serialises the writes to one ``ctl`` file, so a command that waited would hold up every other
+command there; a client that wants to wait polls.  ``renew`` extends the lease: EBUSY when
+another holder has it, EINVAL when it has ended or is not leased (it expired and went back to
+the pool).  ``return`` resets the execution, verifies it (``root`` by default) and puts it
+back in the pool, or, when verification fails, quarantines it: state ``"quarantined"``, never
+handed out again, replaced by a new member; the reply says which.  An expired lease is
+returned the same way by the daemon.  ``drop`` releases every execution of the pool and
+forgets it.  ``release`` of a pool member takes it out of its pool, which shrinks by one
+(EBUSY while leased).
 
 Execution commands::
 
@@ -111,7 +113,7 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "create": (("snapshot",), frozenset({"name"})),
     "release": (("execution",), frozenset()),
     "pool": (("snapshot",), frozenset({"size", "name"})),
-    "acquire": (("pool",), frozenset({"holder", "ttl", "wait", "pid", "host"})),
+    "acquire": (("pool",), frozenset({"holder", "ttl", "pid", "host"})),
     "renew": (("execution",), frozenset({"holder", "ttl"})),
     "return": (("execution",), frozenset({"holder", "verify"})),
     "drop": (("pool",), frozenset()),

@@ -312,6 +312,27 @@ def test_a_lease_ending_while_the_daemon_is_down_is_returned_by_the_next(daemon,
     assert f"lease of {eid} by gone (pid 4242 on elsewhere) expired" in daemon.log_text()
 
 
+def test_a_waiting_acquire_gets_the_execution_another_thread_returns(shared_daemon, source):
+    ramet = Ramet(shared_daemon.mnt)
+    with ramet.execution_pool(ramet.snapshot(source), concurrency=1) as pool:
+        got = []
+
+        def waiter() -> None:
+            with pool.acquire(timeout=30) as ex:
+                got.append((ex.id, time.monotonic()))
+
+        with pool.acquire() as first:
+            thread = threading.Thread(target=waiter)
+            thread.start()
+            time.sleep(0.3)  # the waiter asks several times meanwhile
+            assert got == []
+        returned_at = time.monotonic()
+        thread.join(30)
+        (taken, taken_at), = got
+        assert taken == first.id
+        assert taken_at - returned_at < 1  # polled: not stuck behind another command
+
+
 def test_closing_a_pool_fails_an_acquire_waiting_in_another_thread(shared_daemon, source):
     ramet = Ramet(shared_daemon.mnt)
     pool = ramet.execution_pool(ramet.snapshot(source), concurrency=1)
@@ -358,6 +379,12 @@ def test_pool_commands_check_their_arguments(shared_daemon, source):
     with pytest.raises(OSError) as caught:
         shared_daemon.ctl(f"renew {eid} --holder h --ttl 1")
     assert caught.value.errno == errno.EINVAL  # not leased
+    assert shared_daemon.ctl("acquire args --holder h --ttl 0")["execution"] == eid
+    with pytest.raises(OSError) as caught:
+        shared_daemon.ctl(f"renew {eid} --holder h --ttl 1")
+    assert caught.value.errno == errno.EINVAL  # the lease has ended (or it is back already)
+    wait_until(lambda: shared_daemon.exec_status(eid)["state"] == "ready", 10,
+               "the ended lease to be returned")
     assert shared_daemon.ctl("drop args") == {"ok": True, "pool": "args", "executions": [eid]}
 
 

@@ -4,7 +4,8 @@ records (rametfs.store.leases), kept in the data directory's LMDB by the process
 No daemon watches the leases: ``acquire`` looks at them, and when no member is ready it takes
 the execution of an expired lease for its caller after resetting and verifying it.  Every
 change of a record is one LMDB write transaction, so processes and threads sharing a data
-directory never hand out one execution twice.  Replies are those of the daemon's commands;
+directory never hand out one execution twice.  As in the daemon, ``acquire`` never waits
+(the wrapper polls).  Replies are those of the daemon's commands;
 verification is :meth:`Fallback.verify` (manifest, or ``deep``: every file hashed).
 """
 
@@ -22,8 +23,6 @@ from ..store.leases import (LEASED, NOT_POOLED, QUARANTINED, READY, Lease, Membe
 
 if TYPE_CHECKING:
     from .executions import Fallback
-
-POLL_S = 0.02  # seconds between looks at a pool with no ready member while acquire waits
 
 
 class Pools:
@@ -60,13 +59,10 @@ class Pools:
         return {"ok": True, "pool": name, "snapshot": snap.id, "size": pool.size,
                 "created": created, "executions": members}
 
-    def acquire(self, pool: str, holder: str, ttl: str, wait: str = "0", pid: str = "0",
-                host: str = "") -> dict:
+    def acquire(self, pool: str, holder: str, ttl: str, pid: str = "0", host: str = "") -> dict:
         """Lease a ready execution of ``pool`` (the last returned), else one whose lease
-        expired (reset and verified first), waiting up to ``wait`` seconds.  Errors: ENOENT
-        unknown pool, EBUSY none free in time."""
+        expired (reset and verified first).  Errors: ENOENT unknown pool, EBUSY none free."""
         ttl_ns = protocol.parse_seconds_ns(ttl, "--ttl")
-        deadline = time.monotonic() + protocol.parse_seconds_ns(wait, "--wait") / 1e9
         lease_pid = protocol.parse_count(pid, "--pid", minimum=0)
         while True:
             now = time.time_ns()
@@ -83,10 +79,7 @@ class Pools:
                     chosen.lease = Lease(holder, lease_pid, host, now + ttl_ns, now)
                     self._put(txn, chosen)
             if chosen is None:
-                if time.monotonic() >= deadline:
-                    raise Busy(f"pool {pool!r}: no ready execution after {wait} s")
-                time.sleep(POLL_S)
-                continue
+                raise Busy(f"pool {pool!r}: no ready execution, and no lease has ended")
             if stale:
                 reply = self._reset_and_verify(chosen, protocol.VERIFY_MODES[0])
                 if reply["state"] != LEASED:  # quarantined
@@ -98,11 +91,16 @@ class Pools:
 
     def renew(self, execution: str, holder: str, ttl: str) -> dict:
         """Extend ``holder``'s lease on ``execution`` to ``ttl`` seconds from now.  Errors:
-        ENOENT not in a pool, EBUSY another holder, EINVAL not leased."""
+        ENOENT not in a pool, EBUSY another holder, EINVAL not leased or the lease ended (an
+        acquire may take the execution over)."""
         ttl_ns = protocol.parse_seconds_ns(ttl, "--ttl")
         with self.store.write() as txn:
             member = self._held(txn, execution, holder)
-            member.lease.expires_ns = time.time_ns() + ttl_ns
+            now = time.time_ns()
+            if member.lease.expires_ns <= now:
+                raise RametError(f"the lease on execution {execution!r} has ended",
+                                 errno.EINVAL)
+            member.lease.expires_ns = now + ttl_ns
             self._put(txn, member)
         return {"ok": True, "execution": execution, "lease": member.lease.to_json()}
 

@@ -37,10 +37,11 @@ Databases (one LMDB environment, ``<data>/meta``):
 ``pools``      pool name (utf-8) -> msgpack map ``{base, size, created_ns}``: an execution pool
                (:mod:`rametfs.pools`); ``base`` the snapshot id as hex, ``size`` the number of
                executions kept for hand-out.
-``leases``     execution id (utf-8) -> msgpack map ``{pool, state, lease, reason}``: a pool
-               member.  ``state`` is ``"ready"``, ``"leased"`` or ``"quarantined"``; ``lease``
-               nil or ``{holder, pid, host, expires_ns, acquired_ns}`` (wall-clock ns);
-               ``reason`` why verification quarantined it.  Written in the transaction that
+``leases``     execution id (utf-8) -> msgpack map ``{pool, state, lease, reason,
+               returned_ns}``: a pool member.  ``state`` is ``"ready"``, ``"leased"`` or
+               ``"quarantined"``; ``lease`` nil or ``{holder, pid, host, expires_ns,
+               acquired_ns}`` (wall-clock ns); ``reason`` why verification quarantined it;
+               ``returned_ns`` when it last became ready (the last returned goes out first).  Written in the transaction that
                changes the member, so pools and leases survive a restart.
 
 Chunk envelope (after BorgBackup's ``repoobj``): ``b"RMC"``, u8 version (1), u8 codec

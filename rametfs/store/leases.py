@@ -68,7 +68,7 @@ class Member:
         rec = msgpack.unpackb(value)
         lease = Lease(**rec["lease"]) if rec["lease"] else None
         return cls(execution, rec["pool"], rec["state"], lease, rec["reason"],
-                   rec.get("returned_ns", 0))
+                   rec["returned_ns"])
 
     def to_json(self) -> dict:
         """The pool fields of an execution's status."""
