@@ -203,7 +203,7 @@ class Control:
             try:
                 result = (await verify(self.overlay, ex, mode)).to_json()
                 reason = "" if result["equal"] else quarantine_reason(result)
-            except RametError as exc:
+            except (RametError, OSError) as exc:  # e.g. an upper data file gone unreadable
                 result, reason = None, f"{mode} verification failed: {exc}"
         finally:
             self.busy.discard(ex.id)
