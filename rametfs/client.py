@@ -426,8 +426,9 @@ class ExecutionPool:
     @contextlib.contextmanager
     def acquire(self, timeout: float | None = None) -> Iterator[Execution]:
         """Hold a free execution for the ``with`` block; wait up to ``timeout`` seconds
-        (``None``: forever) for one, asking again every few ms (at most 50 ms apart).  Leaving the block resets and verifies the execution
-        and returns it to the pool (or quarantines it).
+        (``None``: forever) for one, asking again every few ms (at most 50 ms apart).
+        Leaving the block resets and verifies the execution and returns it to the pool (or
+        quarantines it).
 
         Raises :class:`PoolTimeout` (EBUSY) when none is free in time, :class:`RametError`
         (EINVAL) when the pool is closed, ENOENT when it was dropped; on leaving, EINVAL

@@ -154,7 +154,14 @@ class Control:
     async def _pool(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
         size = protocol.parse_count(args["size"], "--size")
-        pool, created = self.pools.open(args.get("name"), snap, size)
+        name = protocol.check_pool(args.get("name"), size)
+        existed = name in self.pools.pools
+        try:
+            pool, created = self.pools.open(name, snap, size)
+        except RametError:
+            if not existed and name in self.pools.pools:  # half made: no one could use it
+                await self._drop({"pool": name})
+            raise
         return {"ok": True, "pool": pool.name, "snapshot": snap.id, "size": pool.size,
                 "created": created, "executions": list(pool.members)}
 

@@ -52,8 +52,13 @@ class Pools:
             pool.size = max(pool.size, count)
             txn.put(name.encode(), pool.pack(), db=self.pools_db)
             missing = pool.size - _serving(self._members(txn, name))
-        for _ in range(missing):
-            self._add_member(name, snap.id)
+        try:
+            for _ in range(missing):
+                self._add_member(name, snap.id)
+        except BaseException:
+            if created:  # half made: no one could use it
+                self.drop(name)
+            raise
         with self.store.read() as txn:
             members = [m.execution for m in self._members(txn, name)]
         return {"ok": True, "pool": name, "snapshot": snap.id, "size": pool.size,
