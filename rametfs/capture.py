@@ -8,16 +8,20 @@ it runs, so the plan taken on the trio thread and the pages hashed in worker thr
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import blake3
 import trio
 
 from . import overlay as ov
-from .overlay import Execution, Node, Overlay, assemble
+from . import policy
+from .errors import InvalidArgument, NotFound, RametError
+from .overlay import Execution, Node, Overlay, assemble, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.writer import ChunkWriter
 from .store.format import link_key
@@ -41,40 +45,88 @@ class _DirPlan:
     children: list = field(default_factory=list)  # (name, Entry | _DirPlan | (Node, _FileJob))
 
 
-def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob) -> None:
-    """Chunk, hash and store the content of one changed file (blocking; a worker thread)."""
-    base_ids: list[bytes] = []
-    base_size = 0
-    if job.base is not None and job.base.ref != EMPTY_CONTENT:
-        base_size, base_ids = store.content(job.base.ref)
-    try:
-        fd = os.open(job.upper_path, os.O_RDONLY)
-    except FileNotFoundError:
-        fd = None
+@dataclass
+class _BaseDirPlan:
+    """An unchanged base directory some of whose paths a policy leaves out."""
 
-    def read_base(o: int, n: int) -> bytes:
+    entry: Entry
+    children: list = field(default_factory=list)  # (name, Entry | _BaseDirPlan)
+
+
+class _Reader:
+    """Reads a file's bytes from its base chunks and its upper pages (blocking)."""
+
+    def __init__(self, store: Store, job: _FileJob):
+        self.job = job
+        self.base_ids: list[bytes] = []
+        self.base_size = 0
+        self.store = store
+        if job.base is not None and job.base.ref != EMPTY_CONTENT:
+            self.base_size, self.base_ids = store.content(job.base.ref)
+        try:
+            self.fd = os.open(job.upper_path, os.O_RDONLY) if job.upper_path else None
+        except FileNotFoundError:
+            self.fd = None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+    def _read_base(self, o: int, n: int) -> bytes:
         page = o // PAGE_SIZE
-        data = store.chunk(base_ids[page]) if page < len(base_ids) else b""
+        data = self.store.chunk(self.base_ids[page]) if page < len(self.base_ids) else b""
         return data[o - page * PAGE_SIZE: o - page * PAGE_SIZE + n]
 
-    def read_upper(o: int, n: int) -> bytes:
-        return os.pread(fd, n, o) if fd is not None else b""
+    def _read_upper(self, o: int, n: int) -> bytes:
+        return os.pread(self.fd, n, o) if self.fd is not None else b""
 
-    ids: list[bytes] = []
+    def page(self, page: int) -> bytes:
+        job = self.job
+        start = page * PAGE_SIZE
+        return assemble(start, min(start + PAGE_SIZE, job.size), job.pages, job.base_limit,
+                        self._read_base, self._read_upper)
+
+    def base_chunk(self, page: int) -> bytes | None:
+        """The base chunk id of ``page`` when its bytes are untouched, else None."""
+        job = self.job
+        start = page * PAGE_SIZE
+        stop = min(start + PAGE_SIZE, job.size)
+        if (page not in job.pages and stop <= job.base_limit and page < len(self.base_ids)
+                and stop == min(start + PAGE_SIZE, self.base_size)):
+            return self.base_ids[page]
+        return None
+
+
+def _pages(job: _FileJob) -> range:
+    return range(-(-job.size // PAGE_SIZE))
+
+
+def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob) -> None:
+    """Chunk, hash and store the content of one changed file (blocking; a worker thread)."""
+    reader = _Reader(store, job)
     try:
-        for page in range(-(-job.size // PAGE_SIZE)):
-            start = page * PAGE_SIZE
-            stop = min(start + PAGE_SIZE, job.size)
-            if (page not in job.pages and stop <= job.base_limit and page < len(base_ids)
-                    and stop == min(start + PAGE_SIZE, base_size)):
-                ids.append(base_ids[page])
-            else:
-                ids.append(writer.add(assemble(start, stop, job.pages, job.base_limit,
-                                               read_base, read_upper)))
+        ids = [reader.base_chunk(page) or writer.add(reader.page(page)) for page in _pages(job)]
     finally:
-        if fd is not None:
-            os.close(fd)
+        reader.close()
     job.content = writer.put_content(job.size, ids)
+
+
+def _read_pages(store: Store, job: _FileJob) -> Iterator[bytes]:
+    """A file's bytes, page by page (blocking)."""
+    reader = _Reader(store, job)
+    try:
+        for page in _pages(job):
+            yield reader.page(page)
+    finally:
+        reader.close()
+
+
+def _file_digest(store: Store, job: _FileJob) -> str:
+    """BLAKE3 (hex) of a file's bytes (blocking)."""
+    h = blake3.blake3()
+    for data in _read_pages(store, job):
+        h.update(data)
+    return h.hexdigest()
 
 
 def _has_upper_links(overlay: Overlay, ex: Execution) -> bool:
@@ -95,7 +147,9 @@ def _link_of(ex: Execution, node: Node) -> int:
 
 
 class Capture:
-    """One promote or checkpoint of ``ex``: ``plan()`` (sync), ``hash()`` (threads), ``commit()``."""
+    """One promote or checkpoint of ``ex``: ``plan()`` (sync), ``hash()`` and
+    ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.policy), ``plan()``
+    leaves out ephemeral and rebuildable paths and takes shared ones from the base."""
 
     def __init__(self, overlay: Overlay, ex: Execution):
         self.overlay = overlay
@@ -103,33 +157,90 @@ class Capture:
         self.jobs: dict[int, _FileJob] = {}  # ino -> job: hard links share one
         self.writer = ChunkWriter(overlay.store)
         self.descend_links = False
+        self.policy: policy.Policy | None = None
+        self.special: dict[str, str] = {}  # topmost non-durable path -> its class
+        self.above: set[str] = set()  # directories holding a special path ("" the root)
+        self.classified = policy.Classified()
+        self.inputs: dict[str, tuple] = {}  # input path -> what to hash (_input_spec)
+        self.digests: dict[str, str] = {}
 
-    def plan(self) -> _DirPlan:
-        """Walk the copied-up part of the execution; must run without an await in between."""
+    def plan(self, text: bytes | None = None, tree_policy: bool = False) -> Entry | _DirPlan:
+        """Walk the copied-up part of the execution; must run without an await in between.
+
+        The policy is ``text`` (given with the command), else with ``tree_policy`` the
+        execution's own ``ramet.toml``, else none.  Raises InvalidArgument (EINVAL) for a
+        malformed policy, or one this state breaks (a changed shared path, an input missing
+        or not kept), naming every offending path.
+        """
         self.overlay.flush_view(self.ex)
         self.descend_links = _has_upper_links(self.overlay, self.ex)
-        return self._plan_dir(self.overlay.node(self.ex.root_ino))
+        self.policy = load_policy(self.overlay, self.ex, text, tree_policy)
+        if self.policy is not None:
+            self._classify()
+        return self._plan_dir(self.overlay.node(self.ex.root_ino), "")
 
-    def _plan_dir(self, node: Node) -> Entry | _DirPlan:
+    def _classify(self) -> None:
+        pol = self.policy
+        self.classified = policy.classify_tree(pol, _ViewTree(self.overlay),
+                                               self.overlay.node(self.ex.root_ino),
+                                               durable=False)
+        problems = _problems(self.overlay, self.ex, pol, self.classified)
+        if problems:
+            raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
+                                  + "; ".join(problems))
+        for path, cls, *_ in self.classified.paths:
+            path = path.rstrip("/")
+            self.special[path] = cls
+            parts = path.split("/")
+            self.above.update("/".join(parts[:i]) for i in range(len(parts)))
+        for name in self.classified.outputs:
+            for path in pol.recipes[name].inputs:
+                self.inputs[path] = _input_spec(self.overlay, self.ex, path)
+
+    def _plan_dir(self, node: Node, path: str) -> Entry | _DirPlan | _BaseDirPlan:
         if node.upper is None and not (self.descend_links and node.entry.flags & FLAG_HAS_LINKS):
-            return node.entry
+            return self._filter_base(node.entry, path) if path in self.above else node.entry
         plan = _DirPlan(node)
         for name, child in self.overlay.listdir(node.ino):
-            if child.is_dir:
-                plan.children.append((name, self._plan_dir(child)))
+            child_path = _join(path, name)
+            cls = self.special.get(child_path)
+            if cls == policy.SHARED:
+                plan.children.append((name, _base_at(self.overlay, self.ex, child_path)))
+            elif cls is not None:
+                continue  # ephemeral or rebuildable: left out
+            elif child.is_dir:
+                plan.children.append((name, self._plan_dir(child, child_path)))
             elif child.upper is None:
                 plan.children.append((name, child.entry))
             elif stat.S_ISREG(child.upper.mode) and not self.overlay.base_only(child):
                 job = self.jobs.get(child.ino)
                 if job is None:
-                    job = self.jobs[child.ino] = _FileJob(
-                        child.upper.size, frozenset(self.overlay._pages(child)),
-                        child.upper.base_limit, child.upper.base,
-                        self.overlay._upper_path(self.ex, child.ino))
+                    job = self.jobs[child.ino] = _node_job(self.overlay, self.ex, child)
                 plan.children.append((name, (child, job)))
             else:
                 plan.children.append((name, (child, None)))
         return plan
+
+    def _filter_base(self, entry: Entry, path: str) -> _BaseDirPlan:
+        """An unchanged base directory without its left-out paths (shared ones are equal
+        to the base: a changed one stopped the promote)."""
+        plan = _BaseDirPlan(entry)
+        for name, child in self.overlay.tree(entry.ref).items():
+            child_path = _join(path, name)
+            cls = self.special.get(child_path)
+            if cls is not None and cls != policy.SHARED:
+                continue
+            if cls is None and child.is_dir and child_path in self.above:
+                plan.children.append((name, self._filter_base(child, child_path)))
+            else:
+                plan.children.append((name, child))
+        return plan
+
+    async def digest_inputs(self) -> None:
+        """Hash the inputs of the recipes this promote stores (worker threads)."""
+        for path, spec in self.inputs.items():
+            self.digests[path] = await trio.to_thread.run_sync(
+                _spec_digest, self.overlay.store, spec)
 
     async def hash(self) -> None:
         """Hash and store the changed files on every core."""
@@ -142,10 +253,11 @@ class Capture:
     def _entry(self, txn, name: bytes, item) -> Entry:
         if isinstance(item, Entry):
             return item.renamed(name)
-        if isinstance(item, _DirPlan):
+        if isinstance(item, (_DirPlan, _BaseDirPlan)):
             entries = [self._entry(txn, n, c) for n, c in item.children]
             tid = self.overlay.store.put_tree(txn, entries)
-            u = item.node.upper or ov.UpperInode.from_entry(item.node.entry)
+            u = (ov.UpperInode.from_entry(item.entry) if isinstance(item, _BaseDirPlan)
+                 else item.node.upper or ov.UpperInode.from_entry(item.node.entry))
             has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
             return Entry(name, u.mode, u.uid, u.gid, u.mtime_ns, 0, tid,
                          tuple(sorted(u.xattrs.items())), 0,
@@ -167,30 +279,39 @@ class Capture:
 
     def commit(self, plan: Entry | _DirPlan, parents: list[str], label: str, message: str,
                started_ns: int) -> Snapshot:
-        """Store the trees and the snapshot record in one transaction."""
+        """Store the trees and the snapshot record (with its recipes) in one transaction."""
         store = self.overlay.store
         stats = {"changed_files": len(self.jobs), "new_chunks": self.writer.new_chunks,
                  "new_chunk_bytes": self.writer.new_bytes}
+        recipes = None
+        if self.policy is not None:
+            stats.update(policy.policy_stats(self.policy, self.classified))
+            recipes = policy.recipe_records(self.policy, self.classified, self.digests)
         with store.write() as txn:
             root = self._entry(txn, b"", plan)
             stats.update(store.tree_totals(txn, root.ref))
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
             return store.put_snapshot(txn, root, parents, label, message,
-                                      f"execution:{self.ex.id}", stats)
+                                      f"execution:{self.ex.id}", stats, recipes)
 
 
-async def capture(overlay: Overlay, ex: Execution, label: str, message: str) -> Snapshot:
+async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
+                  policy_text: bytes | None = None, tree_policy: bool = False) -> Snapshot:
     """Turn the current state of ``ex`` into a new snapshot whose parent is ``ex.head``.
 
-    Mutations of ``ex`` wait while this runs (a consistent point in time).  Raises NoSpace
-    (ENOSPC) or IntegrityError (EIO); nothing is listed unless the whole snapshot is stored.
+    The policy applied is ``policy_text``, else with ``tree_policy`` the execution's
+    ``ramet.toml``, else none (everything is kept).  Mutations of ``ex`` wait while this runs
+    (a consistent point in time).  Raises InvalidArgument (EINVAL: the policy, see
+    ``Capture.plan``), NoSpace (ENOSPC) or IntegrityError (EIO); nothing is listed unless the
+    whole snapshot is stored.
     """
     started = time.monotonic_ns()
     ex.frozen = trio.Event()
     try:
         cap = Capture(overlay, ex)
-        plan = cap.plan()
+        plan = cap.plan(policy_text, tree_policy)
         await cap.hash()
+        await cap.digest_inputs()
         snap = cap.commit(plan, [ex.head], label, message, started)
         await trio.to_thread.run_sync(overlay.store.sync)
         return snap
@@ -277,3 +398,148 @@ async def root_entry(overlay: Overlay, ex: Execution) -> Entry:
     finally:
         frozen, ex.frozen = ex.frozen, None
         frozen.set()
+
+
+# -- policies ---------------------------------------------------------------------------------
+
+def _join(path: str, name: bytes) -> str:
+    return f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name)
+
+
+class _ViewTree:
+    """rametfs.policy.Tree over an execution: its nodes where copied up, base entries below."""
+
+    def __init__(self, overlay: Overlay):
+        self.overlay = overlay
+
+    def children(self, item: Node | Entry):
+        if isinstance(item, Node):
+            if item.upper is not None:
+                return [(name, child if child.upper is not None else child.entry)
+                        for name, child in self.overlay.listdir(item.ino)]
+            item = item.entry
+        return self.overlay.tree(item.ref).items()
+
+    @staticmethod
+    def kind(item: Node | Entry) -> str:
+        return policy.kind_of(item.mode)
+
+    @staticmethod
+    def size(item: Node | Entry) -> int:
+        return item.size
+
+    def totals(self, item: Node | Entry) -> tuple[int, int]:
+        if isinstance(item, Entry) or item.upper is None:
+            store = self.overlay.store
+            with store.read() as txn:
+                t = store.tree_totals(txn, (item if isinstance(item, Entry) else item.entry).ref)
+            return t["files"], t["bytes"]
+        return policy.subtree_totals(self, item)
+
+
+def _node_job(overlay: Overlay, ex: Execution, node: Node) -> _FileJob:
+    """How to read regular file ``node``: its base content, upper pages and size."""
+    u = node.upper
+    if u is None:
+        return _FileJob(node.entry.size, frozenset(), node.entry.size, node.entry, "")
+    return _FileJob(u.size, frozenset(overlay._pages(node)), u.base_limit, u.base,
+                    overlay._upper_path(ex, node.ino))
+
+
+def _lookup_path(overlay: Overlay, ex: Execution, path: str) -> Node | None:
+    """The node at relative ``path`` in ``ex``, None when there is none."""
+    node = overlay.node(ex.root_ino)
+    try:
+        for name in path.split("/"):
+            node = overlay.lookup(node.ino, os.fsencode(name))
+    except NotFound:
+        return None
+    except RametError as exc:
+        if exc.errno == errno.ENOTDIR:
+            return None
+        raise
+    return node
+
+
+def _base_at(overlay: Overlay, ex: Execution, path: str) -> Entry:
+    """The base's entry at ``path`` (a shared path, checked unchanged)."""
+    entry = ex.base.root
+    for name in path.split("/"):
+        entry = overlay.tree(entry.ref)[os.fsencode(name)]
+    return entry
+
+
+def load_policy(overlay: Overlay, ex: Execution, text: bytes | None,
+                tree_policy: bool) -> policy.Policy | None:
+    """The policy given as ``text``, else (``tree_policy``) the execution's ``ramet.toml``,
+    else None.  Raises InvalidArgument (EINVAL) naming the line of a malformed one."""
+    if text is not None:
+        return policy.load(text, "--policy")
+    if not tree_policy:
+        return None
+    node = _lookup_path(overlay, ex, policy.POLICY_FILE)
+    if node is None:
+        return None
+    if not stat.S_ISREG(node.mode):
+        raise InvalidArgument(f"{policy.POLICY_FILE} is not a regular file")
+    return policy.load(b"".join(_read_pages(overlay.store, _node_job(overlay, ex, node))),
+                       policy.POLICY_FILE)
+
+
+def _problems(overlay: Overlay, ex: Execution, pol: policy.Policy,
+              classified: policy.Classified) -> list[str]:
+    """What stops a promote: changed shared paths, recipe inputs missing or not kept."""
+    problems = []
+    if pol.patterns[policy.SHARED]:
+        problems += policy.shared_problems(pol, diff(overlay, ex))
+
+    def exists(path: str) -> bool | None:
+        node = _lookup_path(overlay, ex, path)
+        return None if node is None else node.is_dir
+
+    return problems + policy.input_problems(pol, classified, exists)
+
+
+def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
+    """What to hash for input ``path`` (it exists: checked before): ``("f", job)``,
+    ``("l", target)``, ``("o",)`` or ``("d", [(path below, kind, job | target | None)])``."""
+    node = _lookup_path(overlay, ex, path)
+
+    def item(n: Node) -> tuple:
+        if n.is_dir:
+            return ("d", None)
+        if stat.S_ISREG(n.mode):
+            return ("f", _node_job(overlay, ex, n))
+        if stat.S_ISLNK(n.mode):
+            return ("l", overlay.readlink(n))
+        return ("o", None)
+
+    if not node.is_dir:
+        return item(node)
+    return ("d", [(rel, *item(n)) for rel, n in walk_names(overlay, node.ino)])
+
+
+def _spec_digest(store: Store, spec: tuple) -> str:
+    """The digest of one input (rametfs.policy.path_digest's definition); blocking."""
+    kind, what = spec
+
+    def one(kind: str, what) -> str:
+        if kind == "f":
+            return _file_digest(store, what)
+        if kind == "l":
+            return blake3.blake3(what).hexdigest()
+        return "-"
+
+    if kind == "d":
+        return policy.tree_digest((rel, k, one(k, w)) for rel, k, w in what)
+    return one(kind, what) if kind in ("f", "l") else blake3.blake3(b"").hexdigest()
+
+
+def preview(overlay: Overlay, ex: Execution, text: bytes | None = None) -> dict:
+    """What a promote of ``ex`` would keep (rametfs.policy.preview_report), under the policy
+    ``text`` or else the execution's ``ramet.toml``; changes nothing.  Raises
+    InvalidArgument (EINVAL) for a malformed policy."""
+    pol = load_policy(overlay, ex, text, True)
+    classified = policy.classify_tree(pol, _ViewTree(overlay), overlay.node(ex.root_ino))
+    problems = _problems(overlay, ex, pol, classified) if pol is not None else []
+    return policy.preview_report(pol, classified, problems)

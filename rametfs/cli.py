@@ -26,8 +26,9 @@ from collections.abc import Iterator
 import click
 
 from rametfs import __version__, protocol
+from rametfs.policy import CLASSES
 from rametfs.client import (DATA_ENV, MODE_ENV, MODES, MOUNT_ENV, NotMountedError, Ramet,
-                            RametError, resolve_mode)
+                            RametError, RestoreError, resolve_mode)
 
 EXIT_CODES = {
     errno.ENOENT: 3,
@@ -98,6 +99,9 @@ def ramet_options(command):
 
 
 label_option = click.option("--label", help="A short name for the snapshot.")
+policy_option = click.option("--policy", type=click.Path(dir_okay=False, exists=True),
+                             help="A persistence policy file (TOML; default: the tree's "
+                                  "ramet.toml).")
 message_option = click.option("--message", help="A longer description of the snapshot.")
 
 
@@ -245,11 +249,24 @@ def fsck(data: str) -> None:
 @click.argument("source", type=click.Path(file_okay=False))
 @label_option
 @message_option
+@click.option("--git", "git", is_flag=True,
+              help="SOURCE is a git repository: import a revision's tree from its objects.")
+@click.option("--rev", metavar="REV", help="With --git: the revision to import (default HEAD).")
+@click.option("--with-git-dir", is_flag=True,
+              help="With --git: take the repository's .git directory along (local commits, "
+                   "branches, stash, index).")
 @ramet_options
-def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None) -> None:
+def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None, git: bool,
+             rev: str | None, with_git_dir: bool) -> None:
     """Import the directory SOURCE as a snapshot; print its id."""
+    if not git and (rev or with_git_dir):
+        raise click.UsageError("--rev and --with-git-dir need --git.")
     with _elapsed(f"snapshot {source}"):
-        snapshot_id = ramet.snapshot(source, label=label, message=message)
+        if git:
+            snapshot_id = ramet.snapshot_git(source, rev=rev, with_git_dir=with_git_dir,
+                                             label=label, message=message)
+        else:
+            snapshot_id = ramet.snapshot(source, label=label, message=message)
     click.echo(snapshot_id)
 
 
@@ -269,20 +286,75 @@ def create(ramet: Ramet, snapshot: str, name: str | None) -> None:
 @click.argument("execution")
 @label_option
 @message_option
+@policy_option
 @ramet_options
-def promote(ramet: Ramet, execution: str, label: str | None, message: str | None) -> None:
-    """Snapshot EXECUTION and carry on from it; print the id."""
-    click.echo(ramet.execution(execution).promote(label=label, message=message))
+def promote(ramet: Ramet, execution: str, label: str | None, message: str | None,
+            policy: str | None) -> None:
+    """Snapshot EXECUTION and carry on from it; print the id.
+
+    A policy (--policy, else the tree's ramet.toml) leaves out ephemeral paths, stores
+    rebuildable ones as recipes and checks shared ones against the base.
+    """
+    click.echo(ramet.execution(execution).promote(label=label, message=message, policy=policy))
 
 
 @main.command()
 @click.argument("execution")
 @label_option
 @message_option
+@policy_option
 @ramet_options
-def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | None) -> None:
-    """Snapshot EXECUTION, keeping its base; print the id."""
-    click.echo(ramet.execution(execution).checkpoint(label=label, message=message))
+def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | None,
+               policy: str | None) -> None:
+    """Snapshot EXECUTION, keeping its base; print the id (everything, unless --policy)."""
+    click.echo(ramet.execution(execution).checkpoint(label=label, message=message,
+                                                     policy=policy))
+
+
+@main.command()
+@click.argument("execution")
+@policy_option
+@click.option("--json", "as_json", is_flag=True, help="Print the preview as JSON.")
+@ramet_options
+def preview(ramet: Ramet, execution: str, policy: str | None, as_json: bool) -> None:
+    """Print what a promote of EXECUTION would keep: class, bytes and path, then totals.
+
+    Changes nothing.  Exit 4 (EINVAL) when the promote would be stopped.
+    """
+    report = ramet.execution(execution).preview(policy=policy)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        for item in report["paths"]:
+            recipe = f"  (recipe {item['recipe']})" if "recipe" in item else ""
+            click.echo(f"{item['class']:<11} {item['bytes']:>12} {item['path']}{recipe}")
+        click.echo()
+        click.echo(format_table(("CLASS", "PATHS", "FILES", "BYTES"), [
+            (cls, str(t["paths"]), str(t["files"]), human_bytes(t["bytes"]))
+            for cls, t in ((c, report["totals"][c]) for c in CLASSES)]))
+        for problem in report["problems"]:
+            click.echo(f"rametfs: would stop the promote: {problem}", err=True)
+    if report["problems"]:
+        raise click.exceptions.Exit(exit_code(errno.EINVAL))
+
+
+@main.command()
+@click.argument("snapshot")
+@click.option("--name", help="Execution id to use (default: generated).")
+@ramet_options
+def restore(ramet: Ramet, snapshot: str, name: str | None) -> None:
+    """Create an execution of SNAPSHOT and rebuild its recipes; print the execution id.
+
+    Each step (inputs checked, command, readiness check) is reported on stderr as it ends.
+    On failure the execution is kept for inspection.
+    """
+    try:
+        restored = ramet.restore(snapshot, name=name,
+                                 on_step=lambda step: click.echo(str(step), err=True))
+    except RestoreError as exc:
+        click.echo(exc.execution.id)
+        raise
+    click.echo(restored.execution.id)
 
 
 @main.command()

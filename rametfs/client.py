@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
@@ -73,6 +74,27 @@ class NotMountedError(RametError):
 
 class PoolTimeout(RametError, TimeoutError):
     """:meth:`ExecutionPool.acquire` found no free execution in time (errno EBUSY)."""
+
+
+class RestoreError(RametError):
+    """A step of :meth:`Ramet.restore` failed (errno EIO: an input changed or a command
+    failed; ETIMEDOUT).  ``execution`` is the restored execution, left for inspection;
+    ``steps`` every :class:`rametfs.restore.Step` taken, the failed one last."""
+
+    def __init__(self, code: int, message: str, execution: Execution, steps: list) -> None:
+        super().__init__(code, message)
+        self.execution = execution
+        self.steps = steps
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`Ramet.restore` made: the ``snapshot`` id, the new ``execution`` and the
+    ``steps`` of its rebuild (:class:`rametfs.restore.Step`)."""
+
+    snapshot: str
+    execution: Execution
+    steps: list
 
 
 def resolve_mode(mode: str | None) -> str:
@@ -136,6 +158,24 @@ class Ramet:
         reply = self._backend.root_command("snapshot", path, label=label, message=message)
         return reply["snapshot"]
 
+    def snapshot_git(self, repo: str | os.PathLike, rev: str | None = None,
+                     with_git_dir: bool = False, label: str | None = None,
+                     message: str | None = None) -> str:
+        """Import the tree of revision ``rev`` (default ``HEAD``) of the git repository at
+        ``repo`` as a new snapshot, from the repository's objects (no checkout); return its
+        id.  ``with_git_dir`` takes the repository's ``.git`` directory along, so its local
+        commits, branches, stash and index are in the snapshot.
+
+        Errors: ENOENT repository missing or ``rev`` names no commit, EINVAL not a
+        repository (or ``with_git_dir`` on a bare one), EOPNOTSUPP git support not installed,
+        ENOSPC, EIO.
+        """
+        path = os.path.abspath(os.fspath(repo))
+        reply = self._backend.root_command(
+            "snapshot-git", path, rev=rev, gitdir=protocol.YES if with_git_dir else None,
+            label=label, message=message)
+        return reply["snapshot"]
+
     def create(self, snapshot: str, name: str | None = None) -> Execution:
         """Create a writable execution of ``snapshot`` (id or unique prefix).
 
@@ -152,6 +192,31 @@ class Ramet:
     def execution(self, execution_id: str) -> Execution:
         """A handle on an existing execution (not checked until first used)."""
         return Execution(self, execution_id)
+
+    def restore(self, snapshot: str, runtime=None, name: str | None = None,
+                on_step=None) -> Restored:
+        """Create an execution of ``snapshot`` and rebuild its rebuildable paths from the
+        recipes the snapshot recorded: per recipe, check the inputs against their recorded
+        BLAKE3 hashes, run the command, run the readiness check (docs/policy.md).
+
+        ``runtime`` is the adapter that runs each command, ``run(execution, argv,
+        timeout)`` (default: a subprocess in the execution's directory; see
+        :mod:`rametfs.restore`); ``on_step`` is called with each step as it ends.
+        Raises :class:`RestoreError` naming the recipe when an input changed or a command
+        or check failed (the execution is kept), RametError (ENOENT) for an unknown snapshot.
+        """
+        from rametfs import restore  # only here: it hashes with BLAKE3
+        reply = self._backend.root_command("create", snapshot, name=name)
+        execution = Execution(self, reply["execution"])
+        record = next(s for s in self.snapshots() if s["id"] == reply["snapshot"])
+        steps = restore.rebuild(execution, record.get("recipes", []),
+                                runtime or restore.run_subprocess, on_step)
+        if steps and not steps[-1].ok:
+            failed = steps[-1]
+            raise RestoreError(failed.errno, f"restore of {reply['snapshot'][:12]} into "
+                               f"execution {execution.id}: recipe {failed.recipe}: "
+                               f"{failed.step} failed: {failed.detail}", execution, steps)
+        return Restored(reply["snapshot"], execution, steps)
 
     def execution_pool(self, snapshot: str, concurrency: int = 4, *, name: str | None = None,
                        ttl: float = DEFAULT_TTL, verify: str = "root") -> ExecutionPool:
@@ -208,15 +273,33 @@ class Execution:
         directory ``<data>/fallback/executions/<id>``."""
         return self.ramet._backend.execution_path(self.id)
 
-    def promote(self, label: str | None = None, message: str | None = None) -> str:
-        """Save the current tree as a new snapshot and carry on from it; return its id."""
-        reply = self.ramet._backend.command(self.id, "promote", label=label, message=message)
+    def promote(self, label: str | None = None, message: str | None = None,
+                policy: str | os.PathLike | None = None) -> str:
+        """Save the current tree as a new snapshot and carry on from it; return its id.
+
+        The persistence policy applied is the TOML file ``policy``, else the tree's own
+        ``ramet.toml`` if any (docs/policy.md).  Errors: EINVAL for a malformed policy (the
+        message names the line) or one the tree breaks (every offending path named).
+        """
+        reply = self.ramet._backend.command(self.id, "promote", label=label, message=message,
+                                            policy=_policy_text(policy))
         return reply["snapshot"]
 
-    def checkpoint(self, label: str | None = None, message: str | None = None) -> str:
-        """Save the current tree as a new snapshot without moving the base; return its id."""
-        reply = self.ramet._backend.command(self.id, "checkpoint", label=label, message=message)
+    def checkpoint(self, label: str | None = None, message: str | None = None,
+                   policy: str | os.PathLike | None = None) -> str:
+        """Save the current tree as a new snapshot without moving the base; return its id.
+        Everything is kept unless a ``policy`` file is given."""
+        reply = self.ramet._backend.command(self.id, "checkpoint", label=label,
+                                            message=message, policy=_policy_text(policy))
         return reply["snapshot"]
+
+    def preview(self, policy: str | os.PathLike | None = None) -> dict:
+        """What a promote would keep, changing nothing: ``{"ok", "policy", "paths",
+        "totals", "recipes", "problems"}`` (docs/policy.md); ``paths`` lists each path with
+        its ``"class"`` and ``"bytes"``, ``totals`` the paths, files and bytes per class.
+        Under the TOML file ``policy``, else the tree's ``ramet.toml``, else none."""
+        return self.ramet._backend.command(self.id, "preview",
+                                           policy=_policy_text(policy))["preview"]
 
     def reset(self) -> str:
         """Drop every change since the base; return the base snapshot id."""
@@ -315,13 +398,16 @@ class _Local:
             self.engine = fallback.Fallback(data)
         self.data = self.engine.data
         self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
-                              "release": self.engine.release}
+                              "release": self.engine.release,
+                              "snapshot-git": self.engine.snapshot_git}
         pools = self.engine.pools
         self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
                                    "renew": pools.renew, "return": pools.return_,
                                    "drop": pools.drop})
         self.commands = {"promote": self.engine.promote, "checkpoint": self.engine.checkpoint,
-                         "reset": self.engine.reset}
+                         "reset": self.engine.reset,
+                         "preview": lambda eid, **kw: {"ok": True,
+                                                       "preview": self.engine.preview(eid, **kw)}}
 
     def close(self) -> None:
         self.engine.close()
@@ -353,6 +439,17 @@ class _Local:
     def execution_status(self, execution_id: str) -> dict:
         with _local_errors():
             return self.engine.execution_status(execution_id)
+
+
+def _policy_text(path: str | os.PathLike | None) -> str | None:
+    """The text of the policy file at ``path`` (None: none given); RametError if unreadable."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        code = getattr(exc, "errno", None) or errno.EINVAL
+        raise RametError(code, f"policy {os.fspath(path)}: {exc}") from None
 
 
 def _given(options: dict[str, str | None]) -> dict[str, str]:
@@ -541,13 +638,18 @@ def _read_text(path: Path, mount: Path, missing: str | None = None) -> str:
 
 
 def _command(ctl: Path, line: str, mount: Path, missing: str | None = None) -> dict:
-    """Write one command line to ``ctl`` and return its JSON reply, read back from the same
-    descriptor.  Raises :class:`RametError` with the reply's errno and message on failure."""
+    """Write one command line to ``ctl`` and return its JSON reply, read back from the file.
+    Raises :class:`RametError` with the reply's errno and message on failure.
+
+    The file holds the reply of its last command, so the write and the read hold an
+    exclusive flock(2) on it: other clients of the same ``ctl`` wait their turn.
+    """
     try:
         fd = os.open(ctl, os.O_RDWR)
     except OSError as exc:
         raise _error(exc, mount, missing) from None
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         data = line.encode()
         try:
             written = os.write(fd, data)
@@ -556,8 +658,10 @@ def _command(ctl: Path, line: str, mount: Path, missing: str | None = None) -> d
         else:
             failure = None if written == len(data) else OSError(
                 errno.EIO, f"short write of a command ({written} of {len(data)} bytes)")
+        raw = b""
         try:
-            raw = os.pread(fd, _MAX_REPLY, 0)
+            while chunk := os.pread(fd, _MAX_REPLY, len(raw)):  # a preview can be long
+                raw += chunk
         except OSError as exc:
             raise _error(exc, mount) from None
     finally:

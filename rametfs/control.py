@@ -18,11 +18,11 @@ from typing import Awaitable, Callable
 import trio
 
 from . import protocol
-from .capture import capture, diff
+from .capture import capture, diff, preview
 from .errors import Busy, InvalidArgument, RametError
 from .overlay import Execution, Overlay
 from .pools import READY, Member, Pools
-from .store import import_tree
+from .store import import_git, import_tree
 from .store.leases import quarantine_reason
 from .verify import ROOT, verify
 
@@ -33,12 +33,15 @@ Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
 
 class Control:
     """Runs control commands against an Overlay; ``invalidate`` drops kernel caches of
-    ``(parent ino, name)`` dentries and ``(ino, b"")`` inodes, and returns when done."""
+    ``(parent ino, name)`` dentries and ``(ino, b"")`` inodes, and returns when done;
+    ``open_less`` is what the root status reports of the FUSE adapter's mode."""
 
-    def __init__(self, overlay: Overlay, mountpoint: str, invalidate: Invalidate):
+    def __init__(self, overlay: Overlay, mountpoint: str, invalidate: Invalidate, *,
+                 open_less: bool = False):
         self.overlay = overlay
         self.mountpoint = mountpoint
         self.invalidate = invalidate
+        self.open_less = open_less
         self.root_last: dict | None = None
         self.root_error = ""
         self.last: dict[str, dict] = {}
@@ -46,9 +49,11 @@ class Control:
         self.promoted: dict[str, str] = {}
         self.busy: set[str] = set()
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
-            "snapshot": self._snapshot, "create": self._create, "release": self._release}
+            "snapshot": self._snapshot, "create": self._create, "release": self._release,
+            "snapshot-git": self._snapshot_git}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
-            "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset}
+            "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
+            "preview": self._preview}
         self.pools = Pools(overlay)
         self.root_handlers.update({"pool": self._pool, "acquire": self._acquire,
                                    "renew": self._renew, "return": self._return,
@@ -111,6 +116,16 @@ class Control:
                                              args.get("label", ""), args.get("message", ""))
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
+    async def _snapshot_git(self, args: dict) -> dict:
+        repo = args["repo"]
+        if not os.path.isabs(repo):
+            raise InvalidArgument(f"snapshot-git: path {repo!r} is not absolute")
+        with_git_dir = protocol.yes_no("snapshot-git", "gitdir", args.get("gitdir"))
+        snap = await trio.to_thread.run_sync(
+            import_git, self.overlay.store, repo, args.get("rev", "HEAD"), with_git_dir,
+            args.get("label", ""), args.get("message", ""))
+        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
     async def _create(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
         eid = args.get("name") or secrets.token_hex(6)
@@ -134,13 +149,15 @@ class Control:
     # -- execution commands --------------------------------------------------------------
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
-        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""))
+        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
+                             _policy_text(args), tree_policy=True)
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
-        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""))
+        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
+                             _policy_text(args))
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
@@ -148,6 +165,9 @@ class Control:
         await self.invalidate(self.overlay.reset(ex))
         return {"ok": True, "snapshot": ex.base.id,
                 "reset_ms": round((time.monotonic_ns() - started) / 1e6, 3)}
+
+    async def _preview(self, ex: Execution, args: dict) -> dict:
+        return {"ok": True, "preview": preview(self.overlay, ex, _policy_text(args))}
 
     # -- pools and leases ----------------------------------------------------------------
 
@@ -245,7 +265,7 @@ class Control:
 
     def root_status(self) -> bytes:
         status = {"pid": os.getpid(), "data": str(self.overlay.store.root),
-                  "mount": self.mountpoint, "version": "0.1.0",
+                  "mount": self.mountpoint, "version": "0.1.0", "open_less": self.open_less,
                   "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
                   "executions": [self.execution_json(ex)
                                  for ex in self.overlay.executions.values()],
@@ -260,6 +280,22 @@ class Control:
         return b"".join(f"{letter} ".encode() + path + b"\n"
                         for letter, path in diff(self.overlay, ex))
 
+    def preview_text(self, ex: Execution) -> bytes:
+        """``.ramet/preview``: the preview under the execution's ``ramet.toml``, as JSON.
+        A malformed policy fails the open (EINVAL) with its message in ``.ramet/error``."""
+        try:
+            report = preview(self.overlay, ex)
+        except RametError as exc:
+            self.errors[ex.id] = self._failed(exc, protocol.PREVIEW)
+            raise
+        return (json.dumps(report, indent=1) + "\n").encode()
+
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
+
+
+def _policy_text(args: dict) -> bytes | None:
+    """The ``--policy`` text of a command, as bytes (None when not given)."""
+    text = args.get("policy")
+    return None if text is None else text.encode()

@@ -28,6 +28,8 @@ from .verify import ROOT
 
 log = logging.getLogger(__name__)
 
+DIRTY_INTERVAL_S = 1.0
+
 
 def _check_mountpoint(mountpoint: str) -> None:
     if not os.path.isdir(mountpoint):
@@ -83,9 +85,19 @@ async def _expire_leases(control: Control) -> None:
             await pools.leases_changed.wait()
 
 
+async def _store_dirty_records(overlay: Overlay) -> None:
+    """Store changed inode records every :data:`DIRTY_INTERVAL_S`: the kernel does not say
+    when a file is closed (open-less FUSE), so this bounds what a crash loses of data that
+    was never fsync'd."""
+    while True:
+        await trio.sleep(DIRTY_INTERVAL_S)
+        overlay.flush_all()
+
+
 async def _serve(overlay: Overlay, control: Control) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_collect_dead_layers, overlay)
+        nursery.start_soon(_store_dirty_records, overlay)
         nursery.start_soon(_expire_leases, control)
 
         async def on_signal():

@@ -10,7 +10,19 @@ Fixed inode numbers: 1 the mount root, 2 ``snapshots/``, 3 ``executions/``, 4 ``
 Snapshot inodes are cached by the kernel for :data:`CACHE_TIMEOUT` (immutable).  So are
 execution inodes: every change to them passes through this kernel mount, which keeps its
 caches coherent, except reset and release, which invalidate what the kernel may hold.
-Control files are never cached (timeout 0, direct I/O).
+
+Open-less mode (:data:`OPEN_LESS`, with the pyfuse3 patch in tools/pyfuse3/): open and
+opendir answer ENOSYS, so the kernel stops sending open, release, opendir and releasedir,
+keeps every file's pages and every directory's listing cached, and the handlers get the inode
+number where a file handle was.  Without the patch the same handlers run with the inode number
+as the file handle.  Either way there is no per-open state: a file's upper data descriptor is
+cached (``Overlay.upper_fds``), dirty inode records are stored by :func:`daemon` every second
+and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
+
+Control files have no per-open state either: each holds its content (a ``ctl`` file the reply
+of its last command) and reports it with a new mtime whenever it changes, at attribute timeout
+0, so the kernel (FUSE_AUTO_INVAL_DATA) drops a cached page as soon as it is stale; without the
+patch they are opened with direct I/O.
 """
 
 from __future__ import annotations
@@ -20,6 +32,8 @@ import functools
 import logging
 import os
 import stat
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -37,6 +51,10 @@ ROOT, SNAPSHOTS, EXECUTIONS, CONTROL = 1, 2, 3, 4
 CACHE_TIMEOUT = 86400.0  # seconds
 TOP = {b"snapshots": SNAPSHOTS, b"executions": EXECUTIONS}
 CONTROL_NAME = protocol.CONTROL_DIR.encode()
+# pyfuse3 has our patch, and RAMETFS_OPEN_LESS=0 does not turn its use off (for comparison).
+OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
+    os.environ.get("RAMETFS_OPEN_LESS", "1") != "0"
+LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 
 
 @dataclass
@@ -48,24 +66,13 @@ class Virtual:
     kind: str  # "dir" or a control file name (ctl, status, error, promote, diff)
     execution: str | None = None  # None: the root scope
     children: dict[bytes, int] = field(default_factory=dict)
+    content: bytes = b""  # what a read returns; a ctl file: the reply of its last command
+    mtime_ns: int = field(default_factory=time.time_ns)  # changes with content or listing
 
-
-@dataclass
-class ControlHandle:
-    virtual: Virtual
-    data: bytes = b""
-
-
-@dataclass
-class DirHandle:
-    node: Node | None  # None for the daemon's own directories
-    listing: list[tuple[bytes, pyfuse3.EntryAttributes]]
-
-
-@dataclass
-class FileHandle:
-    node: Node
-    base_fd: int | None
+    def changed(self, content: bytes | None = None) -> None:
+        if content is None or content != self.content:
+            self.content = self.content if content is None else content
+            self.mtime_ns = time.time_ns()
 
 
 def _errors(fn):
@@ -95,7 +102,7 @@ class Operations(pyfuse3.Operations):
     def __init__(self, overlay: Overlay, mountpoint: str):
         super().__init__()
         self.overlay = overlay
-        self.control = Control(overlay, mountpoint, self._invalidate)
+        self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS)
         self.uid, self.gid = os.getuid(), os.getgid()
         self.virtual: dict[int, Virtual] = {}
         self._add_virtual(Virtual(ROOT, stat.S_IFDIR | 0o755, "dir",
@@ -108,8 +115,7 @@ class Operations(pyfuse3.Operations):
             self._add_virtual(Virtual(5 + i, stat.S_IFREG | mode, name))
             self.virtual[CONTROL].children[name.encode()] = 5 + i
         self.exec_control: dict[str, int] = {}  # execution id -> its .ramet dir ino
-        self.handles: dict[int, object] = {}
-        self.next_fh = 1
+        self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
 
     def _add_virtual(self, v: Virtual) -> None:
         self.virtual[v.ino] = v
@@ -129,12 +135,6 @@ class Operations(pyfuse3.Operations):
                     pyfuse3.invalidate_inode(ino)
             except OSError:
                 pass  # the kernel does not know it
-
-    def _fh(self, handle: object) -> int:
-        fh = self.next_fh
-        self.next_fh += 1
-        self.handles[fh] = handle
-        return fh
 
     # -- attributes ----------------------------------------------------------------------
 
@@ -156,8 +156,13 @@ class Operations(pyfuse3.Operations):
         return e
 
     def _virtual_attrs(self, v: Virtual) -> pyfuse3.EntryAttributes:
-        nlink = 2 if v.kind == "dir" else 1
-        a = Attrs(v.ino, v.mode, nlink, self.uid, self.gid, 0, 0, 0, 0, 0)
+        if v.kind == "dir":
+            nlink = 2
+        else:
+            nlink = 1
+            v.changed(self._control_content(v))
+        a = Attrs(v.ino, v.mode, nlink, self.uid, self.gid, 0, len(v.content), 0,
+                  v.mtime_ns, v.mtime_ns)
         return self._entry(a, 0)
 
     def _node_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -292,116 +297,91 @@ class Operations(pyfuse3.Operations):
 
     # -- directories ---------------------------------------------------------------------
 
-    @_errors
-    async def opendir(self, inode, ctx):
-        v = self.virtual.get(inode)
-        if v is not None:
-            if inode == SNAPSHOTS:
-                names = [s.id.encode() for s in self.overlay.store.snapshots()]
-                entries = [(n, self.overlay.snapshot_view(n.decode()).root_ino) for n in names]
-            elif inode == EXECUTIONS:
-                entries = [(eid.encode(), ex.root_ino)
-                           for eid, ex in sorted(self.overlay.executions.items())]
-            else:  # .ramet is found by lookup, never listed
-                entries = sorted((n, i) for n, i in v.children.items() if n != CONTROL_NAME)
-            return self._fh(DirHandle(None, [(name, self._attrs(ino)) for name, ino in entries]))
-        return self._fh(DirHandle(self.overlay.node(inode), [
-            (name, self._node_attrs(node)) for name, node in self.overlay.listdir(inode)]))
+    def _listing(self, ino: int) -> list[tuple[bytes, pyfuse3.EntryAttributes]]:
+        v = self.virtual.get(ino)
+        if v is None:
+            return [(name, self._node_attrs(node)) for name, node in self.overlay.listdir(ino)]
+        if ino == SNAPSHOTS:
+            names = [s.id.encode() for s in self.overlay.store.snapshots()]
+            entries = [(n, self.overlay.snapshot_view(n.decode()).root_ino) for n in names]
+        elif ino == EXECUTIONS:
+            entries = [(eid.encode(), ex.root_ino)
+                       for eid, ex in sorted(self.overlay.executions.items())]
+        else:  # .ramet is found by lookup, never listed
+            entries = sorted((n, i) for n, i in v.children.items() if n != CONTROL_NAME)
+        return [(name, self._attrs(i)) for name, i in entries]
 
     @_errors
     async def readdir(self, fh, start_id, token):
-        h = self.handles[fh]
-        if h.node is not None and not self.overlay.is_live(h.node):
-            raise pyfuse3.FUSEError(errno.ESTALE)  # its execution was reset or released
-        listing = h.listing
+        # fh is the directory's inode.  The listing is made when a read starts at 0 and kept
+        # for the calls that page through it, so offsets stay valid between them.
+        listing = self.listings.get(fh)
+        if listing is None or start_id == 0:
+            listing = self.listings[fh] = self._listing(fh)
+            if len(self.listings) > LISTINGS:
+                self.listings.popitem(last=False)
+        self.listings.move_to_end(fh)
         for i in range(start_id, len(listing)):
             name, attrs = listing[i]
             if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
                 break
 
-    @_errors
-    async def releasedir(self, fh):
-        del self.handles[fh]
-
     # -- files ---------------------------------------------------------------------------
 
-    @_errors
-    async def open(self, inode, flags, ctx):
-        v = self.virtual.get(inode)
-        if v is not None:
-            if v.kind == "dir":
-                raise pyfuse3.FUSEError(errno.EISDIR)
-            return pyfuse3.FileInfo(fh=self._fh(ControlHandle(v, self._control_content(v))),
-                                    direct_io=True)
-        node = self.overlay.node(inode)
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC) and node.view.read_only:
-            raise ReadOnly("snapshots are read-only")
-        if flags & os.O_TRUNC:  # libfuse asks for atomic O_TRUNC: it comes here, not setattr
-            await self._hold(node)
-            self.overlay.setattr(node, size=0)
-        return await self._open_node(node)
+    if not OPEN_LESS:  # plain pyfuse3: the handle of an open file or directory is its inode
+        @_errors
+        async def opendir(self, inode, ctx):
+            self._attrs(inode)  # ESTALE or ENOENT now rather than at readdir
+            return inode
 
-    async def _open_node(self, node: Node) -> pyfuse3.FileInfo:
-        base_fd = None
-        cid = node.base_content
-        if cid is not None and cid != EMPTY_CONTENT and \
-                not (node.upper is not None and node.upper.base_limit == 0):
-            base_fd = os.open(await self.overlay.hydrate(cid), os.O_RDONLY)
-        self.overlay.opened(node)
-        return pyfuse3.FileInfo(fh=self._fh(FileHandle(node, base_fd)), keep_cache=True)
+        @_errors
+        async def open(self, inode, flags, ctx):
+            v = self.virtual.get(inode)
+            if v is not None:
+                if v.kind == "dir":
+                    raise pyfuse3.FUSEError(errno.EISDIR)
+                v.changed(self._control_content(v))
+                return pyfuse3.FileInfo(fh=inode, direct_io=True)
+            node = self.overlay.node(inode)
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC) and node.view.read_only:
+                raise ReadOnly("snapshots are read-only")
+            if flags & os.O_TRUNC:  # libfuse asks for atomic O_TRUNC: it comes here
+                await self._hold(node)
+                self.overlay.setattr(node, size=0)
+            return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     @_errors
     async def create(self, parent_inode, name, mode, flags, ctx):
         await self._parent(parent_inode)
         node = self.overlay.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-        return await self._open_node(node), self._node_attrs(node)
-
-    def _live(self, h: FileHandle) -> Node:
-        if not self.overlay.is_live(h.node):
-            raise pyfuse3.FUSEError(errno.ESTALE)  # its execution was reset or released
-        return h.node
+        return pyfuse3.FileInfo(fh=node.ino, keep_cache=True), self._node_attrs(node)
 
     @_errors
     async def read(self, fh, off, size):
-        h = self.handles[fh]
-        if isinstance(h, ControlHandle):
-            return h.data[off:off + size]
-        return self.overlay.read(self._live(h), off, size, h.base_fd)
+        v = self.virtual.get(fh)
+        if v is not None:
+            return v.content[off:off + size]
+        node = self.overlay.node(fh)
+        base_fd = await self.overlay.base_fd(node)
+        return self.overlay.read(self.overlay.node(fh), off, size, base_fd)
 
     @_errors
     async def write(self, fh, off, buf):
-        h = self.handles[fh]
-        if isinstance(h, ControlHandle):
-            return await self._control_write(h, buf)
-        node = self._live(h)
-        await self._hold(node)
-        return self.overlay.write(self._live(h), off, buf)
-
-    @_errors
-    async def flush(self, fh):
-        h = self.handles[fh]
-        if isinstance(h, FileHandle) and self.overlay.is_live(h.node) \
-                and (h.node.dirty or h.node.new_pages) and h.node.upper is not None \
-                and h.node.upper.nlink > 0:
-            self.overlay.save(h.node)
-
-    @_errors
-    async def release(self, fh):
-        h = self.handles.pop(fh)
-        if isinstance(h, FileHandle):
-            if h.base_fd is not None:
-                os.close(h.base_fd)
-            if self.overlay.is_live(h.node):
-                self.overlay.closed(h.node)
+        v = self.virtual.get(fh)
+        if v is not None:
+            return await self._control_write(v, buf)
+        await self._hold(self.overlay.node(fh))
+        return self.overlay.write(self.overlay.node(fh), off, buf)
 
     @_errors
     async def fsync(self, fh, datasync):
-        h = self.handles[fh]
-        if isinstance(h, FileHandle) and h.node.upper is not None:
-            self._live(h)
-            if h.node.fd is not None:
-                await trio.to_thread.run_sync(os.fsync, h.node.fd)
-            self.overlay.save(h.node)
+        if fh in self.virtual:
+            return
+        node = self.overlay.node(fh)
+        if node.upper is not None:
+            await self.overlay.sync_data(node)
+            if self.overlay.is_live(node) and node.upper.nlink > 0:
+                self.overlay.save(node)
             await trio.to_thread.run_sync(self.overlay.store.sync)
 
     @_errors
@@ -454,25 +434,31 @@ class Operations(pyfuse3.Operations):
         self.overlay.removexattr(node, name)
 
     async def forget(self, inode_list):
-        pass  # nodes stay while the daemon runs, so inode numbers stay stable
+        # Nodes stay while the daemon runs, so inode numbers stay stable; an unlinked one
+        # goes now that no process can reach it.
+        for ino, _ in inode_list:
+            node = self.overlay.nodes.get(ino)
+            if node is not None:
+                self.overlay.forgotten(node)
 
     # -- control files -------------------------------------------------------------------
 
     def _control_content(self, v: Virtual) -> bytes:
         c = self.control
+        if v.kind == protocol.CTL:
+            return v.content
         if v.execution is None:
             if v.kind == protocol.STATUS:
                 return c.root_status()
-            return c.root_error.encode() if v.kind == protocol.ERROR else b""
+            return c.root_error.encode()
         ex = self.overlay.execution(v.execution)
         return {protocol.STATUS: c.execution_status,
                 protocol.DIFF: c.diff_text,
+                protocol.PREVIEW: c.preview_text,
                 protocol.PROMOTE: c.promoted_text,
-                protocol.ERROR: lambda e: c.errors.get(e.id, "").encode(),
-                protocol.CTL: lambda e: b""}[v.kind](ex)
+                protocol.ERROR: lambda e: c.errors.get(e.id, "").encode()}[v.kind](ex)
 
-    async def _control_write(self, h: ControlHandle, buf: bytes) -> int:
-        v = h.virtual
+    async def _control_write(self, v: Virtual, buf: bytes) -> int:
         if v.kind not in (protocol.CTL, protocol.PROMOTE):
             raise pyfuse3.FUSEError(errno.EBADF)
         if len(buf) > protocol.MAX_COMMAND_BYTES:
@@ -489,7 +475,13 @@ class Operations(pyfuse3.Operations):
             else:
                 reply = await self.control.run_execution(self.overlay.execution(v.execution), line)
         except RametError as exc:
-            h.data = protocol.encode_reply({"ok": False, "errno": exc.errno, "error": str(exc)})
+            if v.kind == protocol.CTL:
+                v.changed(protocol.encode_reply({"ok": False, "errno": exc.errno,
+                                                  "error": str(exc)}))
             raise
-        h.data = protocol.encode_reply(reply)
+        finally:
+            for listing in (SNAPSHOTS, EXECUTIONS):  # a command may add or remove entries
+                self.virtual[listing].changed()
+        v.changed(protocol.encode_reply(reply) if v.kind == protocol.CTL
+                  else self._control_content(v))
         return len(buf)

@@ -30,15 +30,16 @@ import functools
 import os
 import stat
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Hashable, Iterator
 
 import msgpack
 import trio
 
 from .errors import InvalidArgument, NotFound, RametError, ReadOnly, fs_error
 from .protocol import CONTROL_DIR
-from .store import PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
+from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (dentry_key, from_u64, inode_key, link_key, page_key, page_of_key, u64)
 
 NAME_MAX = 255
@@ -46,6 +47,7 @@ FIRST_DYNAMIC_INO = 1000
 RELEASED = -1  # the layer of a released execution: every node of it is stale  # inode numbers below are the mount's fixed virtual nodes
 DIR_SIZE = 4096
 TREE_CACHE = 4096  # decoded base trees kept in memory
+OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
 
 
 @dataclass
@@ -164,7 +166,7 @@ class Node:
     """An inode of a view: a base entry (``entry``), an upper record (``upper``), or both."""
 
     __slots__ = ("ino", "view", "layer", "entry", "upper", "parent", "name", "pages",
-                 "new_pages", "dirty", "fd", "opens")
+                 "new_pages", "dirty")
 
     def __init__(self, ino: int, view: View, entry: Entry | None, upper: UpperInode | None,
                  parent: int, name: bytes):
@@ -178,8 +180,6 @@ class Node:
         self.pages: set[int] | None = None  # page map, loaded on first use
         self.new_pages: set[int] = set()  # pages not yet written to the page map
         self.dirty = False  # upper record changed since it was last stored (view.dirty)
-        self.fd: int | None = None  # upper data file, open while the inode is open
-        self.opens = 0
 
     @property
     def mode(self) -> int:
@@ -215,6 +215,33 @@ def check_name(name: bytes) -> None:
         raise fs_error(errno.ENAMETOOLONG, f"name of {len(name)} bytes, at most {NAME_MAX}")
     if b"/" in name or b"\0" in name or name in (b"", b".", b".."):
         raise InvalidArgument(f"invalid name {name!r}")
+
+
+class OpenFiles:
+    """At most ``limit`` open file descriptors by key; the least recently used is closed
+    to make room.  The kernel no longer tells the daemon when a file is closed (open-less
+    FUSE), so descriptors live here, not with the files' users."""
+
+    def __init__(self, limit: int = OPEN_FILES):
+        self.limit = limit
+        self.fds: OrderedDict[Hashable, int] = OrderedDict()
+
+    def get(self, key: Hashable) -> int | None:
+        fd = self.fds.get(key)
+        if fd is not None:
+            self.fds.move_to_end(key)
+        return fd
+
+    def put(self, key: Hashable, fd: int) -> int:
+        self.fds[key] = fd
+        if len(self.fds) > self.limit:
+            os.close(self.fds.popitem(last=False)[1])
+        return fd
+
+    def close(self, key: Hashable) -> None:
+        fd = self.fds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
 
 
 def assemble(off: int, end: int, pages: set[int], base_limit: int,
@@ -276,6 +303,8 @@ class Overlay:
                 self._load_execution(key.decode(), msgpack.unpackb(value))
         self.stored_next_ino = self.next_ino
         self.hydrated: dict[bytes, str] = {}
+        self.upper_fds = OpenFiles()  # by Node
+        self.base_fds = OpenFiles()  # by content id
         self.hydrating: dict[bytes, trio.Event] = {}
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
@@ -329,9 +358,7 @@ class Overlay:
                 node = self.nodes.get(ino)
                 if node is not None and not self.is_live(node):
                     del self.nodes[ino]
-                    if node.fd is not None:
-                        os.close(node.fd)
-                        node.fd = None
+                    self.upper_fds.close(node)
             if not inos:
                 self.stale_inos.pop()
         return bool(self.stale_inos)
@@ -429,13 +456,14 @@ class Overlay:
 
     @staticmethod
     def _stale_entries(view: View, keep_root_entry: bool) -> list[tuple[int, bytes]]:
-        # Invalidating a directory's dentry drops everything cached below it, so the names
-        # in the root (and the root's own attributes) are all the kernel must be told.
+        # Invalidating a directory's dentry drops everything cached below it that nothing
+        # holds; the inodes a process still holds (its cwd, an open file) keep their cached
+        # pages and listings until told, so every inode of the layer is told too.
         root = view.root_ino
         entries = [key for key in view.dcache if key[0] == root]
         if not keep_root_entry:
             entries += [key for key in view.dcache if key[0] == 0]
-        return entries + [(root, b"")]
+        return entries + [(ino, b"") for ino in view.inos]
 
     def set_head(self, ex: Execution, sid: str) -> None:
         ex.head = sid
@@ -765,7 +793,7 @@ class Overlay:
         """Remove ``name`` -> ``node`` from ``parent`` and count the link down.
 
         The inode is copied up first: one still open keeps its attributes (nlink 0) and
-        stays readable and writable until it is closed.
+        stays readable and writable until the kernel forgets it (:meth:`forgotten`).
         """
         u = self.copy_up(node)
         self._remove_dentry(parent, name)
@@ -775,15 +803,16 @@ class Overlay:
         else:
             u.nlink -= 1
             self._touch(node, mtime=False)
-        if u.nlink > 0:
-            self.save(node)
-        else:
-            self._maybe_delete(node)
+        self.save(node)
 
-    def _maybe_delete(self, node: Node) -> None:
-        """Delete an unlinked inode's upper record and data once nothing has it open."""
-        if node.opens or (node.upper and node.upper.nlink > 0):
-            return
+    def forgotten(self, node: Node) -> None:
+        """The kernel dropped ``node`` (FUSE forget): no process has it open any more, so
+        an unlinked inode's upper record and data can go."""
+        self.upper_fds.close(node)
+        if node.upper is not None and node.upper.nlink == 0 and self.is_live(node):
+            self._delete_upper(node)
+
+    def _delete_upper(self, node: Node) -> None:
         ex = node.view
         if isinstance(ex, Execution) and node.upper is not None:
             with self.store.write() as txn:
@@ -943,15 +972,29 @@ class Overlay:
         return str(self.store.root / "upper" / str(ex.layer) / str(ino))
 
     def _upper_fd(self, node: Node) -> int:
-        if node.fd is None:
-            ex = node.view
-            path = self._upper_path(ex, node.ino)
+        fd = self.upper_fds.get(node)
+        if fd is None:
+            path = self._upper_path(node.view, node.ino)
             try:
-                node.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             except FileNotFoundError:
                 os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                node.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        return node.fd
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            self.upper_fds.put(node, fd)
+        return fd
+
+    async def sync_data(self, node: Node) -> None:
+        """fsync(2) ``node``'s upper data file, if it has one, in a worker thread."""
+        fd = self.upper_fds.get(node)
+        try:  # a descriptor of its own: the cache may close its one while the thread runs
+            fd = os.dup(fd) if fd is not None else \
+                os.open(self._upper_path(node.view, node.ino), os.O_RDONLY)
+        except FileNotFoundError:
+            return  # nothing written yet
+        try:
+            await trio.to_thread.run_sync(os.fsync, fd)
+        finally:
+            os.close(fd)
 
     def _pages(self, node: Node) -> set[int]:
         if node.pages is None:
@@ -976,22 +1019,6 @@ class Overlay:
         return (u.base is not None and u.base.is_reg and u.base_limit == u.base.size == u.size
                 and not self._pages(node))
 
-    def opened(self, node: Node) -> None:
-        node.opens += 1
-
-    def closed(self, node: Node) -> None:
-        """The last reference of one open(2) is gone: store the record, maybe delete it."""
-        node.opens -= 1
-        if node.opens == 0:
-            if node.dirty or node.new_pages:
-                if node.upper is not None and node.upper.nlink > 0:
-                    self.save(node)
-            if node.fd is not None:
-                os.close(node.fd)
-                node.fd = None
-            if node.upper is not None and node.upper.nlink == 0:
-                self._maybe_delete(node)
-
     async def hydrate(self, cid: bytes) -> str:
         """Path of base content ``cid`` decompressed in the shared cache; one thread builds
         it however many readers ask at once (a keyed in-flight event)."""
@@ -1015,8 +1042,24 @@ class Overlay:
             del self.hydrating[cid]
             event.set()
 
+    async def base_fd(self, node: Node) -> int | None:
+        """An open descriptor of ``node``'s hydrated base content (hydrating it first), or
+        None when no byte of it can come from the base."""
+        cid = node.base_content
+        if cid is None or cid == EMPTY_CONTENT or \
+                (node.upper is not None and node.upper.base_limit == 0):
+            return None
+        fd = self.base_fds.get(cid)
+        if fd is None:
+            path = await self.hydrate(cid)
+            fd = self.base_fds.get(cid)  # another request may have opened it meanwhile
+            if fd is None:
+                fd = self.base_fds.put(cid, os.open(path, os.O_RDONLY))
+        return fd
+
     def read(self, node: Node, off: int, size: int, base_fd: int | None) -> bytes:
-        """Up to ``size`` bytes at ``off``; ``base_fd`` is the hydrated base content, open."""
+        """Up to ``size`` bytes at ``off``; ``base_fd`` is the hydrated base content, open
+        (:meth:`base_fd`)."""
         end = min(off + size, node.size)
         if off >= end:
             return b""
@@ -1027,7 +1070,7 @@ class Overlay:
         def read_base(o: int, n: int) -> bytes:
             return os.pread(base_fd, n, o) if base_fd is not None else b""
 
-        fd = node.fd if node.fd is not None else self._upper_fd(node)
+        fd = self._upper_fd(node)
 
         def read_upper(o: int, n: int) -> bytes:
             return os.pread(fd, n, o)
@@ -1079,7 +1122,8 @@ class Overlay:
                 with self.store.write() as txn:
                     for p in gone:
                         txn.delete(page_key(ex.layer, node.ino, p), db=self.store.db["pages"])
-            if node.fd is not None or os.path.exists(self._upper_path(ex, node.ino)):
+            if self.upper_fds.get(node) is not None or \
+                    os.path.exists(self._upper_path(ex, node.ino)):
                 os.truncate(self._upper_path(ex, node.ino), size)
         u.size = size
         u.mtime_ns = u.ctime_ns = time.time_ns()

@@ -15,21 +15,31 @@ Layout (paths relative to the mountpoint)::
     executions/<id>/.ramet/promote   write anything to promote; read: last promoted id
     executions/<id>/.ramet/status    JSON: id, base, head, state, last reply
     executions/<id>/.ramet/diff      ``A|M|D <path>`` lines, like ``git status --porcelain``
+    executions/<id>/.ramet/preview   JSON: what a promote would keep, by class (docs/policy.md)
     executions/<id>/.ramet/error     text: message of the last failed command here
 
 A command is one line written to a ``ctl`` file, split like a POSIX shell does (``shlex``), so
 arguments with spaces are quoted.  The ``write()`` returns once the command is done: the
 written length on success, else -1 with a precise errno (:data:`EINVAL` malformed,
 :data:`ENOENT` unknown id or path, :data:`EBUSY` busy, :data:`ENOSPC` no room, :data:`EIO`
-store failure).  After the write, reading the same open file descriptor from offset 0 gives
-the reply as one JSON object followed by a newline: ``{"ok": true, ...}`` or
-``{"ok": false, "errno": 22, "error": "..."}``.
+store failure).  After the write, reading the ``ctl`` file from offset 0 gives the reply of
+the last command written to it, as one JSON object followed by a newline: ``{"ok": true, ...}``
+or ``{"ok": false, "errno": 22, "error": "..."}``.  Clients that may share a ``ctl`` file hold
+an exclusive ``flock(2)`` on it from the write to the read, as the Python wrapper and the CLI
+do; ``echo CMD > ctl; cat ctl`` from one shell needs no lock.
 
 Root commands and their replies::
 
     snapshot <abs-path> [--label L] [--message M]  -> {"ok", "snapshot", "stats"}
     create <snapshot-id> [--name N]                -> {"ok", "execution", "path"}
     release <execution-id>                         -> {"ok", "execution"}
+    snapshot-git <abs-repo> [--rev REV] [--gitdir yes|no] [--label L] [--message M]
+                                                   -> {"ok", "snapshot", "stats"}
+
+``snapshot-git`` imports the tree of commit ``REV`` (default ``HEAD``) of a git repository
+from its objects, without a checkout; ``--gitdir yes`` takes the repository's ``.git``
+directory along (local commits, branches, stash, index).  Its errors: ENOENT no repository
+or no such commit, EINVAL not a repository, EOPNOTSUPP git support not installed.
 
 Pool and lease commands (rametfs.pools; ``--size``, ``--holder`` and ``--ttl`` are required;
 times in seconds, decimals allowed; lease times in the replies are wall-clock ns)::
@@ -61,15 +71,22 @@ forgets it.  ``release`` of a pool member takes it out of its pool, which shrink
 
 Execution commands::
 
-    promote [--label L] [--message M]   -> {"ok", "snapshot", "stats"}   (execution continues on it)
-    checkpoint [--label L] [--message M] -> {"ok", "snapshot", "stats"}  (base stays; not a new head)
+    promote [--label L] [--message M] [--policy TOML]   -> {"ok", "snapshot", "stats"}
+                                         (execution continues on it)
+    checkpoint [--label L] [--message M] [--policy TOML] -> {"ok", "snapshot", "stats"}
+                                         (base stays; not a new head)
     reset                               -> {"ok", "snapshot"}            (back to its base)
     verify [--mode root|deep]           -> {"ok", "execution", "state", "verification"}
+    preview [--policy TOML]             -> {"ok", "preview"}             (changes nothing)
 
 ``verify`` compares the execution with its base (rametfs.verify): ``verification`` is
 ``{"mode", "equal", "root", "base_root", "verify_ms", "differences"}``, ``differences`` a
 list of ``[letter, path]`` like ``diff``.  A ready pool member that is not equal is
 quarantined.
+
+``--policy`` carries a persistence policy's text itself (the client reads the file), so the
+daemon never opens a path a sandbox names.  Without it, promote and preview apply the
+execution's own ``ramet.toml`` if there is one; checkpoint applies none (docs/policy.md).
 
 Snapshot ids are 64 hex digits (BLAKE3); any unique prefix of at least
 :data:`MIN_ID_PREFIX` digits is accepted where an id is expected.  Execution ids are
@@ -91,11 +108,12 @@ STATUS = "status"
 ERROR = "error"
 PROMOTE = "promote"
 DIFF = "diff"
+PREVIEW = "preview"
 SNAPSHOTS_DIR = "snapshots"
 EXECUTIONS_DIR = "executions"
 
 ROOT_CONTROL_FILES = (CTL, STATUS, ERROR)
-EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR)
+EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR, PREVIEW)
 
 MIN_ID_PREFIX = 8
 EXECUTION_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -117,12 +135,15 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "renew": (("execution",), frozenset({"holder", "ttl"})),
     "return": (("execution",), frozenset({"holder", "verify"})),
     "drop": (("pool",), frozenset()),
+    "snapshot-git": (("repo",), frozenset({"rev", "gitdir", "label", "message"})),
 }
+YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "promote": ((), frozenset({"label", "message"})),
-    "checkpoint": ((), frozenset({"label", "message"})),
+    "promote": ((), frozenset({"label", "message", "policy"})),
+    "checkpoint": ((), frozenset({"label", "message", "policy"})),
     "reset": ((), frozenset()),
     "verify": ((), frozenset({"mode"})),
+    "preview": ((), frozenset({"policy"})),
 }
 # options a command cannot do without (either table)
 REQUIRED_OPTIONS: dict[str, frozenset[str]] = {
@@ -187,6 +208,13 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
         raise ProtocolError(f"{name}: missing {', '.join('--' + m for m in missing)}")
     args.update(zip(positional, values))
     return name, args
+
+
+def yes_no(command: str, option: str, value: str | None) -> bool:
+    """The boolean of a yes/no option (absent: no); ProtocolError (EINVAL) for another word."""
+    if value in (None, NO, YES):
+        return value == YES
+    raise ProtocolError(f"{command}: option --{option} takes {YES} or {NO}, not {value!r}")
 
 
 def format_command(name: str, /, *positional: str, **options: str | None) -> str:

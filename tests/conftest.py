@@ -10,6 +10,7 @@ Fixtures:
 - ``daemon``: a fresh daemon (own data dir and mountpoint) for one test.
 - ``shared_daemon``: one daemon for the whole session, for tests that only need their own
   executions.
+- ``allow_other_daemon``: one daemon served with ``--allow-other`` per test module.
 - a session janitor that lazily unmounts whatever is still mounted under pytest's basetemp.
 
 After a test, the log of its daemon must have no line containing ``Traceback``, `` ERROR ``
@@ -27,6 +28,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,10 +131,11 @@ class Daemon:
     """
 
     def __init__(self, data_dir: str | os.PathLike, mountpoint: str | os.PathLike,
-                 serve_args: tuple[str, ...] = ()):
+                 serve_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.data_dir = Path(data_dir)
         self._mnt = Path(mountpoint)
         self.serve_args = tuple(serve_args)  # extra ``serve`` flags, e.g. ("--allow-other",)
+        self.env = {**os.environ, **(env or {})}  # the daemon's environment
         self.pid: int | None = None
         self._logs: list[Path] = []
         self._runs = itertools.count(1)
@@ -146,7 +149,7 @@ class Daemon:
 
     def _python_m(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "rametfs", *args], text=True,
-                              capture_output=True, timeout=timeout)
+                              capture_output=True, timeout=timeout, env=self.env)
 
     def start(self) -> None:
         """Mount in the background; returns once mounted with :attr:`pid` read from status."""
@@ -280,6 +283,11 @@ def require_fuse() -> None:
         pytest.skip("/dev/fuse is absent: these tests mount rametfs through the kernel")
 
 
+def require_bwrap() -> None:
+    if os.geteuid() != 0 or not shutil.which("bwrap"):
+        pytest.skip("bubblewrap sandboxes need root and bwrap (Debian package bubblewrap)")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "allow_log(regex, ...): daemon log lines matching a regex may contain "
@@ -339,6 +347,21 @@ def shared_daemon(_shared_daemon, request):
     if not alive:
         pytest.fail(f"the shared daemon died during the test (started again); its log:\n{new}",
                     pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def allow_other_daemon(tmp_path_factory):
+    """A daemon served with ``--allow-other`` for one test module, so that commands run as
+    another uid (a sandbox's 65534) may enter its executions; its log is checked at the end."""
+    require_fuse()
+    base = tmp_path_factory.mktemp("allow-other")
+    d = Daemon(base / "data", base / "mnt", serve_args=("--allow-other",))
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()
+        check_log(d.log_text(), [], repr(d))
 
 
 def _mounts_under(base: str) -> list[tuple[str, str]]:

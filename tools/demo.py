@@ -523,6 +523,16 @@ def clean_up(report: Report, work: Path, keep: bool) -> None:
         shutil.rmtree(work)
 
 
+def work_directory(workdir: Path | None, prefix: str) -> Path:
+    """``workdir`` made if new (click.UsageError unless empty), else a new temporary one."""
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if any(workdir.iterdir()):
+        raise click.UsageError(f"--workdir {workdir} is not empty")
+    return workdir.resolve()
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--workdir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
               help="Work in DIR (empty or new; kept) instead of a temporary directory.")
@@ -538,13 +548,7 @@ def main(workdir: Path | None, source: Path, promoted_key: str, sequential: bool
          json_file: Path | None) -> None:
     """Snapshot the standard library, run four executions on it, promote one, reset the
     others, restart the daemon and verify, timing every step."""
-    if workdir is None:
-        work = Path(tempfile.mkdtemp(prefix="rametfs-demo-"))
-    else:
-        workdir.mkdir(parents=True, exist_ok=True)
-        if any(workdir.iterdir()):
-            raise click.UsageError(f"--workdir {workdir} is not empty")
-        work = workdir.resolve()
+    work = work_directory(workdir, "rametfs-demo-")
     report = Report()
     status = 1
     try:

@@ -17,18 +17,22 @@ Errors are rametfs.errors classes with their errno, or OSError from the file sys
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from .. import policy as _policy
 from .. import protocol
 from ..errors import Busy, InvalidArgument, NotFound, RametError
-from ..store import Store, import_tree
+from ..store import Entry, Store, import_git, import_tree
+from ..store.trees import encode_tree
 from . import clone, manifest, scan, sync
 from .diff import diff_trees
 from .pools import Pools
@@ -93,6 +97,17 @@ class Fallback:
     def snapshot(self, source: str, label: str = "", message: str = "") -> dict:
         """Import the directory ``source`` (absolute) as a snapshot (``import_tree``)."""
         snap = import_tree(self.store, source, label, message)
+        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    def snapshot_git(self, repo: str, rev: str = "HEAD", gitdir: str | None = None,
+                     label: str = "", message: str = "") -> dict:
+        """Import revision ``rev`` of the git repository ``repo`` (absolute) as a snapshot
+        (``import_git``); ``gitdir`` ``"yes"`` takes its ``.git`` directory along."""
+        try:
+            with_git_dir = protocol.yes_no("snapshot-git", "gitdir", gitdir)
+        except protocol.ProtocolError as exc:
+            raise InvalidArgument(str(exc)) from None
+        snap = import_git(self.store, repo, rev, with_git_dir, label, message)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     def create(self, snapshot: str, name: str | None = None) -> dict:
@@ -160,13 +175,38 @@ class Fallback:
         """The execution's directory."""
         return self.executions_dir / eid
 
-    def promote(self, eid: str, label: str = "", message: str = "") -> dict:
-        """Snapshot the execution's tree (parent: its head) and make it the head."""
-        return self._capture(eid, label, message, move_head=True)
+    def promote(self, eid: str, label: str = "", message: str = "",
+                policy: str | None = None) -> dict:
+        """Snapshot the execution's tree (parent: its head) and make it the head.
 
-    def checkpoint(self, eid: str, label: str = "", message: str = "") -> dict:
-        """Snapshot the execution's tree without moving its head."""
-        return self._capture(eid, label, message, move_head=False)
+        The persistence policy is the text ``policy``, else the tree's ``ramet.toml`` if
+        any (rametfs.policy); InvalidArgument (EINVAL) when it is malformed or this state
+        breaks it (changed shared paths, recipe inputs missing or not kept).
+        """
+        return self._capture(eid, label, message, True, policy, tree_policy=True)
+
+    def checkpoint(self, eid: str, label: str = "", message: str = "",
+                   policy: str | None = None) -> dict:
+        """Snapshot the execution's tree without moving its head (policy: only ``policy``)."""
+        return self._capture(eid, label, message, False, policy, tree_policy=False)
+
+    def preview(self, eid: str, policy: str | None = None) -> dict:
+        """What a promote would keep, by class (rametfs.policy.preview_report); under the
+        text ``policy``, else the tree's ``ramet.toml``.  Stores nothing."""
+        with self._locked(eid):
+            meta = self._load(eid)
+            root = os.fsencode(self.path(eid))
+            pol = _load_policy(root, policy, True)
+            classified = _policy.classify_tree(pol, _policy.FsTree(), _policy.FsTree.root(root))
+            problems = []
+            if pol is not None:
+                if pol.patterns[_policy.SHARED]:
+                    now = scan.scan(self.store, root, meta.records)
+                    base = self.store.snapshot(meta.base)
+                    problems += _policy.shared_problems(pol, diff_trees(
+                        base.root, now.root, lambda tid: now.tree(self.store, tid)))
+                problems += _policy.input_problems(pol, classified, _exists(root))
+        return _policy.preview_report(pol, classified, problems)
 
     def reset(self, eid: str) -> dict:
         """Put back the paths that differ from the base and remove the added ones."""
@@ -222,7 +262,8 @@ class Fallback:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _capture(self, eid: str, label: str, message: str, move_head: bool) -> dict:
+    def _capture(self, eid: str, label: str, message: str, move_head: bool,
+                 policy_text: str | None, tree_policy: bool) -> dict:
         with self._locked(eid):
             meta = self._load(eid)
             root = self.path(eid)
@@ -230,24 +271,74 @@ class Fallback:
                 raise InvalidArgument(f"execution {eid!r} contains {protocol.CONTROL_DIR!r}, "
                                       "a name rametfs reserves for its control files")
             started = time.monotonic_ns()
-            now = scan.scan(self.store, os.fsencode(root), meta.records, store_contents=True)
+            rootb = os.fsencode(root)
+            pol = _load_policy(rootb, policy_text, tree_policy)
+            classified = _policy.Classified()
+            if pol is not None:
+                classified = _policy.classify_tree(pol, _policy.FsTree(),
+                                                   _policy.FsTree.root(rootb), durable=False)
+            skip = frozenset(os.fsencode(p.rstrip("/")) for p, cls, *_ in classified.paths
+                             if cls not in _policy.KEPT)
+            now = scan.scan(self.store, rootb, meta.records, store_contents=True, skip=skip)
             stats = {"changed_files": now.stats.changed_files,
                      "hashed_files": now.stats.hashed_files, "scanned": now.stats.scanned,
                      "new_chunks": now.stats.new_chunks,
                      "new_chunk_bytes": now.stats.new_chunk_bytes}
+            root_entry, recipes = now.root, None
+            if pol is not None:
+                root_entry = self._apply(pol, classified, meta, rootb, now)
+                stats.update(_policy.policy_stats(pol, classified))
+                digests = {p: _policy.path_digest(rootb + b"/" + os.fsencode(p))
+                           for name in classified.outputs for p in pol.recipes[name].inputs}
+                recipes = _policy.recipe_records(pol, classified, digests)
             with self.store.write() as txn:
                 for entries in now.trees.values():  # subtrees first, as put_tree needs
                     self.store.put_tree(txn, entries)
-                stats.update(self.store.tree_totals(txn, now.root.ref))
+                stats.update(self.store.tree_totals(txn, root_entry.ref))
                 stats["capture_ms"] = _ms_since(started)
-                snap = self.store.put_snapshot(txn, now.root, [meta.head], label, message,
-                                               f"execution:{eid}", stats)
+                snap = self.store.put_snapshot(txn, root_entry, [meta.head], label, message,
+                                               f"execution:{eid}", stats, recipes)
             self.store.sync()
             meta.records = now.records
             meta.head = snap.id if move_head else meta.head
             meta.last = {"ok": True, "snapshot": snap.id, "stats": snap.stats}
             manifest.save(self._meta_path(eid), meta)
             return meta.last
+
+    def _apply(self, pol: _policy.Policy, classified: _policy.Classified,
+               meta: manifest.Meta, root: bytes, now: scan.Scan) -> Entry:
+        """Check the scanned tree against the policy (InvalidArgument naming every problem)
+        and return its root entry with the shared paths taken from the base."""
+        base = self.store.snapshot(meta.base)
+        problems = []
+        if pol.patterns[_policy.SHARED]:
+            problems += _policy.shared_problems(pol, diff_trees(
+                base.root, now.root, lambda tid: now.tree(self.store, tid)))
+        problems += _policy.input_problems(pol, classified, _exists(root))
+        if problems:
+            raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
+                                  + "; ".join(problems))
+        entry = now.root
+        for path, cls, *_ in classified.paths:
+            if cls == _policy.SHARED:
+                parts = os.fsencode(path.rstrip("/")).split(b"/")
+                entry = self._graft(now, entry, parts, self._base_entry(base.root, parts))
+        return entry
+
+    def _base_entry(self, entry: Entry, parts: list[bytes]) -> Entry:
+        for name in parts:
+            entry = self.store.tree(entry.ref)[name]
+        return entry
+
+    def _graft(self, now: scan.Scan, top: Entry, parts: list[bytes], new: Entry) -> Entry:
+        """``top`` with the entry at ``parts`` replaced by ``new``; new trees go to ``now``."""
+        entries = now.tree(self.store, top.ref)
+        name = parts[0]
+        entries[name] = (self._graft(now, entries[name], parts[1:], new) if len(parts) > 1
+                         else new.renamed(name))
+        tid, _ = encode_tree(list(entries.values()))
+        now.trees[tid] = list(entries.values())
+        return dataclasses.replace(top, ref=tid)
 
     def _json(self, meta: manifest.Meta) -> dict:
         return {"execution": meta.id, "id": meta.id, "base": meta.base, "head": meta.head,
@@ -298,3 +389,25 @@ class Fallback:
 def _ms_since(started_ns: int) -> float:
     return round((time.monotonic_ns() - started_ns) / 1e6, 3)
 
+
+def _load_policy(root: bytes, text: str | None, tree_policy: bool) -> _policy.Policy | None:
+    """The policy ``text``, else (``tree_policy``) the tree's ``ramet.toml``, else None."""
+    if text is not None:
+        return _policy.load(text.encode(), "--policy")
+    path = root + b"/" + _policy.POLICY_FILE.encode()
+    if not tree_policy or not os.path.lexists(path):
+        return None
+    if not os.path.isfile(path) or os.path.islink(path):
+        raise InvalidArgument(f"{_policy.POLICY_FILE} is not a regular file")
+    with open(path, "rb") as f:
+        return _policy.load(f.read(), _policy.POLICY_FILE)
+
+
+def _exists(root: bytes):
+    """``exists(path)`` for rametfs.policy.input_problems, under the directory ``root``."""
+    def exists(path: str) -> bool | None:
+        try:
+            return stat.S_ISDIR(os.lstat(root + b"/" + os.fsencode(path)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    return exists

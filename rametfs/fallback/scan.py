@@ -90,6 +90,7 @@ class _Scanner:
     old: dict[bytes, Record]
     store_contents: bool
     hash_all: bool
+    skip: frozenset[bytes] = frozenset()
     stats: ScanStats = field(default_factory=ScanStats)
 
     def __post_init__(self) -> None:
@@ -118,7 +119,8 @@ class _Scanner:
         self.stats.scanned += 1
         if stat.S_ISDIR(st.st_mode):
             with os.scandir(path) as it:
-                items = sorted((e.name, e.stat(follow_symlinks=False)) for e in it)
+                items = sorted((e.name, e.stat(follow_symlinks=False)) for e in it
+                               if join(rel, e.name) not in self.skip)
             node.children = {name: self.walk(join(rel, name), child) for name, child in items}
             return node
         if st.st_nlink > 1:
@@ -241,15 +243,17 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 def scan(store: Store, root: bytes, records: dict[bytes, Record], *,
-         store_contents: bool = False, hash_all: bool = False) -> Scan:
+         store_contents: bool = False, hash_all: bool = False,
+         skip: frozenset[bytes] = frozenset()) -> Scan:
     """Read the tree at ``root`` (absolute path) into entries and records.
 
     ``records`` is the execution's manifest; files it vouches for are not read unless
     ``hash_all``.  With ``store_contents`` the chunks and contents of the files read are
-    stored (a promote); trees are returned, not stored.  Raises OSError when a path vanishes
-    or cannot be read, NoSpace (ENOSPC) when the store is full.
+    stored (a promote); trees are returned, not stored.  The relative paths in ``skip`` are
+    left out, unread (a policy's ephemeral and rebuildable paths).  Raises OSError when a
+    path vanishes or cannot be read, NoSpace (ENOSPC) when the store is full.
     """
-    s = _Scanner(store, root, records, store_contents, hash_all)
+    s = _Scanner(store, root, records, store_contents, hash_all, skip)
     top = s.walk(b"", os.lstat(root))
     if s.jobs:
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:

@@ -22,10 +22,16 @@ Databases (one LMDB environment, ``<data>/meta``):
 ``tree_stats`` tree id -> msgpack ``[files, bytes, directories, symlinks]`` counted below it,
                written with the tree (subtrees' totals are summed, so it costs O(entries)).
 ``snapshots``  snapshot id (32 B BLAKE3 of the value) -> msgpack map ``{root, parents, created_ns,
-               label, message, source, stats}``.  Written last, in the same transaction as
-               anything it needs: a snapshot is listed only when it is whole.
+               label, message, source, stats[, recipes]}``.  Written last, in the same
+               transaction as anything it needs: a snapshot is listed only when it is whole.
+               ``recipes`` (only when some): the rebuild recipes of a promote under a
+               persistence policy, a list of maps ``{name, outputs, inputs: [{path,
+               blake3}], command, check, timeout}`` (docs/format.md, docs/policy.md).
 ``sources``    absolute source path -> msgpack ``[dev, ino, size, mtime_ns, ctime_ns, content id]``,
                the stat cache that makes re-importing an unchanged file free.
+               Also ``b"git-blob:"`` + raw git blob id -> msgpack ``[size_bytes, content id]``,
+               the blob cache that makes re-importing an unchanged git blob free
+               (:mod:`rametfs.store.git_import`); such a key never starts with ``/``.
 ``executions`` execution id (utf-8) -> msgpack map ``{base, head, layer, root_ino, created_ns}``.
 ``inodes``     layer (u64) + ino (u64) -> msgpack map, an execution's upper inode record
                (:class:`rametfs.overlay.UpperInode`).

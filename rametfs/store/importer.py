@@ -62,7 +62,10 @@ def read_xattrs(path: str | bytes) -> tuple[tuple[bytes, bytes], ...]:
     return tuple(sorted(out))
 
 
-class _Importer:
+class DirectoryImporter:
+    """One import of the directory ``source``: :meth:`prepare` walks it and stores the
+    contents (no transaction held), :meth:`put_trees` stores its trees in a transaction."""
+
     def __init__(self, store: Store, source: Path):
         self.store = store
         self.source = source
@@ -111,6 +114,19 @@ class _Importer:
     # -- the walk ------------------------------------------------------------------------
 
     def run(self, label: str, message: str) -> Snapshot:
+        self.prepare()
+        with self.store.write() as txn:
+            root = self.put_trees(txn)
+            snap = self.store.put_snapshot(txn, root, [], label, message, str(self.source),
+                                           self.store.tree_totals(txn, root.ref)
+                                           | self.stats.as_dict()
+                                           | {"new_chunks": self.writer.new_chunks,
+                                              "new_chunk_bytes": self.writer.new_bytes})
+        self.store.sync()
+        return snap
+
+    def prepare(self) -> None:
+        """Walk the source and store every file's content; raises as :func:`import_tree`."""
         if not self.source.is_absolute():
             raise InvalidArgument(f"source path {str(self.source)!r} is not absolute")
         try:
@@ -146,6 +162,8 @@ class _Importer:
                     for key, paths in links.items() if len(paths) > 1}
         link_counts = {key: len(paths) for key, paths in links.items()}
 
+        self.dirs, self.link_ids, self.link_counts = dirs, link_ids, link_counts
+
         # Contents, one job per inode, on every core.
         jobs: dict[tuple[int, int], object] = {}
         try:
@@ -159,47 +177,52 @@ class _Importer:
             if exc.errno == errno.ENOSPC:
                 raise NoSpace("no space left while importing") from None
             raise RametError(f"cannot read {exc.filename}: {exc.strerror}", exc.errno) from None
+        self.contents = contents
 
-        # Trees, bottom-up, and the snapshot record, in one transaction.
-        with self.store.write() as txn:
-            subtrees: dict[str, Entry] = {}
-            for path, items in reversed(dirs):
-                entries = []
-                for name, child, st in items:
-                    mode = st.st_mode
-                    key = (st.st_dev, st.st_ino)
-                    xattrs = read_xattrs(child)
-                    if stat.S_ISDIR(mode):
-                        entries.append(subtrees.pop(child).renamed(name))
-                        continue
-                    link = link_ids.get(key, 0)
-                    nlink = link_counts.get(key, 1) if link else 1
-                    if stat.S_ISREG(mode):
-                        ref, size = contents[key], st.st_size
-                    elif stat.S_ISLNK(mode):
-                        ref, size = os.fsencode(os.readlink(child)), 0
-                    else:
-                        ref, size = b"", st.st_rdev
-                    entries.append(Entry(name, mode, st.st_uid, st.st_gid, st.st_mtime_ns,
-                                         size, ref, xattrs, link, nlink))
-                st = os.lstat(path)
-                ndirs = sum(1 for e in entries if e.is_dir)
-                has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
-                tid = self.store.put_tree(txn, entries)
-                subtrees[path] = Entry(b"", st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns,
-                                       0, tid, read_xattrs(path), 0, 2 + ndirs,
-                                       FLAG_HAS_LINKS if has_links else 0)
-            root = subtrees.pop(str(self.source))
-            db = self.store.db["sources"]
-            for key, value in self.sources.items():
-                txn.put(key, msgpack.packb(value), db=db)
-            snap = self.store.put_snapshot(txn, root, [], label, message, str(self.source),
-                                           self.store.tree_totals(txn, root.ref)
-                                           | self.stats.as_dict()
-                                           | {"new_chunks": self.writer.new_chunks,
-                                              "new_chunk_bytes": self.writer.new_bytes})
-        self.store.sync()
-        return snap
+    def put_trees(self, txn) -> Entry:
+        """Store the trees, bottom-up, and the stat cache in ``txn`` (after :meth:`prepare`);
+        returns the entry of the source directory itself (its name ``b""``)."""
+        contents, link_ids, link_counts = self.contents, self.link_ids, self.link_counts
+        subtrees: dict[str, Entry] = {}
+        for path, items in reversed(self.dirs):
+            entries = []
+            for name, child, st in items:
+                mode = st.st_mode
+                key = (st.st_dev, st.st_ino)
+                xattrs = read_xattrs(child)
+                if stat.S_ISDIR(mode):
+                    entries.append(subtrees.pop(child).renamed(name))
+                    continue
+                link = link_ids.get(key, 0)
+                nlink = link_counts.get(key, 1) if link else 1
+                if stat.S_ISREG(mode):
+                    ref, size = contents[key], st.st_size
+                elif stat.S_ISLNK(mode):
+                    ref, size = os.fsencode(os.readlink(child)), 0
+                else:
+                    ref, size = b"", st.st_rdev
+                entries.append(Entry(name, mode, st.st_uid, st.st_gid, st.st_mtime_ns,
+                                     size, ref, xattrs, link, nlink))
+            st = os.lstat(path)
+            subtrees[path] = put_directory(self.store, txn, entries, st.st_mode, st.st_uid,
+                                           st.st_gid, st.st_mtime_ns, read_xattrs(path))
+        db = self.store.db["sources"]
+        for key, value in self.sources.items():
+            txn.put(key, msgpack.packb(value), db=db)
+        return subtrees.pop(str(self.source))
+
+
+def put_directory(store: Store, txn, entries: list[Entry], mode: int, uid: int, gid: int,
+                  mtime_ns: int, xattrs: tuple[tuple[bytes, bytes], ...] = ()) -> Entry:
+    """Store the tree of ``entries`` (their subtrees already stored) in ``txn``; returns the
+    directory's own entry (name ``b""``, ``mode`` the full st_mode, ``mtime_ns`` in ns), with
+    its link count (2 + subdirectories) and :data:`FLAG_HAS_LINKS` when a hard link lies
+    below."""
+    ndirs = sum(1 for e in entries if e.is_dir)
+    has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
+    tid = store.put_tree(txn, entries)
+    return Entry(b"", mode, uid, gid, mtime_ns, 0, tid, xattrs, 0, 2 + ndirs,
+                 FLAG_HAS_LINKS if has_links else 0)
 
 
 def import_tree(store: Store, source: str | os.PathLike, label: str = "", message: str = ""
@@ -211,4 +234,4 @@ def import_tree(store: Store, source: str | os.PathLike, label: str = "", messag
     (ENOSPC) when the store's disk is full, RametError with the OS errno when a file cannot
     be read.
     """
-    return _Importer(store, Path(source)).run(label, message)
+    return DirectoryImporter(store, Path(source)).run(label, message)

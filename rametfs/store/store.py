@@ -35,7 +35,8 @@ EMPTY_CONTENT = chunks.content_id(0, b"")
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A snapshot record; ``id`` is 64 hex digits, times in ns, stats a plain dict."""
+    """A snapshot record; ``id`` is 64 hex digits, times in ns, stats a plain dict;
+    ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.policy)."""
 
     id: str
     root: Entry
@@ -45,11 +46,12 @@ class Snapshot:
     message: str
     source: str
     stats: dict
+    recipes: tuple[dict, ...] = ()
 
     def to_json(self) -> dict:
         return {"id": self.id, "label": self.label, "message": self.message,
                 "parents": list(self.parents), "created_ns": self.created_ns,
-                "source": self.source, **self.stats}
+                "source": self.source, **self.stats, "recipes": list(self.recipes)}
 
 
 class Store:
@@ -218,13 +220,17 @@ class Store:
     # -- snapshots -----------------------------------------------------------------------
 
     def put_snapshot(self, txn: lmdb.Transaction, root: Entry, parents: list[str], label: str,
-                     message: str, source: str, stats: dict) -> Snapshot:
+                     message: str, source: str, stats: dict,
+                     recipes: list[dict] | None = None) -> Snapshot:
         """Record a snapshot whose trees are stored (in ``txn`` or before); returns it.
 
-        ``root`` is the entry of the top directory (its ``ref`` the root tree id).
+        ``root`` is the entry of the top directory (its ``ref`` the root tree id);
+        ``recipes`` (docs/format.md) are stored only when there are some.
         """
         record = {"root": root.pack(), "parents": parents, "created_ns": time.time_ns(),
                   "label": label, "message": message, "source": source, "stats": stats}
+        if recipes:
+            record["recipes"] = recipes
         value = msgpack.packb(record, use_bin_type=True)
         sid = chunks.chunk_id(value)
         txn.put(sid, value, db=self.db["snapshots"])
@@ -234,7 +240,7 @@ class Store:
     def _snapshot(sid: bytes, value: bytes) -> Snapshot:
         r = msgpack.unpackb(value)
         return Snapshot(sid.hex(), Entry.unpack(r["root"]), tuple(r["parents"]), r["created_ns"], r["label"],
-                        r["message"], r["source"], r["stats"])
+                        r["message"], r["source"], r["stats"], tuple(r.get("recipes", ())))
 
     def snapshot(self, ref: str) -> Snapshot:
         """The snapshot with id, or unique id prefix (>= 8 hex digits), ``ref``.

@@ -1,0 +1,554 @@
+"""Persistence policies: which paths a promote keeps, by class (docs/policy.md).
+
+A policy is a TOML file (``ramet.toml`` at the root of the tree, or given at promote) that
+assigns paths by glob to a class:
+
+* ``durable``: kept (the default for a path no pattern names);
+* ``rebuildable``: not kept; its recipe is (command, inputs and their BLAKE3 hashes,
+  readiness check), so a restore can build it again;
+* ``ephemeral``: not kept;
+* ``shared``: must equal the base, and is taken from it unchanged.
+
+Pure logic over relative paths (``str``, ``/``-separated, no leading ``/``): parsing,
+classification, preview totals and input digests.  The walks over an execution (the overlay
+in FUSE mode, a real directory in fallback mode) live with their modes and call
+:meth:`Policy.classify` for each path inside a durable directory: a directory of another
+class is handled whole, and patterns below it do not apply.
+
+Patterns follow gitignore's syntax without negation: ``*`` and ``?`` match within one name,
+``[...]`` a class of characters, ``**`` any number of directories; a pattern with no ``/``
+(but a trailing one) matches a name at any depth, any other is anchored at the root; a
+trailing ``/`` matches directories only.  When patterns of several classes match one path,
+the class that keeps more wins: durable, shared, rebuildable, ephemeral.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import blake3
+
+from .errors import InvalidArgument
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+DURABLE, SHARED, REBUILDABLE, EPHEMERAL = "durable", "shared", "rebuildable", "ephemeral"
+CLASSES = (DURABLE, SHARED, REBUILDABLE, EPHEMERAL)  # precedence at one path: first wins
+KEPT = (DURABLE, SHARED)
+POLICY_FILE = "ramet.toml"
+POLICY_VERSION = 1
+DEFAULT_TIMEOUT_S = 600.0
+RECIPE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_WILDCARDS = frozenset("*?[")
+_READ_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One glob, compiled: ``text`` as written, matched against whole relative paths."""
+
+    text: str
+    regex: re.Pattern
+    dir_only: bool
+    floating: bool  # no "/" inside: matches a name at any depth
+    parts: tuple[str, ...]
+
+    def may_match_below(self, parts: list[str]) -> bool:
+        """Whether some path below the directory ``parts`` (components) could match."""
+        if self.floating:
+            return True
+        for mine, theirs in zip(self.parts, parts):
+            if mine == "**" or _WILDCARDS & set(mine):
+                return True
+            if mine != theirs:
+                return False
+        return len(self.parts) > len(parts)
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """A rebuildable class: ``paths`` it builds (patterns), ``command`` and ``check`` argv
+    (a string is run by ``sh -c``), ``inputs`` (paths relative to the tree root whose hashes
+    a promote records), ``timeout`` in seconds for each of command and check."""
+
+    name: str
+    paths: tuple[Pattern, ...]
+    command: tuple[str, ...]
+    inputs: tuple[str, ...]
+    check: tuple[str, ...] | None
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A parsed policy; ``source`` names where it came from (for messages)."""
+
+    source: str
+    patterns: dict[str, tuple[Pattern, ...]]  # durable, shared, ephemeral
+    recipes: dict[str, RecipeSpec]  # in file order
+    every: tuple[Pattern, ...] = field(init=False)
+    matchers: tuple = field(init=False)  # (class, recipe, dirs regex, files regex), by precedence
+
+    def __post_init__(self) -> None:
+        groups = [(DURABLE, None, self.patterns[DURABLE]), (SHARED, None, self.patterns[SHARED])]
+        groups += [(REBUILDABLE, r.name, r.paths) for r in self.recipes.values()]
+        groups.append((EPHEMERAL, None, self.patterns[EPHEMERAL]))
+        object.__setattr__(self, "every", tuple(p for *_, ps in groups for p in ps))
+        object.__setattr__(self, "matchers", tuple(
+            (cls, recipe, _alternation(ps), _alternation([p for p in ps if not p.dir_only]))
+            for cls, recipe, ps in groups if ps))
+
+    def classify(self, path: str, is_dir: bool) -> tuple[str, str | None] | None:
+        """``(class, recipe name or None)`` of the patterns naming ``path`` itself, or None
+        when none does (the path takes its directory's class)."""
+        for cls, recipe, dirs, files in self.matchers:
+            regex = dirs if is_dir else files
+            if regex is not None and regex.fullmatch(path):
+                return cls, recipe
+        return None
+
+    def class_of(self, path: str, is_dir: bool) -> tuple[str, str | None, str]:
+        """``(class, recipe, top)``: the class ``path`` ends up in, from its topmost
+        directory down, and the path (``top``) that got it (``path`` itself if durable)."""
+        parts = path.split("/")
+        for i in range(1, len(parts) + 1):
+            top = "/".join(parts[:i])
+            found = self.classify(top, is_dir or i < len(parts))
+            if found is not None and found[0] != DURABLE:
+                return found[0], found[1], top
+        return DURABLE, None, path
+
+    def may_match_below(self, path: str) -> bool:
+        """Whether a pattern could name something below directory ``path`` ("" the root);
+        if not, the directory is durable whole and need not be walked."""
+        parts = path.split("/") if path else []
+        return any(p.may_match_below(parts) for p in self.every)
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+def load(data: bytes, source: str) -> Policy:
+    """Parse a policy file's bytes; ``source`` names it in messages.
+
+    Raises InvalidArgument (EINVAL) naming the line: not UTF-8, not TOML, an unknown key or
+    class, a value of the wrong type, a bad pattern, recipe name or input path.
+    """
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise InvalidArgument(f"{source}, line {line}: not UTF-8") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        found = re.search(r"\(at line (\d+), column (\d+)\)", str(exc))
+        line = found.group(1) if found else text.count("\n") + 1  # "(at end of document)"
+        where = f", line {line}"
+        raise InvalidArgument(f"{source}{where}: {str(exc).split(' (at ')[0]}") from None
+    return _Parser(text, source).policy(doc)
+
+
+class _Parser:
+    def __init__(self, text: str, source: str):
+        self.lines = text.splitlines()
+        self.source = source
+
+    def fail(self, table: tuple[str, ...], key: str | None, what: str,
+             needle: str | None = None) -> InvalidArgument:
+        line = self._line(table, key, needle)
+        where = f", line {line}" if line else ""
+        return InvalidArgument(f"{self.source}{where}: {what}")
+
+    def _line(self, table: tuple[str, ...], key: str | None, needle: str | None) -> int | None:
+        """Where ``key`` of ``table`` (or the table's header) is written; with ``needle``,
+        the first line from there quoting it.  A plain scan: enough for messages."""
+        current: tuple[str, ...] = ()
+        found = None
+        for i, line in enumerate(self.lines, 1):
+            header = re.match(r"\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$", line)
+            if header:
+                current = tuple(p.strip().strip("\"'") for p in header.group(1).split("."))
+                if key is None and current == table:
+                    return i
+                continue
+            if found is None and key is not None and current == table and \
+                    re.match(rf"\s*[\"']?{re.escape(key)}[\"']?\s*=", line):
+                found = i
+            if found is not None and (needle is None or any(
+                    f"{q}{needle}{q}" in line for q in "\"'")):
+                return i
+        return found
+
+    def policy(self, doc: dict) -> Policy:
+        patterns: dict[str, tuple[Pattern, ...]] = {}
+        for key in doc:
+            if key not in ("version", DURABLE, SHARED, EPHEMERAL, REBUILDABLE):
+                raise self.fail((), key, f"unknown key {key!r}: expected version, durable, "
+                                "shared, ephemeral or [rebuildable.NAME] tables")
+        version = doc.get("version", POLICY_VERSION)
+        if version != POLICY_VERSION:
+            raise self.fail((), "version", f"version {version!r}: this rametfs reads "
+                            f"version {POLICY_VERSION}")
+        for cls in (DURABLE, SHARED, EPHEMERAL):
+            patterns[cls] = self.patterns((), cls, doc.get(cls, []))
+        tables = doc.get(REBUILDABLE, {})
+        if not isinstance(tables, dict) or any(not isinstance(t, dict) for t in tables.values()):
+            raise self.fail((), REBUILDABLE, "rebuildable: expected [rebuildable.NAME] tables")
+        recipes = {name: self.recipe(name, table) for name, table in tables.items()}
+        return Policy(self.source, patterns, recipes)
+
+    def patterns(self, table: tuple[str, ...], key: str, value) -> tuple[Pattern, ...]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.fail(table, key, f"{key}: expected a list of glob strings")
+        out = []
+        for text in value:
+            try:
+                out.append(compile_pattern(text))
+            except ValueError as exc:
+                raise self.fail(table, key, f"{key}: pattern {text!r}: {exc}", text) from None
+        return tuple(out)
+
+    def recipe(self, name: str, t: dict) -> RecipeSpec:
+        where = (REBUILDABLE, name)
+        if not RECIPE_NAME_RE.fullmatch(name):
+            raise self.fail(where, None, f"recipe name {name!r} must match "
+                            f"{RECIPE_NAME_RE.pattern}")
+        for key in t:
+            if key not in ("paths", "command", "inputs", "check", "timeout"):
+                raise self.fail(where, key, f"rebuildable.{name}: unknown key {key!r}: "
+                                "expected paths, command, inputs, check, timeout")
+        for key in ("paths", "command"):
+            if key not in t:
+                raise self.fail(where, None, f"rebuildable.{name}: {key} is missing")
+        paths = self.patterns(where, "paths", t["paths"])
+        if not paths:
+            raise self.fail(where, "paths", f"rebuildable.{name}: paths is empty")
+        inputs = t.get("inputs", [])
+        if not isinstance(inputs, list) or not all(isinstance(v, str) for v in inputs):
+            raise self.fail(where, "inputs", f"rebuildable.{name}: inputs: expected a list "
+                            "of paths")
+        for path in inputs:
+            parts = path.strip("/").split("/")
+            if path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+                raise self.fail(where, "inputs", f"rebuildable.{name}: input {path!r} must be "
+                                "a path inside the tree, relative to its root", path)
+        timeout = t.get("timeout", DEFAULT_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise self.fail(where, "timeout", f"rebuildable.{name}: timeout must be a "
+                            "positive number of seconds")
+        check = self.argv(where, "check", t["check"]) if "check" in t else None
+        return RecipeSpec(name, paths, self.argv(where, "command", t["command"]),
+                          tuple(p.strip("/") for p in inputs), check, float(timeout))
+
+    def argv(self, where: tuple[str, ...], key: str, value) -> tuple[str, ...]:
+        if isinstance(value, str) and value.strip():
+            return ("sh", "-c", value)
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise self.fail(where, key, f"rebuildable.{where[1]}: {key}: expected a command "
+                        "string (run by sh -c) or a non-empty list of arguments")
+
+
+def _alternation(patterns: list[Pattern]) -> re.Pattern | None:
+    """One regex matching what any of ``patterns`` matches (None for none)."""
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{p.regex.pattern})" for p in patterns), re.S)
+
+
+def compile_pattern(text: str) -> Pattern:
+    """Compile one glob (module docstring); ValueError saying what is wrong with it."""
+    if text.startswith("!"):
+        raise ValueError("negation ('!') is not supported: name the exception in another class")
+    dir_only = text.endswith("/")
+    body = text.strip("/")
+    if not body:
+        raise ValueError("names nothing (the root cannot be classified)")
+    parts = tuple(body.split("/"))
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError("empty, '.' or '..' path component")
+    floating = len(parts) == 1 and not text.startswith("/")
+    regex = "" if not floating else "(?:.*/)?"
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            regex += ".+" if last else "(?:[^/]+/)*"
+        else:
+            regex += _translate(part) + ("" if last else "/")
+    return Pattern(text, re.compile(regex, re.S), dir_only, floating, parts)
+
+
+def _translate(part: str) -> str:
+    out, i = "", 0
+    while i < len(part):
+        c = part[i]
+        if c == "*":
+            while i + 1 < len(part) and part[i + 1] == "*":
+                i += 1
+            out += "[^/]*"
+        elif c == "?":
+            out += "[^/]"
+        elif c == "[":
+            end = part.find("]", i + 2 if part[i + 1:i + 2] in ("!", "^") else i + 1)
+            if end < 0:
+                raise ValueError("unclosed '['")
+            inner = part[i + 1:end]
+            negate = inner[:1] in ("!", "^")
+            inner = inner[1:] if negate else inner
+            out += "[" + ("^/" if negate else "") + inner.replace("\\", "\\\\") + "]"
+            i = end
+        else:
+            out += re.escape(c)
+        i += 1
+    return out
+
+
+# -- preview ---------------------------------------------------------------------------------
+
+class Tree(Protocol):
+    """What :func:`preview` needs of a tree: items are whatever the mode walks."""
+
+    def children(self, item) -> Iterable[tuple[bytes, object]]: ...
+    def kind(self, item) -> str: ...  # "d" directory, "f" regular file, "l" symlink, "o" other
+    def size(self, item) -> int: ...  # bytes of a regular file
+    def totals(self, item) -> tuple[int, int]: ...  # (files, bytes) below a directory
+
+
+def kind_of(mode: int) -> str:
+    """``"d"`` directory, ``"f"`` regular file, ``"l"`` symlink, ``"o"`` other, of st_mode."""
+    if stat.S_ISDIR(mode):
+        return "d"
+    return "f" if stat.S_ISREG(mode) else "l" if stat.S_ISLNK(mode) else "o"
+
+
+def subtree_totals(tree: Tree, item) -> tuple[int, int]:
+    """``(files, bytes)`` below directory ``item``, by walking it."""
+    files = nbytes = 0
+    for _name, child in tree.children(item):
+        kind = tree.kind(child)
+        if kind == "d":
+            f, b = subtree_totals(tree, child)
+            files, nbytes = files + f, nbytes + b
+        elif kind == "f":
+            files, nbytes = files + 1, nbytes + tree.size(child)
+    return files, nbytes
+
+
+class FsTree:
+    """:class:`Tree` over a real directory: items are ``(absolute path, lstat result)``."""
+
+    @staticmethod
+    def root(path: bytes) -> tuple[bytes, os.stat_result]:
+        return path, os.lstat(path)
+
+    @staticmethod
+    def children(item: tuple[bytes, os.stat_result]):
+        path = item[0]
+        with os.scandir(path) as it:
+            names = sorted(e.name for e in it)
+        return [(name, (path + b"/" + name, os.lstat(path + b"/" + name))) for name in names]
+
+    @staticmethod
+    def kind(item: tuple[bytes, os.stat_result]) -> str:
+        return kind_of(item[1].st_mode)
+
+    @staticmethod
+    def size(item: tuple[bytes, os.stat_result]) -> int:
+        return item[1].st_size
+
+    def totals(self, item: tuple[bytes, os.stat_result]) -> tuple[int, int]:
+        return subtree_totals(self, item)
+
+
+@dataclass
+class Classified:
+    """The paths of a tree by class: ``durable`` lists files (not directories); the other
+    classes list their topmost paths.  Each item: ``(path, kind, files, bytes, recipe)``."""
+
+    paths: list[tuple[str, str, str, int, int, str | None]] = field(default_factory=list)
+    outputs: dict[str, list[str]] = field(default_factory=dict)  # recipe -> its paths
+
+
+def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True) -> Classified:
+    """Walk ``tree`` from ``root`` and classify every path (all durable without a policy).
+
+    ``durable=False`` lists only the other classes, and skips directories where no pattern
+    can match (what a promote needs).
+    """
+    out = Classified()
+
+    def walk(item, prefix: str) -> None:
+        if not durable and not policy.may_match_below(prefix.rstrip("/")):
+            return
+        for name, child in tree.children(item):
+            path = f"{prefix}{os.fsdecode(name)}"
+            kind = tree.kind(child)
+            found = policy.classify(path, kind == "d") if policy else None
+            cls, recipe = found or (DURABLE, None)
+            if cls == DURABLE and kind == "d":
+                walk(child, path + "/")
+                continue
+            if cls == DURABLE and not durable:
+                continue
+            if kind == "d":
+                files, nbytes = tree.totals(child)
+                path += "/"
+            else:
+                files, nbytes = (1, tree.size(child)) if kind == "f" else (0, 0)
+            out.paths.append((path, cls, kind, files, nbytes, recipe))
+            if recipe:
+                out.outputs.setdefault(recipe, []).append(path.rstrip("/"))
+
+    walk(root, "")
+    return out
+
+
+def preview_report(policy: Policy | None, classified: Classified, problems: list[str]) -> dict:
+    """The preview (``.ramet/preview``): ``{"policy", "paths", "totals", "recipes",
+    "problems"}``; ``paths`` are ``{"path", "class", "bytes", "files"[, "recipe"]}``
+    (directories end in ``/``), ``totals`` per class ``{"paths", "files", "bytes"}``,
+    ``problems`` what would stop a promote."""
+    totals = {cls: {"paths": 0, "files": 0, "bytes": 0} for cls in CLASSES}
+    paths = []
+    for path, cls, _kind, files, nbytes, recipe in classified.paths:
+        item = {"path": path, "class": cls, "bytes": nbytes, "files": files}
+        if recipe:
+            item["recipe"] = recipe
+        paths.append(item)
+        t = totals[cls]
+        t["paths"] += 1
+        t["files"] += files
+        t["bytes"] += nbytes
+    recipes = []
+    if policy:
+        for name, outputs in classified.outputs.items():
+            spec = policy.recipes[name]
+            recipes.append({"name": name, "outputs": outputs, "inputs": list(spec.inputs),
+                            "command": list(spec.command),
+                            "check": list(spec.check) if spec.check else None,
+                            "timeout": spec.timeout})
+    return {"ok": not problems, "policy": policy.source if policy else None, "paths": paths,
+            "totals": totals, "recipes": recipes, "problems": problems}
+
+
+def policy_stats(policy: Policy, classified: Classified) -> dict:
+    """What a promote records in its snapshot's stats: ``{"policy": source, "left_out":
+    {class: {"paths", "files", "bytes"}}}`` for the rebuildable and ephemeral paths."""
+    left_out = {cls: {"paths": 0, "files": 0, "bytes": 0} for cls in (REBUILDABLE, EPHEMERAL)}
+    for _path, cls, _kind, files, nbytes, _recipe in classified.paths:
+        if cls in left_out:
+            t = left_out[cls]
+            t["paths"] += 1
+            t["files"] += files
+            t["bytes"] += nbytes
+    return {"policy": policy.source, "left_out": left_out}
+
+
+def input_problems(policy: Policy, classified: Classified,
+                   exists: Callable[[str], bool | None]) -> list[str]:
+    """What is wrong with the inputs of the recipes that have outputs: an input that is
+    missing (``exists(path)`` is None) or that the promote would not keep.  ``exists``
+    returns whether the path is a directory, None when it is absent."""
+    problems = []
+    for name in classified.outputs:
+        for path in policy.recipes[name].inputs:
+            is_dir = exists(path)
+            if is_dir is None:
+                problems.append(f"recipe {name}: input {path} is missing")
+                continue
+            cls, _recipe, top = policy.class_of(path, is_dir)
+            if cls not in KEPT:
+                problems.append(f"recipe {name}: input {path} is {cls} ({top}), so a promote "
+                                "would not keep it")
+    return problems
+
+
+def shared_problems(policy: Policy, changes: Iterable[tuple[str, bytes]]) -> list[str]:
+    """The changed shared paths among ``changes`` (``(letter, path)`` pairs of a diff,
+    directories ending in ``/``), as ``"shared path changed: <letter> <path>"``."""
+    out = []
+    for letter, raw in changes:
+        path = os.fsdecode(raw)
+        cls, _recipe, _top = policy.class_of(path.rstrip("/"), path.endswith("/"))
+        if cls == SHARED:
+            out.append(f"shared path changed: {letter} {path}")
+    return out
+
+
+def recipe_records(policy: Policy, classified: Classified,
+                   digests: dict[str, str]) -> list[dict]:
+    """The recipes a promote stores (docs/format.md): one per recipe with outputs, in file
+    order, ``{"name", "outputs", "inputs": [{"path", "blake3"}], "command", "check",
+    "timeout"}``.  ``digests`` maps each input path to its :func:`path_digest`."""
+    out = []
+    for name, spec in policy.recipes.items():
+        if name in classified.outputs:
+            out.append({"name": name, "outputs": classified.outputs[name],
+                        "inputs": [{"path": p, "blake3": digests[p]} for p in spec.inputs],
+                        "command": list(spec.command),
+                        "check": list(spec.check) if spec.check else None,
+                        "timeout": spec.timeout})
+    return out
+
+
+# -- input digests -----------------------------------------------------------------------------
+
+def tree_digest(items: Iterable[tuple[bytes, str, str]]) -> str:
+    """The digest of a directory input: BLAKE3 (hex) of one line ``<kind> <hash> <path>\\n``
+    per path below it, sorted by path bytes; kind ``f`` (hash: BLAKE3 of the bytes), ``l``
+    (BLAKE3 of the target), ``d`` or ``o`` (hash ``-``)."""
+    h = blake3.blake3()
+    for path, kind, digest in sorted(items):
+        h.update(kind.encode() + b" " + digest.encode() + b" " + path + b"\n")
+    return h.hexdigest()
+
+
+def path_digest(path: str | os.PathLike) -> str | None:
+    """The digest of an input on a real file system: BLAKE3 (hex) of a regular file's bytes
+    (as ``b3sum`` prints it), :func:`tree_digest` of a directory, BLAKE3 of a symlink's
+    target; None when it does not exist.  Raises OSError when it cannot be read."""
+    path = os.fsencode(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return _file_digest(path)
+    if stat.S_ISLNK(st.st_mode):
+        return blake3.blake3(os.readlink(path)).hexdigest()
+    if not stat.S_ISDIR(st.st_mode):
+        return blake3.blake3(b"").hexdigest()
+    return tree_digest(_fs_items(path, b""))
+
+
+def _fs_items(top: bytes, rel: bytes) -> Iterator[tuple[bytes, str, str]]:
+    with os.scandir(top + b"/" + rel if rel else top) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
+        path = rel + b"/" + e.name if rel else e.name
+        if e.is_symlink():
+            yield path, "l", blake3.blake3(os.readlink(e.path)).hexdigest()
+        elif e.is_dir(follow_symlinks=False):
+            yield path, "d", "-"
+            yield from _fs_items(top, path)
+        elif e.is_file(follow_symlinks=False):
+            yield path, "f", _file_digest(e.path)
+        else:
+            yield path, "o", "-"
+
+
+def _file_digest(path: bytes) -> str:
+    h = blake3.blake3()
+    with open(path, "rb") as f:
+        while data := f.read(_READ_BYTES):
+            h.update(data)
+    return h.hexdigest()

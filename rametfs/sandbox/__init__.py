@@ -1,0 +1,20 @@
+"""Sandboxes for executions: run a command with one execution at ``/workspace``.
+
+A runtime has one method, ``run(execution, argv, timeout) -> Result`` (:class:`Runtime`).
+Two adapters: :class:`Bubblewrap` (``bwrap``: read-only host, no network, a non-root uid,
+the rest of the mount hidden) and :class:`Docker` (``docker run -v <execution>:/workspace``;
+Podman takes the same command line).  Neither imports anything outside the standard library
+and the client wrapper::
+
+    from rametfs.sandbox import Bubblewrap
+
+    result = Bubblewrap().run(execution, ["python3", "-m", "unittest"], timeout=60)
+    if result.ok:
+        execution.promote()
+"""
+
+from rametfs.sandbox.bubblewrap import Bubblewrap
+from rametfs.sandbox.docker import Docker
+from rametfs.sandbox.runtime import WORKSPACE, Result, Runtime
+
+__all__ = ["WORKSPACE", "Bubblewrap", "Docker", "Result", "Runtime"]

@@ -1,0 +1,173 @@
+"""Kernel caching in both FUSE adapter modes: open-less (the pyfuse3 patch of tools/pyfuse3/,
+the kernel keeps pages and listings and sends no open/opendir) and plain open (forced with
+RAMETFS_OPEN_LESS=0).  Each mode must show nothing stale: control files after commands,
+listings after reset, promote and writes from another process, pages after reset.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pyfuse3
+import pytest
+
+from conftest import Daemon, check_log, ctl_command, require_fuse, run, wait_until
+
+PATCHED = hasattr(pyfuse3.FileInfo(), "cache_readdir")
+
+
+@pytest.fixture(scope="module", params=["open-less", "open"])
+def mode_daemon(request, tmp_path_factory):
+    require_fuse()
+    if request.param == "open-less" and not PATCHED:
+        pytest.skip("pyfuse3 lacks the open-less patch (tools/pyfuse3/): plain mode only")
+    base = tmp_path_factory.mktemp(request.param)
+    env = {"RAMETFS_OPEN_LESS": "1" if request.param == "open-less" else "0"}
+    d = Daemon(base / "data", base / "mnt", env=env)
+    d.start()
+    yield request.param, d
+    try:
+        d.stop()
+    finally:
+        check_log(d.log_text(), [], repr(d))
+
+
+@pytest.fixture
+def execution(mode_daemon, tmp_path):
+    mode, d = mode_daemon
+    src = tmp_path / "src"
+    (src / "dir").mkdir(parents=True)
+    (src / "dir" / "a.txt").write_bytes(b"alpha\n")
+    (src / "big.bin").write_bytes(bytes(range(256)) * 1024)  # 256 KiB, 4 pages
+    snap = d.snapshot(src)
+    eid = ctl_command(d.mnt / ".ramet" / "ctl", f"create {snap}")["execution"]
+    yield mode, d, snap, d.mnt / "executions" / eid
+    ctl_command(d.mnt / ".ramet" / "ctl", f"release {eid}")
+
+
+def test_status_says_which_mode(mode_daemon):
+    mode, d = mode_daemon
+    assert d.status()["open_less"] is (mode == "open-less")
+
+
+def test_control_files_from_a_shell_are_fresh_after_each_command(execution):
+    _, d, snap, ex = execution
+    ramet = ex / ".ramet"
+    assert (ramet / "diff").read_bytes() == b""
+    (ex / "new.txt").write_text("new\n")
+    assert (ramet / "diff").read_bytes() == b"A new.txt\n"
+    assert os.stat(ramet / "diff").st_size == len(b"A new.txt\n")
+
+    out = run("sh", "-c", "echo promote > .ramet/ctl && cat .ramet/ctl", cwd=ex).stdout
+    first = ctl_reply(out)
+    assert first["ok"] is True and len(first["snapshot"]) == 64
+    assert (ramet / "promote").read_text() == first["snapshot"] + "\n"
+    (ex / "dir" / "a.txt").unlink()
+    assert (ramet / "diff").read_bytes() == b"D dir/a.txt\nA new.txt\n"  # against the base
+
+    (ex / "new.txt").write_text("changed\n")
+    out = run("sh", "-c", "echo promote > .ramet/ctl && cat .ramet/ctl", cwd=ex).stdout
+    second = ctl_reply(out)
+    assert second["snapshot"] != first["snapshot"]
+    assert (ramet / "promote").read_text() == second["snapshot"] + "\n"
+
+    bad = subprocess.run(["bash", "-c", "echo frobnicate > .ramet/ctl"], cwd=ex,
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "Invalid argument" in bad.stderr
+    assert (ramet / "error").read_text().startswith("frobnicate: unknown command")
+    assert ctl_reply((ramet / "ctl").read_text())["errno"] == errno.EINVAL
+
+
+def ctl_reply(text: str) -> dict:
+    return json.loads(text)
+
+
+def test_snapshot_listing_shows_a_promote_at_once(execution):
+    _, d, snap, ex = execution
+    before = set(os.listdir(d.mnt / "snapshots"))
+    assert snap in before
+    (ex / "dir" / "b.txt").write_text("beta\n")
+    new = ctl_command(ex / ".ramet" / "ctl", "promote")["snapshot"]
+    assert set(os.listdir(d.mnt / "snapshots")) == before | {new}
+    assert (d.mnt / "snapshots" / new / "dir" / "b.txt").read_text() == "beta\n"
+
+
+def test_writes_from_another_process_are_seen_at_once(execution):
+    _, d, snap, ex = execution
+    target = ex / "dir"
+    assert sorted(os.listdir(target)) == ["a.txt"]
+    assert (target / "a.txt").read_bytes() == b"alpha\n"
+
+    other = ("import os, sys; d = sys.argv[1]; open(d + '/a.txt', 'ab').write(b'more\\n'); "
+             "open(d + '/c.txt', 'w').write('c'); os.rename(d + '/c.txt', d + '/d.txt')")
+    run(sys.executable, "-c", other, str(target))
+    assert sorted(os.listdir(target)) == ["a.txt", "d.txt"]
+    assert (target / "a.txt").read_bytes() == b"alpha\nmore\n"
+    run(sys.executable, "-c", "import os, sys; os.unlink(sys.argv[1])", str(target / "d.txt"))
+    assert sorted(os.listdir(target)) == ["a.txt"]
+
+
+def test_reset_leaves_nothing_stale_in_held_directories_and_files(execution):
+    _, d, snap, ex = execution
+    (ex / "dir" / "added.txt").write_text("added\n")
+    with open(ex / "big.bin", "r+b") as f:
+        f.seek(70000)
+        f.write(b"CHANGED")
+    held_dir = os.open(ex / "dir", os.O_RDONLY | os.O_DIRECTORY)
+    held_file = os.open(ex / "big.bin", os.O_RDONLY)
+    try:
+        assert sorted(os.listdir(held_dir)) == ["a.txt", "added.txt"]
+        assert os.pread(held_file, 7, 70000) == b"CHANGED"
+
+        ctl_command(ex / ".ramet" / "ctl", "reset")
+
+        with pytest.raises(OSError) as caught:
+            os.listdir(held_dir)
+        assert caught.value.errno == errno.ESTALE
+        with pytest.raises(OSError) as caught:
+            os.pread(held_file, 7, 70000)
+        assert caught.value.errno == errno.ESTALE
+    finally:
+        os.close(held_dir)
+        os.close(held_file)
+    assert sorted(os.listdir(ex / "dir")) == ["a.txt"]
+    assert (ex / "big.bin").read_bytes() == bytes(range(256)) * 1024
+
+
+def test_truncate_on_open_and_erofs(execution):
+    _, d, snap, ex = execution
+    with open(ex / "dir" / "a.txt", "w") as f:  # O_TRUNC
+        assert os.fstat(f.fileno()).st_size == 0
+        f.write("x")
+    assert (ex / "dir" / "a.txt").read_bytes() == b"x"
+    snap_file = d.mnt / "snapshots" / snap / "dir" / "a.txt"
+    with pytest.raises(OSError) as caught:
+        open(snap_file, "w")
+    assert caught.value.errno == errno.EROFS
+    assert snap_file.read_bytes() == b"alpha\n"
+
+
+def test_unlinked_open_file_lives_until_closed_then_its_data_goes(execution):
+    _, d, snap, ex = execution
+    fd = os.open(ex / "scratch.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        ino = os.fstat(fd).st_ino
+        os.write(fd, b"s" * 100000)
+        os.unlink(ex / "scratch.bin")
+        assert not (ex / "scratch.bin").exists()
+        os.write(fd, b"tail")
+        assert os.pread(fd, 4, 100000) == b"tail"
+        assert os.fstat(fd).st_nlink == 0
+        assert [os.path.getsize(p) for p in upper_data(d, ino)] == [100004]
+    finally:
+        os.close(fd)
+    wait_until(lambda: upper_data(d, ino) == [], 10, "the unlinked file's upper data deleted")
+
+
+def upper_data(d: Daemon, ino: int) -> list:
+    """The upper data file of inode ``ino`` (``<data>/upper/<layer>/<ino>``), if any."""
+    return list((d.data_dir / "upper").glob(f"*/{ino}"))
