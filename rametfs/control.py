@@ -258,7 +258,7 @@ class Control:
     def execution_json(self, ex: Execution) -> dict:
         pool = self.pools.member_json(ex.id)
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head, **pool,
-                "state": "promoting" if ex.frozen else pool["state"],
+                "state": "promoting" if ex.frozen is not None else pool["state"],
                 "created_ns": ex.created_ns,
                 "upper_bytes": self.overlay.upper_bytes(ex), "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}
