@@ -53,6 +53,7 @@ FUSE_DEVICE = "/dev/fuse"
 _MAX_REPLY = 1 << 20
 DEFAULT_TTL = 30.0  # seconds a lease lasts unless renewed; the wrapper renews at a third
 _POLL_FIRST, _POLL_MAX = 0.002, 0.05  # seconds between acquires of a busy pool (doubling)
+_TORN_READS = 20  # reads of a status file before giving up on a whole JSON document
 
 
 class RametError(OSError):
@@ -349,8 +350,7 @@ class _Mount:
         return _command(self.mount / protocol.CONTROL_DIR / protocol.CTL, line, self.mount)
 
     def status(self) -> dict:
-        state = json.loads(_read_text(self.mount / protocol.CONTROL_DIR / protocol.STATUS,
-                                      self.mount))
+        state = _read_json(self.mount / protocol.CONTROL_DIR / protocol.STATUS, self.mount)
         state.setdefault("mode", "fuse")
         return state
 
@@ -371,7 +371,8 @@ class _Mount:
         return [tuple(pair) for pair in reply["verification"]["differences"]]
 
     def execution_status(self, execution_id: str) -> dict:
-        return json.loads(self._read(execution_id, protocol.STATUS))
+        return _read_json(self._control(execution_id, protocol.STATUS), self.mount,
+                          self._missing(execution_id))
 
     def _control(self, execution_id: str, name: str) -> Path:
         return self.execution_path(execution_id) / protocol.CONTROL_DIR / name
@@ -637,15 +638,33 @@ def _read_text(path: Path, mount: Path, missing: str | None = None) -> str:
         raise _error(exc, mount, missing) from None
 
 
+def _read_json(path: Path, mount: Path, missing: str | None = None) -> dict:
+    """The JSON document in the status file at ``path``.
+
+    The daemon regenerates a status file's content whenever it changes, and in open-less mode
+    the kernel caches it by page: a read spanning pages while commands run may join two
+    versions.  Such a torn read does not parse, and is read again.
+    """
+    for _ in range(_TORN_READS):
+        text = _read_text(path, mount, missing)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            continue
+    raise RametError(errno.EIO, f"{path}: no whole JSON document in {_TORN_READS} reads")
+
+
 def _command(ctl: Path, line: str, mount: Path, missing: str | None = None) -> dict:
     """Write one command line to ``ctl`` and return its JSON reply, read back from the file.
     Raises :class:`RametError` with the reply's errno and message on failure.
 
     The file holds the reply of its last command, so the write and the read hold an
-    exclusive flock(2) on it: other clients of the same ``ctl`` wait their turn.
+    exclusive flock(2) on it: other clients of the same ``ctl`` wait their turn.  It is
+    opened with O_DIRECT, so neither goes through the kernel's page cache: in open-less mode
+    a read could otherwise return the bytes just written in place of the reply's first ones.
     """
     try:
-        fd = os.open(ctl, os.O_RDWR)
+        fd = os.open(ctl, os.O_RDWR | os.O_DIRECT)
     except OSError as exc:
         raise _error(exc, mount, missing) from None
     try:
