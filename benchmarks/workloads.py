@@ -505,6 +505,36 @@ def roundtrip(b: Bench, s: System) -> list[Result]:
     return [Result("roundtrip", s.id, samples)]
 
 
+LEASE_CYCLES = 200  # acquire+release cycles per sample of the lease workload
+LEASE_POOL = 4
+
+
+@workload("rametfs")
+def lease(b: Bench, s: System) -> list[Result]:
+    """lease: seconds of one acquire + release of a daemon-kept pool of LEASE_POOL
+    executions (the release resets and verifies at the root), one thread, nothing written;
+    lease-write: the same with one file written in between; lease-deep: written, with deep
+    verification.  ``extra["per_second"]``: cycles per second."""
+    assert isinstance(s, Rametfs)
+    s.prepare(b.tree)
+    base = s.snapshots[b.tree.name]
+    results = []
+    for name, verify, write in (("lease", "root", False), ("lease-write", "root", True),
+                                ("lease-deep", "deep", True)):
+        with s.ramet.execution_pool(base, concurrency=LEASE_POOL, verify=verify) as pool:
+            def cycles() -> None:
+                for i in range(LEASE_CYCLES):
+                    with pool.acquire() as ex:
+                        if write:
+                            (ex.path / "lease-bench.txt").write_text(str(i))
+
+            cycles()  # warm: every execution acquired once
+            samples = [timed(cycles) / LEASE_CYCLES for _ in range(b.repeat)]
+        results.append(Result(name, s.id, samples,
+                              extra={"per_second": 1 / statistics.median(samples)}))
+    return results
+
+
 @workload("rametfs")
 def rss(b: Bench, s: System) -> list[Result]:
     """rss: the daemon's resident memory with 1, 100 and 1000 executions (a fresh daemon);

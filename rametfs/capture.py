@@ -381,6 +381,25 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
     return out
 
 
+async def root_entry(overlay: Overlay, ex: Execution) -> Entry:
+    """The root entry a promote of ``ex`` would make now (its ``ref`` the root tree id),
+    recording no tree and no snapshot; changed files are re-chunked and their chunks stored,
+    as a promote stores them.  Mutations of ``ex`` wait while this runs."""
+    ex.frozen = trio.Event()
+    try:
+        cap = Capture(overlay, ex)
+        plan = cap.plan()
+        await cap.hash()
+        txn = overlay.store.env.begin(write=True)
+        try:
+            return cap._entry(txn, b"", plan)
+        finally:
+            txn.abort()  # the trees were only needed for their ids
+    finally:
+        frozen, ex.frozen = ex.frozen, None
+        frozen.set()
+
+
 # -- policies ---------------------------------------------------------------------------------
 
 def _join(path: str, name: bytes) -> str:

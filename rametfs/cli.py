@@ -375,6 +375,21 @@ def release(ramet: Ramet, execution: str) -> None:
 
 @main.command()
 @click.argument("execution")
+@click.option("--deep", is_flag=True,
+              help="Also reread the stored state and rehash every byte served from the base.")
+@ramet_options
+def verify(ramet: Ramet, execution: str, deep: bool) -> None:
+    """Check that EXECUTION equals its base; print each difference like diff.  Exit 1 when
+    it differs (a ready pool execution that differs is quarantined)."""
+    differences = ramet.execution(execution).verify(deep=deep)
+    for status, path in differences:
+        click.echo(f"{status} {path}")
+    if differences:
+        raise click.exceptions.Exit(EXIT_OTHER)
+
+
+@main.command()
+@click.argument("execution")
 @ramet_options
 def diff(ramet: Ramet, execution: str) -> None:
     """Print what changed in EXECUTION: A, M or D, then the path."""
@@ -395,12 +410,16 @@ def status(ramet: Ramet, execution: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @ramet_options
 def list_(ramet: Ramet, as_json: bool) -> None:
-    """List snapshots and executions (fallback mode: first the copy method in use)."""
+    """List snapshots, executions (with their pool, lease holder and lease expiry) and pools
+    (fallback mode: first the copy method in use)."""
     state = ramet.status()
     fallback = ramet.mode == "fallback"
     if as_json:
         keys = ("snapshots", "executions") + (("mode", "copy_method") if fallback else ())
-        click.echo(json.dumps({key: state[key] for key in keys}, indent=2, sort_keys=True))
+        listing = {key: state[key] for key in keys}
+        if state.get("pools"):
+            listing["pools"] = state["pools"]
+        click.echo(json.dumps(listing, indent=2, sort_keys=True))
         return
     now = time.time_ns()
     if fallback:
@@ -412,11 +431,21 @@ def list_(ramet: Ramet, as_json: bool) -> None:
           human_bytes(s["bytes"]) if "bytes" in s else "-",
           human_age(now - s["created_ns"])) for s in state["snapshots"]]))
     click.echo()
+    pooled = any(e.get("pool") for e in state["executions"])  # else no pool columns
     click.echo(format_table(
-        ("EXECUTION", "BASE", "HEAD", "UPPER", "AGE"),
+        ("EXECUTION", "BASE", "HEAD", "UPPER", "AGE")
+        + ("STATE", "POOL", "LEASE HOLDER", "EXPIRES") * pooled,
         [(e["id"], e["base"][:12], e["head"][:12],
           "-" if e["upper_bytes"] is None else human_bytes(e["upper_bytes"]),
-          human_age(now - e["created_ns"])) for e in state["executions"]]))
+          human_age(now - e["created_ns"]))
+         + (e["state"], e.get("pool") or "-", *lease_cells(e.get("lease"), now)) * pooled
+         for e in state["executions"]]))
+    if state.get("pools"):
+        click.echo()
+        click.echo(format_table(
+            ("POOL", "BASE", "SIZE", "READY", "LEASED", "QUARANTINED"),
+            [(p["name"], p["base"][:12], str(p["size"]), str(p["ready"]), str(p["leased"]),
+              str(p["quarantined"])) for p in state["pools"]]))
 
 
 @main.command()
@@ -452,6 +481,16 @@ def ancestry(snapshots: list[dict], snapshot: str) -> list[dict]:
             seen.add(i)
             todo += by_id[i]["parents"]
     return sorted((by_id[i] for i in seen), key=lambda s: s["created_ns"], reverse=True)
+
+
+def lease_cells(lease: dict | None, now_ns: int) -> tuple[str, str]:
+    """``(holder with pid and host, time left)`` of a lease record, or ``("-", "-")``;
+    a lease past its end shows ``expired`` (the daemon is returning it)."""
+    if lease is None:
+        return "-", "-"
+    left = lease["expires_ns"] - now_ns
+    return (f"{lease['holder']} (pid {lease['pid']}@{lease['host']})",
+            f"in {human_age(left)}" if left > 0 else "expired")
 
 
 def format_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

@@ -10,8 +10,12 @@ from any process that can see the mount, without FUSE or the daemon's dependenci
         with pool.acquire() as ex:                   # ex.path: <mnt>/executions/<id>
             run_agent(cwd=ex.path)
             saved = ex.promote(label="attempt 1")    # the execution carries on from it
-        # leaving acquire() resets the execution and hands it back to the pool
+        # leaving acquire() resets the execution, verifies it and hands it back
     # leaving the pool releases every execution
+
+In FUSE mode the daemon keeps the pool and a lease per acquired execution (renewed by this
+process in the background; expired leases are returned to the pool by the daemon), so a
+named pool outlives the process that made it (:class:`ExecutionPool`).
 
 In fallback mode (``Ramet(data=DIR, mode="fallback")``, for hosts without FUSE) the same
 calls run in this process on the data directory: executions are real directories
@@ -29,8 +33,12 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
+import secrets
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +51,8 @@ MODE_ENV = "RAMET_MODE"
 MODES = ("fuse", "fallback", "auto")
 FUSE_DEVICE = "/dev/fuse"
 _MAX_REPLY = 1 << 20
+DEFAULT_TTL = 30.0  # seconds a lease lasts unless renewed; the wrapper renews at a third
+_POLL_FIRST, _POLL_MAX = 0.002, 0.05  # seconds between acquires of a busy pool (doubling)
 
 
 class RametError(OSError):
@@ -208,9 +218,23 @@ class Ramet:
                                f"{failed.step} failed: {failed.detail}", execution, steps)
         return Restored(reply["snapshot"], execution, steps)
 
-    def execution_pool(self, snapshot: str, concurrency: int = 4) -> ExecutionPool:
-        """Create ``concurrency`` executions of ``snapshot`` to hand out with ``acquire()``."""
-        return ExecutionPool(self, snapshot, concurrency)
+    def execution_pool(self, snapshot: str, concurrency: int = 4, *, name: str | None = None,
+                       ttl: float = DEFAULT_TTL, verify: str = "root") -> ExecutionPool:
+        """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
+
+        The daemon (fallback mode: the data directory) keeps the pool and a lease per
+        acquired execution (:class:`ExecutionPool`); ``name`` reattaches to (or creates) a
+        named pool that outlives this process, ``ttl`` is the lease time in seconds,
+        ``verify`` the check after each reset (``"root"`` or ``"deep"``).  Errors: ENOENT
+        unknown snapshot, EEXIST a pool of that name has another base, EINVAL bad name or
+        size.
+        """
+        return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify)
+
+    def pools(self) -> list[dict]:
+        """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
+        "leased", "quarantined"}`` (the last three count executions in each state)."""
+        return self.status()["pools"]
 
     def status(self) -> dict:
         """The status: ``{"mode", "pid", "data", "mount", "version", "snapshots",
@@ -225,7 +249,10 @@ class Ramet:
 
     def executions(self) -> list[dict]:
         """Every execution record: ``{"id", "base", "head", "created_ns", "upper_bytes",
-        "state"}`` (``upper_bytes`` is None in fallback mode)."""
+        "state", "pool", "lease", "quarantine_reason"}`` (``upper_bytes`` is None in
+        fallback mode); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
+        "acquired_ns"}`` or None; ``"state"`` is ``"ready"``, ``"leased"``,
+        ``"quarantined"`` or (FUSE mode) ``"promoting"``."""
         return self.status()["executions"]
 
 
@@ -288,13 +315,17 @@ class Execution:
         equals the base, as it must after :meth:`reset`.
 
         Fallback mode checks the manifest (a path it cannot vouch for counts as different);
-        ``deep`` reads and hashes every file.  FUSE mode answers with :meth:`diff`.
+        ``deep`` reads and hashes every file.  FUSE mode compares the root tree id the
+        execution would promote to with its base's, rehashing files that hold changed
+        bytes; ``deep`` also rehashes every base byte it serves.  A ready execution of a
+        pool that differs is quarantined by the daemon (never handed out again).
         """
         return self.ramet._backend.verify(self.id, deep)
 
     def status(self) -> dict:
-        """``{"execution", "base", "head", "state", "created_ns", "upper_bytes", "last"}``;
-        ``"last"`` is the reply of its last command, with the promote's ``"stats"``."""
+        """``{"execution", "base", "head", "state", "pool", "lease", "quarantine_reason",
+        "created_ns", "upper_bytes", "last"}`` (see :meth:`Ramet.executions`); ``"last"``
+        is the reply of its last command, with the promote's ``"stats"``."""
         return self.ramet._backend.execution_status(self.id)
 
 
@@ -318,8 +349,7 @@ class _Mount:
         return _command(self.mount / protocol.CONTROL_DIR / protocol.CTL, line, self.mount)
 
     def status(self) -> dict:
-        state = json.loads(_read_text(self.mount / protocol.CONTROL_DIR / protocol.STATUS,
-                                      self.mount))
+        state = _read_json(self.mount / protocol.CONTROL_DIR / protocol.STATUS, self.mount)
         state.setdefault("mode", "fuse")
         return state
 
@@ -336,10 +366,12 @@ class _Mount:
         return [tuple(line.split(" ", 1)) for line in text.splitlines() if line]
 
     def verify(self, execution_id: str, deep: bool) -> list[tuple[str, str]]:
-        return self.diff(execution_id)  # the daemon's reset is checked by its root tree id
+        reply = self.command(execution_id, "verify", mode="deep" if deep else "root")
+        return [tuple(pair) for pair in reply["verification"]["differences"]]
 
     def execution_status(self, execution_id: str) -> dict:
-        return json.loads(self._read(execution_id, protocol.STATUS))
+        return _read_json(self._control(execution_id, protocol.STATUS), self.mount,
+                          self._missing(execution_id))
 
     def _control(self, execution_id: str, name: str) -> Path:
         if not protocol.EXECUTION_NAME_RE.fullmatch(execution_id):  # "..": the root's files
@@ -370,6 +402,10 @@ class _Local:
         self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
                               "release": self.engine.release,
                               "snapshot-git": self.engine.snapshot_git}
+        pools = self.engine.pools
+        self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
+                                   "renew": pools.renew, "return": pools.return_,
+                                   "drop": pools.drop})
         self.commands = {"promote": self.engine.promote, "checkpoint": self.engine.checkpoint,
                          "reset": self.engine.reset,
                          "preview": lambda eid, **kw: {"ok": True,
@@ -429,7 +465,7 @@ def _local_errors() -> Iterator[None]:
         yield
     except RametError:
         raise
-    except errors.RametError as exc:
+    except (errors.RametError, protocol.ProtocolError) as exc:
         raise RametError(exc.errno, str(exc)) from None
     except OSError as exc:
         where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
@@ -437,30 +473,48 @@ def _local_errors() -> Iterator[None]:
 
 
 class ExecutionPool:
-    """``concurrency`` executions of one snapshot, handed out one holder at a time.
+    """``concurrency`` executions of one snapshot, handed out one holder at a time; the pool
+    and its leases are kept by the daemon (FUSE mode) or in the data directory (fallback
+    mode), so they outlive this process.  :meth:`acquire` may be called from several threads.
 
-    Creating the pool creates the executions (releasing those already made if one fails);
-    :meth:`close`, or leaving the ``with`` block, releases them all, including any still
-    acquired.  :meth:`acquire` may be called from several threads.
+    Each :meth:`acquire` takes a lease on one execution for ``ttl`` seconds, recorded with
+    this pool handle's :attr:`holder` token, this pid and host; a background thread renews
+    the leases held here every ``ttl / 3`` seconds.  Leaving ``acquire()`` returns the
+    execution: it is reset, verified (``verify``: ``"root"`` or ``"deep"``) and put back,
+    or quarantined when verification fails (then the pool makes a new one).  If this
+    process dies, its leases expire: the daemon returns those executions itself; in
+    fallback mode the next ``acquire`` that finds no ready execution takes one of them.
+
+    Creating the pool creates its executions (or reattaches to the pool ``name``).  Unnamed
+    pools are dropped (every execution released, held ones too) by :meth:`close`, or on
+    leaving the ``with`` block; a named pool stays for the next process to reattach to, and
+    :meth:`close` only returns the executions still held here; :meth:`drop` deletes it.
+    :attr:`renew_error` is the last error of the renewing thread (None while renewals
+    succeed).
     """
 
-    def __init__(self, ramet: Ramet, snapshot: str, concurrency: int) -> None:
+    def __init__(self, ramet: Ramet, snapshot: str, concurrency: int, *,
+                 name: str | None = None, ttl: float = DEFAULT_TTL,
+                 verify: str = "root") -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+        if not ttl > 0:
+            raise ValueError(f"ttl must be positive seconds, not {ttl}")
         self.ramet = ramet
-        self.base = snapshot
-        self._cond = threading.Condition()
-        self._all: list[Execution] = []
-        self._free: list[Execution] = []
+        self.ttl = ttl
+        self.verify = verify
+        self.host = socket.gethostname()
+        self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
+        reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name)
+        self.name: str = reply["pool"]
+        self.base: str = reply["snapshot"]
+        self._owned = name is None
+        self._lock = threading.Lock()
+        self._held: dict[str, Execution] = {}
         self._closed = False
-        try:
-            for _ in range(concurrency):
-                self._all.append(ramet.create(snapshot))
-        except BaseException:
-            with contextlib.suppress(RametError):  # the create error is the one to see
-                self.close()
-            raise
-        self._free = list(self._all)
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self.renew_error: RametError | None = None
 
     def __enter__(self) -> ExecutionPool:
         return self
@@ -471,11 +525,13 @@ class ExecutionPool:
     @contextlib.contextmanager
     def acquire(self, timeout: float | None = None) -> Iterator[Execution]:
         """Hold a free execution for the ``with`` block; wait up to ``timeout`` seconds
-        (``None``: forever) for one.  Leaving the block resets the execution and returns it.
+        (``None``: forever) for one, asking again every few ms (at most 50 ms apart).
+        Leaving the block resets and verifies the execution and returns it to the pool (or
+        quarantines it).
 
         Raises :class:`PoolTimeout` (EBUSY) when none is free in time, :class:`RametError`
-        (EINVAL) when the pool is closed.  If the reset fails, the execution is released and
-        leaves the pool, and the reset's error is raised.
+        (EINVAL) when the pool is closed, ENOENT when it was dropped; on leaving, EINVAL
+        when the lease was lost (it expired: the execution went back to the pool).
         """
         execution = self._take(timeout)
         try:
@@ -484,51 +540,87 @@ class ExecutionPool:
             self._give_back(execution)
 
     def close(self) -> None:
-        """Release every execution; raise the first release error after trying them all."""
-        with self._cond:
+        """Unnamed pool: drop it (release every execution, held ones too).  Named pool:
+        return the executions held here.  Raises the first error after trying them all."""
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            executions, self._all = self._all, []
-            self._cond.notify_all()
+            held, self._held = list(self._held.values()), {}
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        if self._owned:
+            self._root("drop", self.name)
+            return
         first_error = None
-        for execution in executions:
+        for execution in held:
             try:
-                self.ramet.release(execution)
+                self._return(execution)
             except RametError as exc:
                 first_error = first_error or exc
         if first_error is not None:
             raise first_error
 
+    def drop(self) -> None:
+        """Release every execution of the pool, held ones too, and delete the pool."""
+        self._owned = True
+        self.close()
+
+    def _root(self, command: str, *positional: str, **options: str | None) -> dict:
+        return self.ramet._backend.root_command(command, *positional, **options)
+
     def _take(self, timeout: float | None) -> Execution:
-        with self._cond:
-            ready = self._cond.wait_for(
-                lambda: self._closed or self._free or not self._all, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = _POLL_FIRST
+        while True:
             if self._closed:
                 raise RametError(errno.EINVAL, "the execution pool is closed")
-            if not ready:
-                raise PoolTimeout(errno.EBUSY, f"no free execution after {timeout} s: "
-                                  f"all {len(self._all)} are acquired")
-            if not self._all:
-                raise RametError(errno.EIO, "the execution pool has no executions left "
-                                 "(their resets failed)")
-            return self._free.pop()
+            try:
+                reply = self._root("acquire", self.name, holder=self.holder, ttl=str(self.ttl),
+                                   pid=str(os.getpid()), host=self.host)
+            except RametError as exc:
+                if self._closed:  # closed (and maybe dropped) by another thread meanwhile
+                    raise RametError(errno.EINVAL, "the execution pool is closed") from None
+                if exc.errno != errno.EBUSY:
+                    raise
+                remaining = math.inf if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PoolTimeout(errno.EBUSY, f"no free execution after {timeout} s: "
+                                      f"{exc}") from None
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, _POLL_MAX)
+                continue
+            execution = Execution(self.ramet, reply["execution"])
+            with self._lock:
+                self._held[execution.id] = execution
+                if self._renewer is None:
+                    self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
+                                                     name=f"rametfs lease renewer {self.name}")
+                    self._renewer.start()
+            return execution
 
     def _give_back(self, execution: Execution) -> None:
-        with self._cond:
-            if self._closed:
-                return
-        try:
-            execution.reset()
-        except RametError:
-            with self._cond:
-                self._all.remove(execution)
-                self._cond.notify_all()
-            with contextlib.suppress(RametError):
-                self.ramet.release(execution)
-            raise
-        with self._cond:
-            if not self._closed:
-                self._free.append(execution)
-                self._cond.notify()
+        with self._lock:
+            if self._held.pop(execution.id, None) is None:
+                return  # the pool was closed meanwhile
+        self._return(execution)
+
+    def _return(self, execution: Execution) -> dict:
+        return self._root("return", execution.id, holder=self.holder, verify=self.verify)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            with self._lock:
+                held = list(self._held)
+            for execution_id in held:
+                try:
+                    self._root("renew", execution_id, holder=self.holder, ttl=str(self.ttl))
+                    self.renew_error = None
+                except RametError as exc:  # the daemon may be restarting: try again later
+                    with self._lock:
+                        if execution_id in self._held:  # not returned meanwhile
+                            self.renew_error = exc
 
 
 def _error(exc: OSError, mount: Path, missing: str | None = None) -> RametError:
@@ -545,6 +637,12 @@ def _read_text(path: Path, mount: Path, missing: str | None = None) -> str:
         return path.read_text()
     except OSError as exc:
         raise _error(exc, mount, missing) from None
+
+
+def _read_json(path: Path, mount: Path, missing: str | None = None) -> dict:
+    """The JSON document in the status file at ``path`` (each content of a control file is
+    an inode of its own, so a read never joins two versions)."""
+    return json.loads(_read_text(path, mount, missing))
 
 
 def _command(ctl: Path, line: str, mount: Path, missing: str | None = None) -> dict:

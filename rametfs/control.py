@@ -21,7 +21,10 @@ from . import protocol
 from .capture import capture, diff, preview
 from .errors import Busy, InvalidArgument, RametError
 from .overlay import Execution, Overlay
+from .pools import READY, Member, Pools
 from .store import import_git, import_tree
+from .store.leases import quarantine_reason
+from .verify import ROOT, verify
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,11 @@ class Control:
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview}
+        self.pools = Pools(overlay)
+        self.root_handlers.update({"pool": self._pool, "acquire": self._acquire,
+                                   "renew": self._renew, "return": self._return,
+                                   "drop": self._drop})
+        self.execution_handlers["verify"] = self._verify
 
     # -- running commands ----------------------------------------------------------------
 
@@ -149,6 +157,7 @@ class Control:
         ex = self.overlay.execution(args["execution"])
         if ex.id in self.busy:
             raise Busy(f"execution {ex.id!r} is running a command")
+        self.pools.forget(ex.id)
         await self.invalidate(self.overlay.release(ex))
         for table in (self.last, self.errors, self.promoted):
             table.pop(ex.id, None)
@@ -177,11 +186,97 @@ class Control:
     async def _preview(self, ex: Execution, args: dict) -> dict:
         return {"ok": True, "preview": preview(self.overlay, ex, _policy_text(args))}
 
+    # -- pools and leases ----------------------------------------------------------------
+
+    async def _pool(self, args: dict) -> dict:
+        snap = self.overlay.store.snapshot(args["snapshot"])
+        size = protocol.parse_count(args["size"], "--size")
+        name = protocol.check_pool(args.get("name"), size)
+        existed = name in self.pools.pools
+        try:
+            pool, created = self.pools.open(name, snap, size)
+        except RametError:
+            if not existed and name in self.pools.pools:  # half made: no one could use it
+                await self._drop({"pool": name})
+            raise
+        return {"ok": True, "pool": pool.name, "snapshot": snap.id, "size": pool.size,
+                "created": created, "executions": list(pool.members)}
+
+    async def _acquire(self, args: dict) -> dict:
+        member = self.pools.acquire(
+            args["pool"], args["holder"],
+            protocol.parse_count(args.get("pid", "0"), "--pid", minimum=0),
+            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"))
+        ex = self.overlay.execution(member.execution)
+        return {"ok": True, "execution": ex.id, "pool": member.pool, "snapshot": ex.base.id,
+                "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
+                "lease": member.lease.to_json()}
+
+    async def _renew(self, args: dict) -> dict:
+        member = self.pools.renew(args["execution"], args["holder"],
+                                  protocol.parse_seconds_ns(args["ttl"], "--ttl"))
+        return {"ok": True, "execution": member.execution, "lease": member.lease.to_json()}
+
+    async def _return(self, args: dict) -> dict:
+        member = self.pools.held(args["execution"], args["holder"])
+        mode = protocol.parse_verify_mode(args.get("verify", ROOT))
+        return await self.recycle(member, mode)
+
+    async def _drop(self, args: dict) -> dict:
+        pool = self.pools.pool(args["pool"])
+        busy = [eid for eid in pool.members if eid in self.busy]
+        if busy:
+            raise Busy(f"pool {pool.name!r}: executions {', '.join(busy)} are running commands")
+        released = self.pools.drop(pool.name)
+        for eid in released:
+            await self._release({"execution": eid})
+        return {"ok": True, "pool": pool.name, "executions": released}
+
+    async def recycle(self, member: Member, mode: str) -> dict:
+        """Reset ``member``'s execution, verify it in ``mode``, and return it to its pool,
+        or quarantine it when verification fails.  Raises Busy (EBUSY) while the execution
+        runs another command."""
+        ex = self.overlay.execution(member.execution)
+        if ex.id in self.busy:
+            raise Busy(f"execution {ex.id!r} is running a command")
+        self.busy.add(ex.id)
+        try:
+            started = time.monotonic_ns()
+            await self.invalidate(self.overlay.reset(ex))
+            reset_ms = round((time.monotonic_ns() - started) / 1e6, 3)
+            try:
+                result = (await verify(self.overlay, ex, mode)).to_json()
+                reason = "" if result["equal"] else quarantine_reason(result)
+            except (RametError, OSError) as exc:  # e.g. an upper data file gone unreadable
+                result, reason = None, f"{mode} verification failed: {exc}"
+        finally:
+            self.busy.discard(ex.id)
+        for table in (self.last, self.errors, self.promoted):
+            table.pop(ex.id, None)
+        self.pools.returned(member, reason)
+        if reason:
+            log.warning("execution %s quarantined: %s", ex.id, reason)
+        return {"ok": True, "execution": ex.id, "pool": member.pool, "state": member.state,
+                "reset_ms": reset_ms, "verification": result}
+
+    async def _verify(self, ex: Execution, args: dict) -> dict:
+        mode = protocol.parse_verify_mode(args.get("mode", ROOT))
+        result = (await verify(self.overlay, ex, mode)).to_json()
+        member = self.pools.members.get(ex.id)
+        if member is not None and member.state == READY and not result["equal"]:
+            reason = quarantine_reason(result)
+            self.pools.quarantine(member, reason)
+            log.warning("execution %s quarantined: %s", ex.id, reason)
+        return {"ok": True, "execution": ex.id,
+                "state": self.pools.member_json(ex.id)["state"], "verification": result}
+
     # -- what the files read -------------------------------------------------------------
 
     def execution_json(self, ex: Execution) -> dict:
-        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
-                "state": "promoting" if ex.frozen else "ready", "created_ns": ex.created_ns,
+        pool = self.pools.member_json(ex.id)
+        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head, **pool,
+                "state": "promoting" if ex.frozen is not None else pool["state"],
+                "created_ns": ex.created_ns,
                 "upper_bytes": self.overlay.upper_bytes(ex), "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}
 
@@ -191,6 +286,7 @@ class Control:
                   "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
                   "executions": [self.execution_json(ex)
                                  for ex in self.overlay.executions.values()],
+                  "pools": self.pools.to_json(),
                   "last": self.root_last}
         return (json.dumps(status, indent=1) + "\n").encode()
 

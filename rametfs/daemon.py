@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import signal
+import time
 
 import pyfuse3
 import trio
 
+from .control import Control
 from .errors import RametError
 from .fuse_ops import Operations
 from .overlay import Overlay
+from .pools import LEASED
 from .store import Store
+from .verify import ROOT
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,32 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
         await overlay.dead_layers.wait()
 
 
+EXPIRY_RETRY_NS = 1_000_000_000  # an expired lease whose execution is busy is retried after
+
+
+async def _expire_leases(control: Control) -> None:
+    """Return the executions whose lease ended to their pools (reset, verify; quarantine
+    when verification fails), sleeping until the next lease ends or a lease changes."""
+    pools = control.pools
+    while True:
+        pools.leases_changed = trio.Event()
+        for member in pools.expired(time.time_ns()):
+            if member.state != LEASED:  # returned by its holder while an earlier one was
+                continue
+            log.info("lease of %s by %s (pid %d on %s) expired: returning it to pool %s",
+                     member.execution, member.lease.holder, member.lease.pid, member.lease.host,
+                     member.pool)
+            try:
+                await control.recycle(member, ROOT)
+            except RametError as exc:
+                log.info("execution %s not returned yet: %s", member.execution, exc)
+                pools.postpone(member, EXPIRY_RETRY_NS)
+        deadline = pools.next_expiry()
+        delay = math.inf if deadline is None else max(0.0, (deadline - time.time_ns()) / 1e9)
+        with trio.move_on_after(delay):
+            await pools.leases_changed.wait()
+
+
 async def _store_dirty_records(overlay: Overlay) -> None:
     """Store changed inode records every :data:`DIRTY_INTERVAL_S`: the kernel does not say
     when a file is closed (open-less FUSE), so this bounds what a crash loses of data that
@@ -63,10 +94,11 @@ async def _store_dirty_records(overlay: Overlay) -> None:
         overlay.flush_all()
 
 
-async def _serve(overlay: Overlay) -> None:
+async def _serve(overlay: Overlay, control: Control) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_collect_dead_layers, overlay)
         nursery.start_soon(_store_dirty_records, overlay)
+        nursery.start_soon(_expire_leases, control)
 
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -101,7 +133,7 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     log.info("serving %s at %s (pid %d)", store.root, mountpoint, os.getpid())
     clean = False
     try:
-        trio.run(_serve, overlay)
+        trio.run(_serve, overlay, ops.control)
         clean = True
     finally:
         if clean:

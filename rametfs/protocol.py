@@ -7,7 +7,7 @@ without pulling in FUSE, LMDB or trio.
 Layout (paths relative to the mountpoint)::
 
     .ramet/ctl                       root control file (mode 0600)
-    .ramet/status                    JSON: snapshots, executions, last root reply
+    .ramet/status                    JSON: snapshots, executions, pools, last root reply
     .ramet/error                     text: message of the last failed root command
     snapshots/<snapshot-id>/         read-only tree
     executions/<execution-id>/       writable copy-on-write view
@@ -42,6 +42,34 @@ from its objects, without a checkout; ``--gitdir yes`` takes the repository's ``
 directory along (local commits, branches, stash, index).  Its errors: ENOENT no repository
 or no such commit, EINVAL not a repository, EOPNOTSUPP git support not installed.
 
+Pool and lease commands (rametfs.pools; ``--size``, ``--holder`` and ``--ttl`` are required;
+times in seconds, decimals allowed; lease times in the replies are wall-clock ns)::
+
+    pool <snapshot-id> --size N [--name P]    -> {"ok", "pool", "snapshot", "size", "created",
+                                                  "executions"}
+    acquire <pool> --holder H --ttl S [--pid PID] [--host HOST]
+                                              -> {"ok", "execution", "path", "pool",
+                                                  "snapshot", "lease"}
+    renew <execution-id> --holder H --ttl S   -> {"ok", "execution", "lease"}
+    return <execution-id> --holder H [--verify root|deep]
+                                              -> {"ok", "execution", "pool", "state",
+                                                  "reset_ms", "verification"}
+    drop <pool>                               -> {"ok", "pool", "executions"}
+
+``pool`` creates a pool of N warm executions of a snapshot, or reattaches to the pool named
+P (growing it to N; EEXIST when it has another base).  ``acquire`` leases the ready execution
+returned last to holder H (a token the client chooses; PID and HOST are recorded for people)
+for S seconds: EBUSY when none is ready, ENOENT unknown pool.  It answers at once: the kernel
+serialises the writes to one ``ctl`` file, so a command that waited would hold up every other
+command there; a client that wants to wait polls.  ``renew`` extends the lease: EBUSY when
+another holder has it, EINVAL when it has ended or is not leased (it expired and went back to
+the pool).  ``return`` resets the execution, verifies it (``root`` by default) and puts it
+back in the pool, or, when verification fails, quarantines it: state ``"quarantined"``, never
+handed out again, replaced by a new member; the reply says which.  An expired lease is
+returned the same way by the daemon.  ``drop`` releases every execution of the pool and
+forgets it.  ``release`` of a pool member takes it out of its pool, which shrinks by one
+(EBUSY while leased).
+
 Execution commands::
 
     promote [--label L] [--message M] [--policy TOML]   -> {"ok", "snapshot", "stats"}
@@ -49,7 +77,13 @@ Execution commands::
     checkpoint [--label L] [--message M] [--policy TOML] -> {"ok", "snapshot", "stats"}
                                          (base stays; not a new head)
     reset                               -> {"ok", "snapshot"}            (back to its base)
+    verify [--mode root|deep]           -> {"ok", "execution", "state", "verification"}
     preview [--policy TOML]             -> {"ok", "preview"}             (changes nothing)
+
+``verify`` compares the execution with its base (rametfs.verify): ``verification`` is
+``{"mode", "equal", "root", "base_root", "verify_ms", "differences"}``, ``differences`` a
+list of ``[letter, path]`` like ``diff``.  A ready pool member that is not equal is
+quarantined.
 
 ``--policy`` carries a persistence policy's text itself (the client reads the file), so the
 daemon never opens a path a sandbox names.  Without it, promote and preview apply the
@@ -64,7 +98,9 @@ from __future__ import annotations
 
 import errno as _errno
 import json
+import math
 import re
+import secrets
 import shlex
 
 CONTROL_DIR = ".ramet"
@@ -96,6 +132,11 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "snapshot": (("path",), frozenset({"label", "message"})),
     "create": (("snapshot",), frozenset({"name"})),
     "release": (("execution",), frozenset()),
+    "pool": (("snapshot",), frozenset({"size", "name"})),
+    "acquire": (("pool",), frozenset({"holder", "ttl", "pid", "host"})),
+    "renew": (("execution",), frozenset({"holder", "ttl"})),
+    "return": (("execution",), frozenset({"holder", "verify"})),
+    "drop": (("pool",), frozenset()),
     "snapshot-git": (("repo",), frozenset({"rev", "gitdir", "label", "message"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
@@ -103,8 +144,19 @@ EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "promote": ((), frozenset({"label", "message", "policy"})),
     "checkpoint": ((), frozenset({"label", "message", "policy"})),
     "reset": ((), frozenset()),
+    "verify": ((), frozenset({"mode"})),
     "preview": ((), frozenset({"policy"})),
 }
+# options a command cannot do without (either table)
+REQUIRED_OPTIONS: dict[str, frozenset[str]] = {
+    "pool": frozenset({"size"}),
+    "acquire": frozenset({"holder", "ttl"}),
+    "renew": frozenset({"holder", "ttl"}),
+    "return": frozenset({"holder"}),
+}
+VERIFY_MODES = ("root", "deep")
+POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")  # member ids add 9 characters
+MAX_POOL_SIZE = 4096
 
 
 class ProtocolError(ValueError):
@@ -119,7 +171,8 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
 
     ``arguments`` maps each positional name and each given ``--option`` to its string value.
     Raises :class:`ProtocolError` (EINVAL) for an unknown command, a missing or extra
-    argument, an unknown or repeated option, or unbalanced quotes.
+    argument, an unknown, repeated or missing required option (:data:`REQUIRED_OPTIONS`), or
+    unbalanced quotes.
     """
     try:
         words = shlex.split(line)
@@ -152,6 +205,9 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
     if len(values) != len(positional):
         want = " ".join(f"<{p}>" for p in positional) or "no arguments"
         raise ProtocolError(f"{name}: expected {want}, got {len(values)} argument(s)")
+    missing = sorted(REQUIRED_OPTIONS.get(name, frozenset()) - args.keys())
+    if missing:
+        raise ProtocolError(f"{name}: missing {', '.join('--' + m for m in missing)}")
     args.update(zip(positional, values))
     return name, args
 
@@ -180,3 +236,50 @@ def encode_reply(reply: dict) -> bytes:
 def decode_reply(data: bytes) -> dict:
     """Parse a reply read back from a ``ctl`` file descriptor."""
     return json.loads(data.decode() or "{}")
+
+
+def parse_count(text: str, what: str, minimum: int = 1) -> int:
+    """A whole number >= ``minimum`` given as option ``what``; ProtocolError otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ProtocolError(f"{what} must be a whole number >= {minimum}, not {text!r}")
+    return value
+
+
+def parse_seconds_ns(text: str, what: str) -> int:
+    """A duration in seconds (decimals allowed) given as option ``what``, in ns;
+    ProtocolError otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1e9:
+        raise ProtocolError(f"{what} must be seconds >= 0, not {text!r}")
+    return int(value * 1e9)
+
+
+def parse_verify_mode(mode: str) -> str:
+    """``"root"`` or ``"deep"``; ProtocolError otherwise."""
+    if mode not in VERIFY_MODES:
+        raise ProtocolError(f"verification mode must be one of {', '.join(VERIFY_MODES)}, "
+                            f"not {mode!r}")
+    return mode
+
+
+def check_pool(name: str | None, size: int) -> str:
+    """The pool name to use (``name``, or a new ``pool-<8 hex>``); ProtocolError for a name
+    not matching :data:`POOL_NAME_RE` or a size outside 1..:data:`MAX_POOL_SIZE`."""
+    if not 1 <= size <= MAX_POOL_SIZE:
+        raise ProtocolError(f"pool size must be 1 to {MAX_POOL_SIZE}, not {size}")
+    name = name or f"pool-{secrets.token_hex(4)}"
+    if not POOL_NAME_RE.fullmatch(name):
+        raise ProtocolError(f"pool name {name!r} must match {POOL_NAME_RE.pattern}")
+    return name
+
+
+def member_name(pool: str) -> str:
+    """A new execution id for a member of pool ``pool``: ``<pool>-<8 hex>``."""
+    return f"{pool}-{secrets.token_hex(4)}"

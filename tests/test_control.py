@@ -228,7 +228,8 @@ def test_malformed_command_from_bash_fails_and_leaves_a_message(ex):
     assert proc.returncode == 1
     assert "Invalid argument" in proc.stderr
     assert control(path, "error").read_text() == (
-        "frobnicate: unknown command 'frobnicate'; expected one of checkpoint, preview, promote, reset\n")
+        "frobnicate: unknown command 'frobnicate'; expected one of checkpoint, preview, promote, "
+        "reset, verify\n")
 
 
 def test_create_of_an_unknown_snapshot_is_enoent(shared_daemon):

@@ -52,9 +52,11 @@ def test_format_then_parse_round_trips(name, positional, options, line, args):
     ("", ROOT_COMMANDS, "empty command"),
     ("  \n", EXECUTION_COMMANDS, "empty command"),
     ("frobnicate x", ROOT_COMMANDS,
-     "unknown command 'frobnicate'; expected one of create, release, snapshot, snapshot-git"),
+     "unknown command 'frobnicate'; expected one of acquire, create, drop, pool, release, "
+     "renew, return, snapshot, snapshot-git"),
     ("promote", ROOT_COMMANDS,
-     "unknown command 'promote'; expected one of create, release, snapshot, snapshot-git"),
+     "unknown command 'promote'; expected one of acquire, create, drop, pool, release, "
+     "renew, return, snapshot, snapshot-git"),
     ("create", ROOT_COMMANDS, "create: expected <snapshot>, got 0 argument(s)"),
     ("create a b", ROOT_COMMANDS, "create: expected <snapshot>, got 2 argument(s)"),
     ("reset now", EXECUTION_COMMANDS, "reset: expected no arguments, got 1 argument(s)"),

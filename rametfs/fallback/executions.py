@@ -35,6 +35,7 @@ from ..store import Entry, Store, import_git, import_tree
 from ..store.trees import encode_tree
 from . import clone, manifest, scan, sync
 from .diff import diff_trees
+from .pools import Pools
 
 # LMDB must not be opened twice in one process: one Store per data directory, shared by
 # every Fallback on it and closed with the last of them.  realpath -> [store, users]
@@ -83,6 +84,7 @@ class Fallback:
             _close_store(self.store)
             raise
         self.closed = False
+        self.pools = Pools(self)
 
     def close(self) -> None:
         """Let go of the store (closed with the last Fallback on it in this process)."""
@@ -141,6 +143,7 @@ class Fallback:
     def release(self, eid: str) -> dict:
         """Delete execution ``eid`` and its directory.  Raises NotFound (ENOENT), Busy."""
         self._check_name(eid)
+        self.pools.forget(eid)
         path = self.path(eid)
         with self._locked(eid, create=True):  # a crash in create may have left no lock
             meta_path = self._meta_path(eid)
@@ -155,7 +158,7 @@ class Fallback:
 
     def status(self) -> dict:
         """``{"mode", "copy_method", "pid", "data", "mount", "version", "snapshots",
-        "executions", "last"}`` like a daemon's root status (mount is None)."""
+        "executions", "pools", "last"}`` like a daemon's root status (mount is None)."""
         executions = []
         for meta_path in sorted(self.meta_dir.iterdir()):
             if not meta_path.name.startswith("."):  # not a temporary file
@@ -164,7 +167,7 @@ class Fallback:
         return {"mode": "fallback", "copy_method": self.copy_method, "pid": os.getpid(),
                 "data": str(self.data), "mount": None, "version": "0.1.0",
                 "snapshots": [s.to_json() for s in self.store.snapshots()],
-                "executions": executions, "last": None}
+                "executions": executions, "pools": self.pools.to_json(), "last": None}
 
     # -- execution commands --------------------------------------------------------------
 
@@ -231,20 +234,26 @@ class Fallback:
         """How the tree differs from the base; empty when it equals the base (after a reset).
 
         Quick: as far as the manifest tells, reading no file (a path it does not vouch for
-        counts as different).  ``deep``: reads and hashes every file, as ``diff`` reports.
+        counts as different).  ``deep``: reads and hashes every file, as ``diff`` reports.  A
+        ready pool member that differs is quarantined (rametfs.fallback.pools).
         """
         with self._locked(eid):
             meta = self._load(eid)
             base = self.store.snapshot(meta.base)
             root = os.fsencode(self.path(eid))
             if not deep:
-                return sync.differences(self.store, root, base, meta.records)
-            now = scan.scan(self.store, root, meta.records, hash_all=True)
-        return diff_trees(base.root, now.root, lambda tid: now.tree(self.store, tid))
+                differences = sync.differences(self.store, root, base, meta.records)
+            else:
+                now = scan.scan(self.store, root, meta.records, hash_all=True)
+                differences = diff_trees(base.root, now.root,
+                                         lambda tid: now.tree(self.store, tid))
+        self.pools.verified(eid, "deep" if deep else "root", differences)
+        return differences
 
     def execution_status(self, eid: str) -> dict:
-        """``{"execution", "id", "base", "head", "state", "created_ns", "upper_bytes",
-        "last", "path", "mode", "copy_method"}`` (``upper_bytes`` is None: not tracked)."""
+        """``{"execution", "id", "base", "head", "state", "pool", "lease",
+        "quarantine_reason", "created_ns", "upper_bytes", "last", "path", "mode",
+        "copy_method"}`` (``upper_bytes`` is None: not tracked)."""
         self._check_name(eid)
         try:
             return self._json(manifest.load(self._meta_path(eid), records=False))
@@ -333,7 +342,8 @@ class Fallback:
 
     def _json(self, meta: manifest.Meta) -> dict:
         return {"execution": meta.id, "id": meta.id, "base": meta.base, "head": meta.head,
-                "state": "ready", "created_ns": meta.created_ns, "upper_bytes": None,
+                **self.pools.member_json(meta.id), "created_ns": meta.created_ns,
+                "upper_bytes": None,
                 "last": meta.last, "path": str(self.path(meta.id)), "mode": "fallback",
                 "copy_method": self.copy_method}
 

@@ -40,6 +40,15 @@ Databases (one LMDB environment, ``<data>/meta``):
 ``pages``      layer (u64) + ino (u64) + page (u64) -> ``b""``: that page of the file lives in the
                upper data file ``<data>/upper/<layer>/<ino>``, not in the base chunks.
 ``dead``       layer (u64) -> ``b""``: layers left by reset or release, deleted in the background.
+``pools``      pool name (utf-8) -> msgpack map ``{base, size, created_ns}``: an execution pool
+               (:mod:`rametfs.pools`); ``base`` the snapshot id as hex, ``size`` the number of
+               executions kept for hand-out.
+``leases``     execution id (utf-8) -> msgpack map ``{pool, state, lease, reason,
+               returned_ns}``: a pool member.  ``state`` is ``"ready"``, ``"leased"`` or
+               ``"quarantined"``; ``lease`` nil or ``{holder, pid, host, expires_ns,
+               acquired_ns}`` (wall-clock ns); ``reason`` why verification quarantined it;
+               ``returned_ns`` when it last became ready (the last returned goes out first).  Written in the transaction that
+               changes the member, so pools and leases survive a restart.
 
 Chunk envelope (after BorgBackup's ``repoobj``): ``b"RMC"``, u8 version (1), u8 codec
 (0 raw, 1 zstd), u32 raw length, then the payload.  The chunk id is the BLAKE3 hash of the raw
@@ -56,7 +65,8 @@ ID_BYTES = 32
 
 DATABASES = ("meta", "chunks", "contents", "trees", "tree_stats", "snapshots", "sources",
              "executions",
-             "inodes", "dentries", "links", "pages", "dead")
+             "inodes", "dentries", "links", "pages", "dead",
+             "pools", "leases")
 
 ENVELOPE_MAGIC = b"RMC"
 ENVELOPE_VERSION = 1

@@ -1,0 +1,121 @@
+"""Verification: does an execution equal its base snapshot?
+
+Two modes:
+
+* ``root``: the root tree id the execution would promote to (``capture.root_entry``) equals
+  its base's root tree id, and the root directory's mode, owner and xattrs are the base's.
+  Directories never copied up count by their base subtree id and copied-up files that still
+  read only base bytes by their base content id, so after a reset this costs the root's
+  listing; every copied-up file that holds upper bytes is re-chunked and rehashed, so a
+  change to upper data or to a layer's records shows.
+* ``deep``: root, then the same check on the execution as stored (its layer's records and
+  upper data read afresh from disk by a second, private overlay, as a restarted daemon would
+  serve them, so a record or upper data file changed behind the daemon's back shows), then
+  every byte the overlay serves from the base, which is the hydrated copy of each base
+  content in the shared cache (``<data>/cache/<content id>``), is rehashed page by page
+  against the content's chunk ids.  Base content not hydrated yet is checked when it is
+  hydrated (every chunk's BLAKE3 id is checked on read).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import trio
+
+from .capture import diff, root_entry
+from .overlay import Execution, Overlay
+from .store import EMPTY_CONTENT, PAGE_SIZE, Entry, Store
+from .store.chunks import chunk_id
+
+ROOT, DEEP = "root", "deep"
+MODES = (ROOT, DEEP)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The outcome: ``differences`` as ``(letter, path)`` pairs like ``diff`` (``M`` for a
+    file whose served bytes do not hash to its base content); empty when equal.  Tree ids
+    as hex; ``verify_ms`` in milliseconds."""
+
+    mode: str
+    root: str
+    base_root: str
+    differences: list[tuple[str, bytes]]
+    verify_ms: float
+
+    @property
+    def equal(self) -> bool:
+        return not self.differences
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "equal": self.equal, "root": self.root,
+                "base_root": self.base_root, "verify_ms": self.verify_ms,
+                "differences": [[letter, path.decode(errors="surrogateescape")]
+                                for letter, path in self.differences]}
+
+
+async def verify(overlay: Overlay, ex: Execution, mode: str = ROOT) -> Verification:
+    """Check ``ex`` against its base in ``mode`` (``"root"`` or ``"deep"``).
+
+    Raises IntegrityError (EIO) when a base record or chunk it needs is missing or corrupt.
+    """
+    started = time.monotonic_ns()
+    base = ex.base.root
+    root, differences = await _compare(overlay, ex)
+    if mode == DEEP and not differences:
+        stored = Overlay(overlay.store)  # after root_entry flushed every pending record
+        root, differences = await _compare(stored, stored.execution(ex.id))
+    if mode == DEEP and not differences:
+        differences = [("M", path) for path in
+                       await trio.to_thread.run_sync(_bad_cached_contents, overlay.store, base)]
+    return Verification(mode, root.ref.hex(), base.ref.hex(), differences,
+                        round((time.monotonic_ns() - started) / 1e6, 3))
+
+
+async def _compare(overlay: Overlay, ex: Execution) -> tuple[Entry, list[tuple[str, bytes]]]:
+    """``(root entry, differences)`` of ``ex`` as ``overlay`` serves it."""
+    root, base = await root_entry(overlay, ex), ex.base.root
+    if root.ref == base.ref and (root.mode, root.uid, root.gid, root.xattrs) == (
+            base.mode, base.uid, base.gid, base.xattrs):
+        return root, []
+    # A difference the metadata does not show (bytes of a copied-up page) is named by the
+    # file diff marks modified, or else by the root.
+    return root, diff(overlay, ex) or [("M", b"")]
+
+
+def _bad_cached_contents(store: Store, root: Entry) -> list[bytes]:
+    """Paths (first name of each content) below tree ``root`` whose hydrated cache file does
+    not hash to the content's chunk ids.  Blocking: a worker thread."""
+    bad: list[bytes] = []
+    seen_trees: set[bytes] = set()
+    seen_contents: set[bytes] = set()
+    todo = [(b"", root.ref)]
+    while todo:
+        prefix, tid = todo.pop()
+        if tid in seen_trees:
+            continue
+        seen_trees.add(tid)
+        for name, entry in store.tree(tid).items():
+            if entry.is_dir:
+                todo.append((prefix + name + b"/", entry.ref))
+            elif entry.is_reg and entry.ref not in seen_contents and entry.ref != EMPTY_CONTENT:
+                seen_contents.add(entry.ref)
+                if not _cache_matches(store, entry.ref):
+                    bad.append(prefix + name)
+    return sorted(bad)
+
+
+def _cache_matches(store: Store, cid: bytes) -> bool:
+    """Whether the hydrated copy of content ``cid`` (if any) holds exactly its chunks."""
+    try:
+        f = open(store.cache_path(cid), "rb")
+    except FileNotFoundError:
+        return True
+    size, ids = store.content(cid)
+    with f:
+        for expected in ids:
+            if chunk_id(f.read(PAGE_SIZE)) != expected:
+                return False
+        return f.read(1) == b"" and f.tell() == size
