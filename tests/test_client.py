@@ -156,7 +156,8 @@ def test_acquire_from_two_threads_gives_two_executions(ramet, source):
                 with pool.acquire(timeout=0.05):
                     pass
             assert (caught.value.errno, str(caught.value)) == (
-                errno.EBUSY, "no free execution after 0.05 s: all 2 are acquired")
+                errno.EBUSY, f"no free execution after 0.05 s: pool {pool.name!r}: no ready "
+                             f"execution (2 leased, 0 quarantined)")
         finally:
             release.set()
             for t in threads:

@@ -84,7 +84,9 @@ class Pools:
                     chosen.lease = Lease(holder, lease_pid, host, now + ttl_ns, now)
                     self._put(txn, chosen)
             if chosen is None:
-                raise Busy(f"pool {pool!r}: no ready execution, and no lease has ended")
+                leased = sum(m.state == LEASED for m in members)
+                raise Busy(f"pool {pool!r}: no ready execution ({leased} leased, "
+                           f"{len(members) - leased} quarantined)")
             if stale:
                 reply = self._reset_and_verify(chosen, protocol.VERIFY_MODES[0])
                 if reply["state"] != LEASED:  # quarantined
