@@ -17,13 +17,13 @@ opendir answer ENOSYS, so the kernel stops sending open, release, opendir and re
 keeps every file's pages and every directory's listing cached, and the handlers get the inode
 number where a file handle was.  Without the patch the same handlers run with the inode number
 as the file handle.  Either way there is no per-open state: a file's upper data descriptor is
-cached (``Overlay.upper_fds``), dirty inode records are stored by :func:`daemon` every second
-and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
+cached (``Overlay.upper_fds``), dirty inode records are stored by the daemon every second
+(``daemon._store_dirty_records``) and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
 
 Control files are looked up at entry timeout 0, and every content a control file shows is an
-inode of its own whose bytes never change, so the page cache cannot mix two of them; ``ctl``
-and ``promote`` get a new inode at every lookup, whose content becomes the reply of the
-command written to it (a new mtime tells the kernel to drop the cached page).  Without the
+inode of its own whose bytes never change, so the page cache cannot mix two of them; ``ctl``,
+``promote`` and ``fsmonitor`` get a new inode at every lookup, whose content becomes the reply
+to what is written to it (a new mtime tells the kernel to drop the cached page).  Without the
 patch they are opened with direct I/O.
 """
 
@@ -45,7 +45,6 @@ from . import protocol
 from .control import FSMONITOR_HOOK, Control
 from .errors import RametError, ReadOnly
 from .overlay import Attrs, Execution, Node, Overlay
-from .store import EMPTY_CONTENT
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class ControlSlot:
     (a generation), newest last in ``gens``."""
 
     mode: int
-    kind: str  # ctl, status, error, promote, diff, preview
+    kind: str  # a name of protocol.ROOT_CONTROL_FILES or EXECUTION_CONTROL_FILES
     execution: str | None  # None: the root scope
     gens: list[int] = field(default_factory=list)
     reply: bytes = b""  # a ctl file: the reply of the last command written to it
@@ -526,14 +525,14 @@ class Operations(pyfuse3.Operations):
                 reply = await self.control.run_execution(self.overlay.execution(v.execution), line)
         except RametError as exc:
             reply = {"ok": False, "errno": exc.errno, "error": str(exc)}
-            raise
-        finally:
-            for listing in (SNAPSHOTS, EXECUTIONS):  # a command may add or remove entries
-                self.virtual[listing].changed()
-            await self._invalidate([(SNAPSHOTS, b""), (EXECUTIONS, b"")])
-            if v.kind == protocol.CTL:
-                v.slot.reply = protocol.encode_reply(reply)
-                v.changed(v.slot.reply)
-            else:
-                v.changed(self._control_content(v))
+        for listing in (SNAPSHOTS, EXECUTIONS):  # a command may add or remove entries
+            self.virtual[listing].changed()
+        await self._invalidate([(SNAPSHOTS, b""), (EXECUTIONS, b"")])
+        if v.kind == protocol.CTL:
+            v.slot.reply = protocol.encode_reply(reply)
+            v.changed(v.slot.reply)
+        else:
+            v.changed(self._control_content(v))
+        if not reply["ok"]:
+            raise pyfuse3.FUSEError(reply["errno"])
         return len(buf)
