@@ -43,7 +43,7 @@ import trio
 
 from . import protocol
 from .control import FSMONITOR_HOOK, Control
-from .errors import RametError, ReadOnly
+from .errors import NotFound, RametError, ReadOnly
 from .overlay import Attrs, Execution, Node, Overlay
 
 log = logging.getLogger(__name__)
@@ -229,9 +229,26 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def lookup(self, parent_inode, name, ctx=None):
-        ino = self._lookup_ino(parent_inode, name)
+        try:
+            ino = self._lookup_ino(parent_inode, name)
+        except NotFound:
+            if parent_inode in self.virtual:
+                raise  # snapshots/ and executions/ gain entries the kernel does not see
+            return self._negative_entry(parent_inode, name)
         self._looked_up(ino)
         return self._attrs(ino)
+
+    def _negative_entry(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
+        """A cached "no such name" (inode 0): git looks for a .gitignore in every directory.
+        The kernel replaces it when it creates the name; a reset must drop the ones in an
+        execution's root (``Execution.negative_root``)."""
+        view = self.overlay.node(parent_inode).view
+        if isinstance(view, Execution) and parent_inode == view.root_ino:
+            view.negative_root.add(name)
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = 0
+        e.entry_timeout = CACHE_TIMEOUT
+        return e
 
     def _looked_up(self, ino: int) -> None:
         v = self.virtual.get(ino)

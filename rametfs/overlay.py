@@ -161,6 +161,9 @@ class Execution(View):
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
         # changed (Overlay.clock).
         self.changes: dict[int | tuple[int, bytes], int] = {}
+        # Names the kernel was told do not exist in the root (cached negative dentries),
+        # which a reset must make it forget; below the root, dropping the root's names does.
+        self.negative_root: set[bytes] = set()
 
     def record(self) -> bytes:
         return msgpack.packb({"base": self.base.id, "head": self.head, "layer": self.layer,
@@ -355,7 +358,7 @@ class Overlay:
         self.stale_inos.append(view.inos)
         view.inos, view.dcache, view.link_inos, view.dirty = set(), {}, {}, set()
         if isinstance(view, Execution):
-            view.changes = {}
+            view.changes, view.negative_root = {}, set()
 
     def drop_stale_nodes(self, budget: int = 10000) -> bool:
         """Free up to ``budget`` nodes of dropped layers; True when some are left."""
@@ -470,6 +473,8 @@ class Overlay:
         # pages and listings until told, so every inode of the layer is told too.
         root = view.root_ino
         entries = [key for key in view.dcache if key[0] == root]
+        if isinstance(view, Execution):
+            entries += [(root, name) for name in view.negative_root]
         if not keep_root_entry:
             entries += [key for key in view.dcache if key[0] == 0]
         return entries + [(ino, b"") for ino in view.inos]

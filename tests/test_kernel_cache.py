@@ -171,3 +171,21 @@ def test_unlinked_open_file_lives_until_closed_then_its_data_goes(execution):
 def upper_data(d: Daemon, ino: int) -> list:
     """The upper data file of inode ``ino`` (``<data>/upper/<layer>/<ino>``), if any."""
     return list((d.data_dir / "upper").glob(f"*/{ino}"))
+
+
+def test_names_found_missing_come_back_after_reset(execution):
+    _, d, snap, ex = execution
+    for path in (ex / "big.bin", ex / "dir" / "a.txt"):
+        path.unlink()
+        for _ in range(2):  # the second answer may come from the kernel's negative dentry
+            assert not path.exists()
+    assert not (ex / "never").exists()
+    run(sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write('made')",
+        str(ex / "never"))
+    assert (ex / "never").read_text() == "made"  # created by another process: seen
+
+    ctl_command(ex / ".ramet" / "ctl", "reset")
+    assert (ex / "big.bin").read_bytes() == bytes(range(256)) * 1024
+    assert (ex / "dir" / "a.txt").read_bytes() == b"alpha\n"
+    assert not (ex / "never").exists()
+    assert not (d.mnt / "snapshots" / snap / "never").exists()
