@@ -65,17 +65,14 @@ class Control:
         self.errors: dict[str, str] = {}
         self.promoted: dict[str, str] = {}
         self.busy: set[str] = set()
+        self.pools = Pools(overlay)
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
-            "snapshot-git": self._snapshot_git}
+            "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
+            "renew": self._renew, "return": self._return, "drop": self._drop}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
-            "preview": self._preview}
-        self.pools = Pools(overlay)
-        self.root_handlers.update({"pool": self._pool, "acquire": self._acquire,
-                                   "renew": self._renew, "return": self._return,
-                                   "drop": self._drop})
-        self.execution_handlers["verify"] = self._verify
+            "preview": self._preview, "verify": self._verify}
 
     # -- running commands ----------------------------------------------------------------
 
@@ -159,8 +156,7 @@ class Control:
             raise Busy(f"execution {ex.id!r} is running a command")
         self.pools.forget(ex.id)
         await self.invalidate(self.overlay.release(ex))
-        for table in (self.last, self.errors, self.promoted):
-            table.pop(ex.id, None)
+        self._forget_replies(ex.id)
         return {"ok": True, "execution": ex.id}
 
     # -- execution commands --------------------------------------------------------------
@@ -178,10 +174,17 @@ class Control:
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
+        return {"ok": True, "snapshot": ex.base.id, "reset_ms": await self._reset_layer(ex)}
+
+    async def _reset_layer(self, ex: Execution) -> float:
+        """Drop ``ex``'s changes and what the kernel caches of them; milliseconds taken."""
         started = time.monotonic_ns()
         await self.invalidate(self.overlay.reset(ex))
-        return {"ok": True, "snapshot": ex.base.id,
-                "reset_ms": round((time.monotonic_ns() - started) / 1e6, 3)}
+        return round((time.monotonic_ns() - started) / 1e6, 3)
+
+    def _forget_replies(self, eid: str) -> None:
+        for table in (self.last, self.errors, self.promoted):
+            table.pop(eid, None)
 
     async def _preview(self, ex: Execution, args: dict) -> dict:
         return {"ok": True, "preview": preview(self.overlay, ex, _policy_text(args))}
@@ -241,9 +244,7 @@ class Control:
             raise Busy(f"execution {ex.id!r} is running a command")
         self.busy.add(ex.id)
         try:
-            started = time.monotonic_ns()
-            await self.invalidate(self.overlay.reset(ex))
-            reset_ms = round((time.monotonic_ns() - started) / 1e6, 3)
+            reset_ms = await self._reset_layer(ex)
             try:
                 result = (await verify(self.overlay, ex, mode)).to_json()
                 reason = "" if result["equal"] else quarantine_reason(result)
@@ -251,8 +252,7 @@ class Control:
                 result, reason = None, f"{mode} verification failed: {exc}"
         finally:
             self.busy.discard(ex.id)
-        for table in (self.last, self.errors, self.promoted):
-            table.pop(ex.id, None)
+        self._forget_replies(ex.id)
         self.pools.returned(member, reason)
         if reason:
             log.warning("execution %s quarantined: %s", ex.id, reason)
