@@ -167,14 +167,21 @@ def test_cli_reports_errors_with_exit_codes(shared_daemon, tmp_path):
 
 # ----- crash in the middle of a promote ------------------------------------------------------
 
-def test_sigkill_during_a_large_promote_keeps_every_snapshot(daemon, source):
+def two_snapshots(daemon: Daemon, source, text: bytes) -> tuple[str, dict]:
+    """Snapshot ``source``, promote an execution of it with ``a.txt`` set to ``text``;
+    ``(execution id, {snapshot id: tree signature})`` of both snapshots, the first first."""
     first = daemon.snapshot(source)
     eid = daemon.create(first)
-    ex = daemon.exec_path(eid)
-    (ex / "a.txt").write_bytes(b"promoted once\n")
+    (daemon.exec_path(eid) / "a.txt").write_bytes(text)
     second = daemon.exec_ctl(eid, "promote")["snapshot"]
-    expected = {first: tree_signature(daemon.snap_path(first)),
-                second: tree_signature(daemon.snap_path(second))}
+    return eid, {first: tree_signature(daemon.snap_path(first)),
+                 second: tree_signature(daemon.snap_path(second))}
+
+
+def test_sigkill_during_a_large_promote_keeps_every_snapshot(daemon, source):
+    eid, expected = two_snapshots(daemon, source, b"promoted once\n")
+    first, second = expected
+    ex = daemon.exec_path(eid)
     assert expected[first] == tree_signature(source)
     digest = hashlib.sha256()
     with open(ex / "large.bin", "wb") as f:
@@ -236,13 +243,8 @@ def test_full_disk_write_fails_with_enospc_and_snapshots_survive(tmp_path, sourc
     d = Daemon(data, tmp_path / "mnt")
     try:
         d.start()
-        first = d.snapshot(source)
-        eid = d.create(first)
+        eid, expected = two_snapshots(d, source, b"before the disk filled\n")
         ex = d.exec_path(eid)
-        (ex / "a.txt").write_bytes(b"before the disk filled\n")
-        second = d.exec_ctl(eid, "promote")["snapshot"]
-        expected = {first: tree_signature(d.snap_path(first)),
-                    second: tree_signature(d.snap_path(second))}
 
         written = 0
         fd = os.open(ex / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
