@@ -187,6 +187,21 @@ def test_reimport_of_unchanged_tree_stores_no_new_chunks(shared_daemon, tmp_path
     for stats in (second, third):
         assert (stats["new_chunks"], stats["new_chunk_bytes"]) == (0, 0)
         assert (stats["files"], stats["bytes"]) == (3, PAGE + 10 + 5000 + 2)
+    # The second import read no file (stat cache); the copy's files were all read again.
+    assert (first["cached_files"], second["cached_files"], third["cached_files"]) == (0, 3, 0)
+
+
+def test_reimport_reads_a_file_rewritten_in_place_with_its_mtime_put_back(shared_daemon,
+                                                                          tmp_path):
+    src = write_tree(tmp_path / "src", {"a.txt": b"one\n", "b.txt": b"two\n"})
+    shared_daemon.ctl(f"snapshot {src}")
+    before = os.stat(src / "a.txt")
+    (src / "a.txt").write_bytes(b"ONE\n")  # same size; only ctime tells
+    os.utime(src / "a.txt", ns=(before.st_atime_ns, before.st_mtime_ns))
+    reply = shared_daemon.ctl(f"snapshot {src}")
+
+    assert reply["stats"]["cached_files"] == 1
+    assert (shared_daemon.snap_path(reply["snapshot"]) / "a.txt").read_bytes() == b"ONE\n"
 
 
 def test_cli_snapshot_prints_the_id_alone(shared_daemon, tmp_path):

@@ -15,9 +15,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import blake3
@@ -37,10 +36,9 @@ class ImportStats:
     ChunkWriter; the tree's own totals come from ``Store.tree_totals``)."""
 
     cached_files: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+        return asdict(self)
 
 
 def read_xattrs(path: str | bytes) -> tuple[tuple[bytes, bytes], ...]:
@@ -75,20 +73,21 @@ class DirectoryImporter:
 
     # -- files ---------------------------------------------------------------------------
 
+    def _cached_content(self, txn, path: str, st: os.stat_result) -> bytes | None:
+        """The content id the stat cache holds for ``path`` if its (dev, ino, size, mtime,
+        ctime) are unchanged and the content is still stored, else None."""
+        cached = txn.get(path.encode("utf-8", "surrogateescape"), db=self.store.db["sources"])
+        if cached is None:
+            return None
+        old = msgpack.unpackb(cached)
+        if old[:5] != [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]:
+            return None
+        if old[5] != EMPTY_CONTENT and txn.get(old[5], db=self.store.db["contents"]) is None:
+            return None
+        return old[5]
+
     def _file_content(self, path: str, st: os.stat_result) -> bytes:
-        key = path.encode("utf-8", "surrogateescape")
-        with self.store.read() as txn:
-            cached = txn.get(key, db=self.store.db["sources"])
-        sig = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-        if cached is not None:
-            old = msgpack.unpackb(cached)
-            if old[:5] == sig:
-                with self.store.read() as txn:
-                    if old[5] == EMPTY_CONTENT or \
-                            txn.get(old[5], db=self.store.db["contents"]) is not None:
-                        with self.stats.lock:
-                            self.stats.cached_files += 1
-                        return old[5]
+        """Read, chunk and store the file at ``path``; returns its content id."""
         ids = []
         size = 0
         with open(path, "rb", buffering=0) as f:
@@ -108,7 +107,8 @@ class DirectoryImporter:
                 if n < PAGE_SIZE:
                     break
         cid = self.writer.put_content(size, ids)
-        self.sources[key] = sig + [cid]
+        self.sources[path.encode("utf-8", "surrogateescape")] = \
+            [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, cid]
         return cid
 
     # -- the walk ------------------------------------------------------------------------
@@ -164,15 +164,25 @@ class DirectoryImporter:
 
         self.dirs, self.link_ids, self.link_counts = dirs, link_ids, link_counts
 
-        # Contents, one job per inode, on every core.
+        # Contents: the stat cache first, in this thread (a re-import is mostly hits, and a
+        # job per file would cost more than the lookup); one job per missed inode, on every core.
+        contents: dict[tuple[int, int], bytes] = {}
         jobs: dict[tuple[int, int], object] = {}
         try:
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool, \
+                    self.store.read() as txn:
                 for _, items in dirs:
                     for _, child, st in items:
-                        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in jobs:
-                            jobs[(st.st_dev, st.st_ino)] = pool.submit(self._file_content, child, st)
-                contents = {key: fut.result() for key, fut in jobs.items()}
+                        key = (st.st_dev, st.st_ino)
+                        if not stat.S_ISREG(st.st_mode) or key in contents or key in jobs:
+                            continue
+                        cid = self._cached_content(txn, child, st)
+                        if cid is None:
+                            jobs[key] = pool.submit(self._file_content, child, st)
+                        else:
+                            contents[key] = cid
+                            self.stats.cached_files += 1
+                contents.update((key, fut.result()) for key, fut in jobs.items())
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise NoSpace("no space left while importing") from None
