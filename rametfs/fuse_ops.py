@@ -493,16 +493,15 @@ class Operations(pyfuse3.Operations):
     async def forget(self, inode_list):
         # Nodes stay while the daemon runs, so inode numbers stay stable; an unlinked one
         # goes now that no process can reach it.
+        nodes = [self.overlay.nodes[ino] for ino, _ in inode_list if ino in self.overlay.nodes]
         for ino, count in inode_list:
-            node = self.overlay.nodes.get(ino)
-            if node is not None:
-                self.overlay.forgotten(node)
             v = self.virtual.get(ino)
             if v is not None and v.slot is not None:  # a control file generation
                 v.lookups -= count
                 if v.lookups <= 0:  # else a lookup answered since the kernel let it go
                     del self.virtual[ino]
                     v.slot.gens.remove(ino)
+        self.overlay.forgotten(nodes)
 
     # -- control files -------------------------------------------------------------------
 

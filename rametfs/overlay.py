@@ -33,7 +33,7 @@ import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator
 
 import msgpack
 import trio
@@ -252,6 +252,15 @@ class OpenFiles:
             os.close(fd)
 
 
+def remove_files(paths: Iterable[str]) -> None:
+    """Unlink ``paths``; those already gone are skipped.  Blocking: run it in a worker thread."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def assemble(off: int, end: int, pages: set[int], base_limit: int,
              read_base: Callable[[int, int], bytes], read_upper: Callable[[int, int], bytes]
              ) -> bytes:
@@ -313,6 +322,7 @@ class Overlay:
         self.hydrated: dict[bytes, str] = {}
         self.upper_fds = OpenFiles()  # by Node
         self.base_fds = OpenFiles()  # by content id
+        self.removals: list[str] = []  # upper data files of forgotten unlinked inodes
         self.hydrating: dict[bytes, trio.Event] = {}
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
@@ -712,28 +722,41 @@ class Overlay:
             self._persist_counters(txn)
         return node.upper
 
-    def save(self, node: Node) -> None:
-        """Store ``node``'s upper record and new page-map entries now."""
-        ex = node.view
-        assert isinstance(ex, Execution) and node.upper is not None
+    def save(self, *nodes: Node) -> None:
+        """Store the upper records and new page-map entries of ``nodes`` now, in one
+        transaction."""
         with self.store.write() as txn:
-            txn.put(inode_key(ex.layer, node.ino), node.upper.pack(), db=self.store.db["inodes"])
-            for page in node.new_pages:
-                txn.put(page_key(ex.layer, node.ino, page), b"", db=self.store.db["pages"])
-            self._persist_counters(txn)
-        node.new_pages.clear()
-        node.dirty = False
-        ex.dirty.discard(node)
+            self._put_records(txn, nodes)
+        self._stored(nodes)
+
+    def _put_records(self, txn, nodes: Iterable[Node]) -> None:
+        """Put the upper records and new page-map entries of ``nodes`` (those that have an
+        upper record) and the counters in ``txn``; call :meth:`_stored` once it commits."""
+        for node in nodes:
+            if node.upper is not None:
+                layer = node.view.layer
+                txn.put(inode_key(layer, node.ino), node.upper.pack(),
+                        db=self.store.db["inodes"])
+                for page in node.new_pages:
+                    txn.put(page_key(layer, node.ino, page), b"", db=self.store.db["pages"])
+        self._persist_counters(txn)
+
+    @staticmethod
+    def _stored(nodes: Iterable[Node]) -> None:
+        for node in nodes:
+            if node.upper is not None:
+                node.new_pages.clear()
+                node.dirty = False
+                node.view.dirty.discard(node)
 
     def _mark_dirty(self, node: Node) -> None:
         node.dirty = True
         node.view.dirty.add(node)
 
     def flush_view(self, view: View) -> None:
-        """Store every dirty upper record of ``view`` (before a capture, a fsync, shutdown)."""
-        for node in list(view.dirty):
-            if self.is_live(node) and node.upper.nlink > 0:
-                self.save(node)
+        """Store every dirty upper record of ``view`` in one transaction (before a capture, a
+        fsync, shutdown, and every second)."""
+        self.save(*[n for n in view.dirty if self.is_live(n) and n.upper.nlink > 0])
         view.dirty.clear()
 
     def flush_all(self) -> None:
@@ -749,39 +772,46 @@ class Overlay:
 
     # -- dentries ------------------------------------------------------------------------
 
-    def _set_dentry(self, parent: Node, name: bytes, child: Node) -> None:
-        ex = self._writable(parent)
-        self._changed(ex, (parent.ino, name))
-        self.copy_up(parent)
+    def _store_names(self, names: list[tuple[Node, bytes, Node | None]], *also: Node
+                     ) -> None:
+        """One namespace change, in one transaction: each ``(parent, name, child)`` names
+        ``child`` in ``parent`` (None removes the name: a whiteout when the base has it) and
+        sets the parent's mtime; the records of the parents, the children and ``also`` are
+        stored with the dentries, so a crash keeps all of it or none."""
+        ex = self._writable(names[0][0])
+        nodes: dict[int, Node] = {}
+        for parent, name, child in names:
+            self._writable(parent)
+            self._changed(ex, (parent.ino, name))
+            self.copy_up(parent)
+            self._touch(parent)
+            nodes[parent.ino] = parent
+            if child is not None:
+                nodes[child.ino] = child
+        nodes.update((n.ino, n) for n in also)
+        dentries = self.store.db["dentries"]
         with self.store.write() as txn:
-            txn.put(dentry_key(ex.layer, parent.ino, name), u64(child.ino),
-                    db=self.store.db["dentries"])
-            if child.upper is not None:
-                txn.put(inode_key(ex.layer, child.ino), child.upper.pack(),
-                        db=self.store.db["inodes"])
-            self._persist_counters(txn)
-        ex.dcache[(parent.ino, name)] = child.ino
-        ex.inos.add(child.ino)
-        self._touch(parent)
-        self.save(parent)
-
-    def _remove_dentry(self, parent: Node, name: bytes) -> None:
-        ex = self._writable(parent)
-        self._changed(ex, (parent.ino, name))
-        self.copy_up(parent)
-        key = dentry_key(ex.layer, parent.ino, name)
-        in_base = parent.tree is not None and name in self.tree(parent.tree)
-        with self.store.write() as txn:
-            if in_base:
-                txn.put(key, u64(WHITEOUT), db=self.store.db["dentries"])
+            for parent, name, child in names:
+                key = dentry_key(ex.layer, parent.ino, name)
+                if child is not None:
+                    txn.put(key, u64(child.ino), db=dentries)
+                elif parent.tree is not None and name in self.tree(parent.tree):
+                    txn.put(key, u64(WHITEOUT), db=dentries)
+                else:
+                    txn.delete(key, db=dentries)
+            self._put_records(txn, nodes.values())
+        self._stored(nodes.values())
+        for parent, name, child in names:
+            if child is None:
+                ex.dcache.pop((parent.ino, name), None)
             else:
-                txn.delete(key, db=self.store.db["dentries"])
-        ex.dcache.pop((parent.ino, name), None)
-        self._touch(parent)
-        self.save(parent)
+                ex.dcache[(parent.ino, name)] = child.ino
+                ex.inos.add(child.ino)
 
     def _new_node(self, parent: Node, name: bytes, mode: int, uid: int, gid: int,
                   **fields) -> Node:
+        """A new inode named ``name`` in ``parent``; EEXIST if the name is taken.  A new
+        directory (``mode`` S_IFDIR) adds a link to ``parent``."""
         ex = self._writable(parent)
         check_name(name)
         if ex.root_ino == parent.ino and name == CONTROL_DIR.encode():
@@ -802,15 +832,14 @@ class Overlay:
                            ctime_ns=now, **fields)
         node = Node(self._alloc_ino(), ex, None, upper, parent.ino, name)
         self.nodes[node.ino] = node
-        self._set_dentry(parent, name, node)
+        if stat.S_ISDIR(mode):
+            self.copy_up(parent).nlink += 1
+        self._store_names([(parent, name, node)])
         return node
 
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        parent = self.node(parent_ino)
-        node = self._new_node(parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid, nlink=2)
-        parent.upper.nlink += 1
-        self.save(parent)
-        return node
+        return self._new_node(self.node(parent_ino), name, stat.S_IFDIR | (mode & 0o7777),
+                              uid, gid, nlink=2)
 
     def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
               ) -> Node:
@@ -840,53 +869,59 @@ class Overlay:
         u = self.copy_up(node)
         u.nlink += 1
         self._touch(node, mtime=False)
-        self._set_dentry(parent, name, node)
+        self._store_names([(parent, name, node)])
         return node
 
     def _is_empty_dir(self, node: Node) -> bool:
         return not self.listdir(node.ino)
 
-    def _drop_name(self, parent: Node, name: bytes, node: Node) -> None:
-        """Remove ``name`` -> ``node`` from ``parent`` and count the link down.
+    def _count_link_down(self, parent: Node, node: Node) -> None:
+        """``node`` loses its name in ``parent``: its link count (and a directory's parent's)
+        goes down, in memory; the caller stores both with the dentry change.
 
         The inode is copied up first: one still open keeps its attributes (nlink 0) and
         stays readable and writable until the kernel forgets it (:meth:`forgotten`).
         """
         u = self.copy_up(node)
-        self._remove_dentry(parent, name)
         if node.is_dir:
-            parent.upper.nlink -= 1
+            self.copy_up(parent).nlink -= 1
             u.nlink = 0
         else:
             u.nlink -= 1
             self._touch(node, mtime=False)
-        self.save(node)
 
-    def forgotten(self, node: Node) -> None:
-        """The kernel dropped ``node`` (FUSE forget): no process has it open any more, so
-        an unlinked inode's upper record and data can go."""
-        self.upper_fds.close(node)
-        if node.upper is not None and node.upper.nlink == 0 and self.is_live(node):
-            self._delete_upper(node)
+    def forgotten(self, nodes: Iterable[Node]) -> None:
+        """The kernel dropped ``nodes`` (FUSE forget): no process has them open any more, so
+        the upper records and page maps of the unlinked ones go, in one transaction, and
+        their upper data files join :attr:`removals`."""
+        gone = []
+        for node in nodes:
+            self.upper_fds.close(node)
+            if node.upper is not None and node.upper.nlink == 0 and self.is_live(node):
+                gone.append(node)
+        if not gone:
+            return
+        with self.store.write() as txn:
+            cur = txn.cursor(db=self.store.db["pages"])
+            for node in gone:
+                prefix = inode_key(node.view.layer, node.ino)
+                txn.delete(prefix, db=self.store.db["inodes"])
+                if cur.set_range(prefix):
+                    while cur.key().startswith(prefix) and cur.delete():
+                        pass
+        for node in gone:
+            node.dirty = False
+            node.view.dirty.discard(node)
+            node.new_pages.clear()
+        self.removals.extend(self._upper_path(node.view, node.ino) for node in gone)
 
-    def _delete_upper(self, node: Node) -> None:
-        ex = node.view
-        if isinstance(ex, Execution) and node.upper is not None:
-            with self.store.write() as txn:
-                txn.delete(inode_key(ex.layer, node.ino), db=self.store.db["inodes"])
-                c = txn.cursor(db=self.store.db["pages"])
-                prefix = inode_key(ex.layer, node.ino)
-                if c.set_range(prefix):
-                    while c.key().startswith(prefix):
-                        if not c.delete():
-                            break
-            try:
-                os.unlink(self._upper_path(ex, node.ino))
-            except FileNotFoundError:
-                pass
-        node.dirty = False
-        node.view.dirty.discard(node)
-        node.new_pages.clear()
+    async def remove_forgotten(self) -> None:
+        """Delete the upper data files of forgotten unlinked inodes, in a worker thread: one
+        hop for many files, not one per FORGET.  Inode numbers are never reused, so a file a
+        crash leaves behind is garbage until its layer goes, never data of another inode."""
+        paths, self.removals = self.removals, []
+        if paths:
+            await trio.to_thread.run_sync(remove_files, paths)
 
     def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self.node(parent_ino)
@@ -894,7 +929,8 @@ class Overlay:
         node = self.lookup(parent_ino, name)
         if node.is_dir:
             raise fs_error(errno.EISDIR)
-        self._drop_name(parent, name, node)
+        self._count_link_down(parent, node)
+        self._store_names([(parent, name, None)], node)
 
     def rmdir(self, parent_ino: int, name: bytes) -> None:
         parent = self.node(parent_ino)
@@ -904,7 +940,8 @@ class Overlay:
             raise fs_error(errno.ENOTDIR)
         if not self._is_empty_dir(node):
             raise fs_error(errno.ENOTEMPTY)
-        self._drop_name(parent, name, node)
+        self._count_link_down(parent, node)
+        self._store_names([(parent, name, None)], node)
 
     def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes,
                flags: int) -> None:
@@ -941,17 +978,15 @@ class Overlay:
                     q = self.node(q.parent)
             self.copy_up(src)
             self.copy_up(dst)
-            self._set_dentry(old_parent, old_name, dst)
-            self._set_dentry(new_parent, new_name, src)
             if src.is_dir != dst.is_dir and old_parent.ino != new_parent.ino:
                 delta = 1 if src.is_dir else -1
-                new_parent.upper.nlink += delta
-                old_parent.upper.nlink -= delta
+                self.copy_up(new_parent).nlink += delta
+                self.copy_up(old_parent).nlink -= delta
             src.parent, src.name, dst.parent, dst.name = (new_parent.ino, new_name,
                                                           old_parent.ino, old_name)
-            for n in (src, dst, old_parent, new_parent):
-                self._touch(n, mtime=n.is_dir and n in (old_parent, new_parent))
-                self.save(n)
+            self._touch(src, mtime=False)
+            self._touch(dst, mtime=False)
+            self._store_names([(old_parent, old_name, dst), (new_parent, new_name, src)])
             return
         if dst is not None:
             if dst.ino == src.ino:
@@ -965,25 +1000,24 @@ class Overlay:
             if dst.is_dir and not self._is_empty_dir(dst):
                 raise fs_error(errno.ENOTEMPTY)
         self.copy_up(src)
+        replaced = () if dst is None else (dst,)
         if dst is not None:
-            self._drop_name(new_parent, new_name, dst)
-        self._remove_dentry(old_parent, old_name)
-        self._set_dentry(new_parent, new_name, src)
+            self._count_link_down(new_parent, dst)
         if src.is_dir and old_parent.ino != new_parent.ino:
-            old_parent.upper.nlink -= 1
-            new_parent.upper.nlink += 1
-            self.save(old_parent)
-            self.save(new_parent)
+            self.copy_up(old_parent).nlink -= 1
+            self.copy_up(new_parent).nlink += 1
         src.parent, src.name = new_parent.ino, new_name
         self._touch(src, mtime=False)
-        self.save(src)
+        self._store_names([(old_parent, old_name, None), (new_parent, new_name, src)], *replaced)
 
     # -- attributes and xattrs -----------------------------------------------------------
 
     def setattr(self, node: Node, *, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, size: int | None = None, atime_ns: int | None = None,
                 mtime_ns: int | None = None) -> Attrs:
-        """chmod/chown/truncate/utimens; ctime is set to now."""
+        """chmod/chown/truncate/utimens; ctime is set to now.  Without a truncate the record
+        is stored with the next flush (every second, fsync, promote), as a write's is: tar
+        sets mode, owner and times on every file it makes."""
         self._writable(node)
         u = self.copy_up(node)
         if mode is not None:
@@ -1001,7 +1035,10 @@ class Overlay:
         if mtime_ns is not None:
             u.mtime_ns = mtime_ns
         u.ctime_ns = time.time_ns()
-        self.save(node)
+        if size is not None:  # now: its page-map entries are already gone
+            self.save(node)
+        else:
+            self._mark_dirty(node)
         return self.attrs(node)
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:

@@ -10,8 +10,9 @@ import trio
 
 from rametfs.capture import Capture, diff
 from rametfs.errors import NotFound, ReadOnly, RametError
-from rametfs.overlay import Overlay, assemble
+from rametfs.overlay import Overlay, assemble, remove_files
 from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
+from rametfs.store.format import inode_key, page_key
 
 
 @pytest.fixture
@@ -126,6 +127,60 @@ def test_state_survives_a_new_overlay(model, tmp_path):
         [b"small-link", b"sub"]
     assert [(k, p) for k, p in diff(reopened, ex2)] == [
         ("D", b"dir/a"), ("M", b"dir/small-link"), ("A", b"new"), ("M", b"small")]
+
+
+def test_namespace_changes_store_every_record_they_touch(model):
+    # No flush_all: each operation stores its dentries and the records it changed at once,
+    # so a new overlay (as after a crash) sees names and link counts that agree.
+    store, overlay, ex = model
+    overlay.mkdir(ex.root_ino, b"new", 0o755, 0, 0)
+    dir_ino, new_ino = path_node(overlay, ex, "dir").ino, path_node(overlay, ex, "new").ino
+    overlay.rename(dir_ino, b"sub", new_ino, b"moved", 0)
+    overlay.unlink(dir_ino, b"small-link")
+    overlay.rename(ex.root_ino, b"small", dir_ino, b"a", 0)  # replaces dir/a
+    x = overlay.create(new_ino, b"x", 0o644, 0, 0)
+    overlay.write(x, 0, b"x")
+    overlay.rename(new_ino, b"x", dir_ino, b"a", 2)  # RENAME_EXCHANGE
+    reopened = Overlay(store)
+    ex2 = reopened.execution("e")
+
+    def nlink(path):
+        return reopened.attrs(path_node(reopened, ex2, path) if path else
+                              reopened.node(ex2.root_ino)).nlink
+
+    def names(path):
+        return [n for n, _ in reopened.listdir(path_node(reopened, ex2, path).ino)]
+    assert (names("new"), names("dir")) == ([b"moved", b"x"], [b"a"])
+    assert b"small" not in [n for n, _ in reopened.listdir(ex2.root_ino)]
+    assert (nlink(""), nlink("dir"), nlink("new"), nlink("new/moved"), nlink("new/x")) == \
+        (4, 2, 3, 2, 1)
+    assert read_all(reopened, path_node(reopened, ex2, "new/x")) == b"0123456789" * 2
+    assert read_all(reopened, path_node(reopened, ex2, "dir/a")) == b"x"
+
+
+def test_forgotten_unlinked_inode_loses_records_and_data(model):
+    store, overlay, ex = model
+    big, small = path_node(overlay, ex, "big"), path_node(overlay, ex, "small")
+    overlay.write(big, PAGE_SIZE, b"Q")
+    overlay.write(small, 0, b"S")
+    overlay.save(big, small)
+    overlay.unlink(ex.root_ino, b"big")
+    data = overlay._upper_path(ex, big.ino)
+
+    def stored():
+        with store.read() as txn:
+            return [txn.get(key, db=store.db[db]) is not None for key, db in [
+                (inode_key(ex.layer, big.ino), "inodes"), (page_key(ex.layer, big.ino, 1), "pages"),
+                (inode_key(ex.layer, small.ino), "inodes"),
+                (page_key(ex.layer, small.ino, 0), "pages")]]
+    assert stored() == [True, True, True, True]
+    overlay.forgotten([big, small])
+    assert overlay.removals == [data]  # small still has its name
+    assert stored() == [False, False, True, True]
+    trio.run(overlay.remove_forgotten)
+    assert overlay.removals == []
+    assert not os.path.exists(data) and os.path.exists(overlay._upper_path(ex, small.ino))
+    remove_files([data])  # already gone: nothing to do
 
 
 def test_reset_drops_the_layer(model):

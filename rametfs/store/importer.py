@@ -164,24 +164,28 @@ class DirectoryImporter:
 
         self.dirs, self.link_ids, self.link_counts = dirs, link_ids, link_counts
 
-        # Contents: the stat cache first, in this thread (a re-import is mostly hits, and a
-        # job per file would cost more than the lookup); one job per missed inode, on every core.
+        # Contents: the stat cache first, in this thread and one short read transaction (a
+        # re-import is mostly hits, and a job per file would cost more than the lookup; a
+        # reader held open while the jobs write would pin LMDB's free pages); then one job
+        # per missed inode, on every core.
         contents: dict[tuple[int, int], bytes] = {}
-        jobs: dict[tuple[int, int], object] = {}
+        missed: dict[tuple[int, int], tuple[str, os.stat_result]] = {}
+        with self.store.read() as txn:
+            for _, items in dirs:
+                for _, child, st in items:
+                    key = (st.st_dev, st.st_ino)
+                    if not stat.S_ISREG(st.st_mode) or key in contents or key in missed:
+                        continue
+                    cid = self._cached_content(txn, child, st)
+                    if cid is None:
+                        missed[key] = (child, st)
+                    else:
+                        contents[key] = cid
+        self.stats.cached_files = len(contents)
         try:
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool, \
-                    self.store.read() as txn:
-                for _, items in dirs:
-                    for _, child, st in items:
-                        key = (st.st_dev, st.st_ino)
-                        if not stat.S_ISREG(st.st_mode) or key in contents or key in jobs:
-                            continue
-                        cid = self._cached_content(txn, child, st)
-                        if cid is None:
-                            jobs[key] = pool.submit(self._file_content, child, st)
-                        else:
-                            contents[key] = cid
-                            self.stats.cached_files += 1
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+                jobs = {key: pool.submit(self._file_content, child, st)
+                        for key, (child, st) in missed.items()}
                 contents.update((key, fut.result()) for key, fut in jobs.items())
         except OSError as exc:
             if exc.errno == errno.ENOSPC:

@@ -30,6 +30,10 @@ from .format import (DATABASES, FORMAT_VERSION, ID_BYTES, PAGE_SIZE, from_u64, u
 from .trees import Entry, decode_tree, encode_tree
 
 MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is written
+# Bytes of the metadata file kept allocated past LMDB's last page, so that small metadata
+# transactions (the unlink that frees room, a reset) still commit on a full disk: LMDB writes
+# new pages past its last one, and a write that finds no room fails the whole commit (EIO).
+METADATA_RESERVE = 4 << 20
 EMPTY_CONTENT = chunks.content_id(0, b"")
 
 
@@ -71,6 +75,8 @@ class Store:
         self.env = lmdb.open(str(self.root / "meta"), map_size=MAP_SIZE, max_dbs=len(DATABASES),
                              sync=False, metasync=False, readahead=False, max_readers=1024)
         self.db = {name: self.env.open_db(name.encode()) for name in DATABASES}
+        self._meta_file = self.root / "meta" / "data.mdb"
+        self._reserved_to = 0  # bytes of the metadata file allocated, as last seen
         with self.write() as txn:
             version = txn.get(b"format", db=self.db["meta"])
             if version is None:
@@ -79,6 +85,23 @@ class Store:
                 raise RametError(f"{self.root}: store format {from_u64(version)}, "
                                  f"this rametfs reads {FORMAT_VERSION}", errno.EIO)
         self.page_size = PAGE_SIZE
+
+    def _reserve_metadata(self) -> None:
+        """Keep :data:`METADATA_RESERVE` bytes allocated past LMDB's last page
+        (posix_fallocate(2)); on a full disk the reserve left is kept as it is."""
+        used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        if used + METADATA_RESERVE // 2 <= self._reserved_to:
+            return
+        fd = os.open(self._meta_file, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, used + METADATA_RESERVE)
+            self._reserved_to = used + METADATA_RESERVE
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EOPNOTSUPP):
+                raise
+            self._reserved_to = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         self.env.sync(True)
@@ -94,6 +117,7 @@ class Store:
         try:
             with self.env.begin(write=True) as txn:
                 yield txn
+            self._reserve_metadata()
         except lmdb.MapFullError:
             raise NoSpace("metadata store is full") from None
         except lmdb.Error as exc:
