@@ -21,7 +21,7 @@ import trio
 from .control import Control
 from .errors import RametError
 from .fuse_ops import Operations
-from .overlay import Overlay, remove_files
+from .overlay import Overlay
 from .pools import LEASED
 from .store import Store
 from .verify import ROOT
@@ -88,11 +88,10 @@ async def _expire_leases(control: Control) -> None:
 async def _store_dirty_records(overlay: Overlay) -> None:
     """Store changed inode records every :data:`DIRTY_INTERVAL_S`: the kernel does not say
     when a file is closed (open-less FUSE), so this bounds what a crash loses of data that
-    was never fsync'd.  The data files of deleted inodes go then too."""
+    was never fsync'd."""
     while True:
         await trio.sleep(DIRTY_INTERVAL_S)
         overlay.flush_all()
-        await overlay.remove_forgotten()
 
 
 async def _serve(overlay: Overlay, control: Control) -> None:
@@ -139,7 +138,6 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     finally:
         if clean:
             overlay.flush_all()
-            remove_files(overlay.removals)
         pyfuse3.close(unmount=clean)
         store.close()
         log.info("unmounted %s", mountpoint) if clean else log.error("crashed; mount left in place")

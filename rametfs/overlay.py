@@ -252,15 +252,6 @@ class OpenFiles:
             os.close(fd)
 
 
-def remove_files(paths: Iterable[str]) -> None:
-    """Unlink ``paths``; those already gone are skipped.  Blocking: run it in a worker thread."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 def assemble(off: int, end: int, pages: set[int], base_limit: int,
              read_base: Callable[[int, int], bytes], read_upper: Callable[[int, int], bytes]
              ) -> bytes:
@@ -322,7 +313,6 @@ class Overlay:
         self.hydrated: dict[bytes, str] = {}
         self.upper_fds = OpenFiles()  # by Node
         self.base_fds = OpenFiles()  # by content id
-        self.removals: list[str] = []  # upper data files of forgotten unlinked inodes
         self.hydrating: dict[bytes, trio.Event] = {}
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
@@ -892,8 +882,8 @@ class Overlay:
 
     def forgotten(self, nodes: Iterable[Node]) -> None:
         """The kernel dropped ``nodes`` (FUSE forget): no process has them open any more, so
-        the upper records and page maps of the unlinked ones go, in one transaction, and
-        their upper data files join :attr:`removals`."""
+        the upper records and page maps of the unlinked ones go, in one transaction, then
+        their upper data files (now: a full disk gets its room back at once)."""
         gone = []
         for node in nodes:
             self.upper_fds.close(node)
@@ -913,15 +903,10 @@ class Overlay:
             node.dirty = False
             node.view.dirty.discard(node)
             node.new_pages.clear()
-        self.removals.extend(self._upper_path(node.view, node.ino) for node in gone)
-
-    async def remove_forgotten(self) -> None:
-        """Delete the upper data files of forgotten unlinked inodes, in a worker thread: one
-        hop for many files, not one per FORGET.  Inode numbers are never reused, so a file a
-        crash leaves behind is garbage until its layer goes, never data of another inode."""
-        paths, self.removals = self.removals, []
-        if paths:
-            await trio.to_thread.run_sync(remove_files, paths)
+            try:
+                os.unlink(self._upper_path(node.view, node.ino))
+            except FileNotFoundError:
+                pass  # never written
 
     def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self.node(parent_ino)
