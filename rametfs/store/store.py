@@ -77,6 +77,7 @@ class Store:
         self.db = {name: self.env.open_db(name.encode()) for name in DATABASES}
         self._meta_file = self.root / "meta" / "data.mdb"
         self._reserved_to = 0  # bytes of the metadata file allocated, as last seen
+        self._psize = self.env.stat()["psize"]  # bytes per LMDB page
         with self.write() as txn:
             version = txn.get(b"format", db=self.db["meta"])
             if version is None:
@@ -89,7 +90,7 @@ class Store:
     def _reserve_metadata(self) -> None:
         """Keep :data:`METADATA_RESERVE` bytes allocated past LMDB's last page
         (posix_fallocate(2)); on a full disk the reserve left is kept as it is."""
-        used = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        used = (self.env.info()["last_pgno"] + 1) * self._psize
         if used + METADATA_RESERVE // 2 <= self._reserved_to:
             return
         fd = os.open(self._meta_file, os.O_RDWR)
