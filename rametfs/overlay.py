@@ -747,7 +747,9 @@ class Overlay:
     def flush_view(self, view: View) -> None:
         """Store every dirty upper record of ``view`` in one transaction (before a capture, a
         fsync, shutdown, and every second)."""
-        self.save(*[n for n in view.dirty if self.is_live(n) and n.upper.nlink > 0])
+        dirty = [n for n in view.dirty if self.is_live(n) and n.upper.nlink > 0]
+        if dirty:
+            self.save(*dirty)
         view.dirty.clear()
 
     def flush_all(self) -> None:
@@ -769,10 +771,9 @@ class Overlay:
         ``child`` in ``parent`` (None removes the name: a whiteout when the base has it) and
         sets the parent's mtime; the records of the parents, the children and ``also`` are
         stored with the dentries, so a crash keeps all of it or none."""
-        ex = self._writable(names[0][0])
         nodes: dict[int, Node] = {}
-        for parent, name, child in names:
-            self._writable(parent)
+        for parent, name, child in names:  # the parents are in one execution (rename checks)
+            ex = self._writable(parent)
             self._changed(ex, (parent.ino, name))
             self.copy_up(parent)
             self._touch(parent)

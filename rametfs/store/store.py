@@ -88,8 +88,9 @@ class Store:
         self.page_size = PAGE_SIZE
 
     def _reserve_metadata(self) -> None:
-        """Keep :data:`METADATA_RESERVE` bytes allocated past LMDB's last page
-        (posix_fallocate(2)); on a full disk the reserve left is kept as it is."""
+        """Keep :data:`METADATA_RESERVE` bytes allocated past LMDB's last committed page
+        (posix_fallocate(3)); on a full disk the reserve left is kept as it is.  Call it
+        holding a write transaction."""
         used = (self.env.info()["last_pgno"] + 1) * self._psize
         if used + METADATA_RESERVE // 2 <= self._reserved_to:
             return
@@ -97,9 +98,7 @@ class Store:
         try:
             os.posix_fallocate(fd, 0, used + METADATA_RESERVE)
             self._reserved_to = used + METADATA_RESERVE
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EOPNOTSUPP):
-                raise
+        except OSError:  # no room, or no fallocate here: the reserve is a best effort
             self._reserved_to = os.fstat(fd).st_size
         finally:
             os.close(fd)
@@ -118,7 +117,9 @@ class Store:
         try:
             with self.env.begin(write=True) as txn:
                 yield txn
-            self._reserve_metadata()
+                # Before the commit, under LMDB's writer lock: no page is written meanwhile
+                # (glibc's posix_fallocate, where the file system has no fallocate, writes).
+                self._reserve_metadata()
         except lmdb.MapFullError:
             raise NoSpace("metadata store is full") from None
         except lmdb.Error as exc:
