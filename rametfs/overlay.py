@@ -846,8 +846,11 @@ class Overlay:
                               target=target)
 
     def link(self, ino: int, parent_ino: int, name: bytes) -> Node:
+        """link(2); EXDEV from another view (each snapshot and execution is its own tree)."""
         node = self.node(ino)
         parent = self.node(parent_ino)
+        if node.view is not parent.view:
+            raise fs_error(errno.EXDEV, "a hard link cannot cross snapshots and executions")
         self._writable(parent)
         check_name(name)
         if node.is_dir:
@@ -933,8 +936,10 @@ class Overlay:
     def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes,
                flags: int) -> None:
         """rename(2) with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2); directories from the
-        base move for real (no EXDEV)."""
+        base move for real within an execution; EXDEV from another view."""
         old_parent, new_parent = self.node(old_parent_ino), self.node(new_parent_ino)
+        if old_parent.view is not new_parent.view:
+            raise fs_error(errno.EXDEV, "a rename cannot cross snapshots and executions")
         ex = self._writable(old_parent)
         self._writable(new_parent)
         check_name(new_name)

@@ -258,6 +258,31 @@ def test_rename_errors_match_ext4(ex, source, tmp_path):
     assert tree_signature(ex, times=False) == tree_signature(ext4, times=False)
 
 
+def test_rename_and_link_across_executions_and_snapshots_give_exdev(shared_daemon, executions,
+                                                                    snap, source):
+    a, b = executions.new(snap), executions.new(snap)
+    (a / "new.txt").write_bytes(b"only in a\n")
+    crossings = [(a / "new.txt", b / "new.txt"), (a / "dir", b / "dir2"),
+                 (a / "base.txt", b / "base-copy.txt"),
+                 (shared_daemon.snap_path(snap) / "hl1", a / "x")]
+    for op, src, dst in [(os.rename, a / "base.txt", b / "base.txt")] + \
+            [(op, src, dst) for op in (os.rename, os.link) for src, dst in crossings
+             if not (op is os.link and src.is_dir())]:
+        with pytest.raises(OSError) as caught:
+            op(src, dst)
+        assert caught.value.errno == errno.EXDEV, (op, src, dst)
+    run("mv", a / "new.txt", b / "moved.txt")  # mv copies, then unlinks, on EXDEV
+    (b / "moved.txt").write_bytes(b"changed in b\n")
+
+    assert not (a / "new.txt").exists()
+    assert sorted(p.name for p in b.iterdir() if p.name.endswith(".txt")) == \
+        ["base.txt", "moved.txt"]
+    unchanged = tree_signature(source)
+    del unchanged["."]  # a's root mtime moved with new.txt
+    assert {k: v for k, v in tree_signature(a).items() if k != "."} == unchanged
+    assert (b / "moved.txt").read_bytes() == b"changed in b\n"
+
+
 def test_unlink_of_an_open_base_file_keeps_it_readable(ex):
     fd = os.open(ex / "base.txt", os.O_RDONLY)
     try:
