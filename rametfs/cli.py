@@ -142,18 +142,20 @@ def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug
 
 
 def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
-    """Start the daemon in its own session; return once the mount answers.
+    """Start the daemon in its own session; return once the mount answers with its pid.
 
     Raises RametError when the daemon exits first or is not ready within WAIT_SECONDS
     (then it is terminated); either way the tail of its log is in the message.
     """
     with open(log_file, "ab") as log:
         start = log.tell()  # show only what this run logs
+        # cwd /: "python -m" puts the working directory first on the import path, and a
+        # rametfs/ there must not be what runs.
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                 start_new_session=True)
+                                 start_new_session=True, cwd="/")
     deadline = time.monotonic() + WAIT_SECONDS
     while child.poll() is None:
-        if os.path.ismount(mountpoint) and _answers(mountpoint):
+        if os.path.ismount(mountpoint) and _served_by(mountpoint) == child.pid:
             return
         if time.monotonic() > deadline:
             child.terminate()
@@ -161,18 +163,19 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
             raise RametError(errno.ETIMEDOUT, f"daemon not ready after {WAIT_SECONDS:.0f} s; "
                              f"{log_file} ends with:\n{_tail(log_file, start)}")
         time.sleep(_POLL_SECONDS)
-    raise RametError(errno.EIO, f"daemon exited with status {child.returncode}; "
+    err = {code: err for err, code in EXIT_CODES.items()}.get(child.returncode, errno.EIO)
+    raise RametError(err, f"daemon exited with status {child.returncode}; "
                      f"{log_file} ends with:\n{_tail(log_file, start)}")
 
 
-def _answers(mountpoint: str) -> bool:
-    """Whether the mount's root status file can be read."""
+def _served_by(mountpoint: str) -> int | None:
+    """The pid of the daemon whose root status the mount shows, or None (another daemon
+    may be mounted there: the new one then exits)."""
     try:
         with open(os.path.join(mountpoint, protocol.CONTROL_DIR, protocol.STATUS)) as f:
-            f.read()
-    except OSError:
-        return False
-    return True
+            return json.load(f)["pid"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _tail(path: str, start: int, lines: int = 20) -> str:

@@ -9,6 +9,7 @@ mounted but dead on purpose: an empty-looking directory invites tools to delete 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import math
 import os
@@ -38,6 +39,24 @@ def _check_mountpoint(mountpoint: str) -> None:
         raise RametError(f"{mountpoint} is already a mountpoint", errno.EBUSY)
     if os.listdir(mountpoint):
         raise RametError(f"mountpoint {mountpoint} is not empty", errno.ENOTEMPTY)
+
+
+def _lock_data_dir(data_dir: str) -> int:
+    """Take ``<data_dir>/daemon.lock`` (flock, held while the returned descriptor is open):
+    two daemons on one store would hand out the same inode numbers.  EBUSY if taken."""
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(data_dir, "daemon.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise RametError(f"{data_dir} is in use by another rametfs daemon (pid {holder})",
+                         errno.EBUSY) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 async def _collect_dead_layers(overlay: Overlay) -> None:
@@ -117,10 +136,18 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
 
     Returns after a clean unmount (SIGINT, SIGTERM, or ``fusermount3 -u``).  Raises
     RametError when the mountpoint is missing (ENOENT), mounted (EBUSY) or not empty
-    (ENOTEMPTY), or the store cannot be opened.
+    (ENOTEMPTY), another daemon serves ``data_dir`` (EBUSY), or the store cannot be opened.
     """
     mountpoint = os.path.abspath(mountpoint)
     _check_mountpoint(mountpoint)
+    lock = _lock_data_dir(data_dir)
+    try:
+        _serve_store(data_dir, mountpoint, allow_other, debug)
+    finally:
+        os.close(lock)
+
+
+def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool) -> None:
     store = Store(data_dir)
     overlay = Overlay(store)
     ops = Operations(overlay, mountpoint)

@@ -165,6 +165,41 @@ def test_cli_reports_errors_with_exit_codes(shared_daemon, tmp_path):
     assert (proc.returncode, proc.stdout) == (3, "")
 
 
+def test_a_second_daemon_on_a_data_dir_in_use_refuses_with_ebusy(daemon, tmp_path):
+    (tmp_path / "mnt2").mkdir()
+    proc = run(sys.executable, "-m", "rametfs", "serve", "--data", daemon.data_dir,
+               tmp_path / "mnt2", "--background", "--log", tmp_path / "second.log", check=False)
+
+    assert proc.returncode == 5  # EBUSY
+    assert f"in use by another rametfs daemon (pid {daemon.pid})" in proc.stderr
+    assert not os.path.ismount(tmp_path / "mnt2")
+    assert daemon.status()["pid"] == daemon.pid
+
+
+def test_serve_onto_a_mountpoint_another_daemon_serves_is_ebusy(daemon, tmp_path):
+    proc = run(sys.executable, "-m", "rametfs", "serve", "--data", tmp_path / "data2",
+               daemon.mnt, "--background", check=False)
+
+    assert proc.returncode == 5  # EBUSY, not a success read off the other daemon's mount
+    assert f"{daemon.mnt} is already a mountpoint" in proc.stderr
+    assert daemon.status()["pid"] == daemon.pid
+
+
+def test_serve_background_ignores_a_rametfs_package_in_the_working_directory(tmp_path):
+    cwd = tmp_path / "cwd"
+    write_tree(cwd, {"rametfs/__init__.py": b"", "rametfs/__main__.py":
+                     f"open({str(tmp_path / 'MARKER')!r}, 'w').close()\n".encode()})
+    rametfs = Path(sys.executable).with_name("rametfs")  # the console script, as users run it
+    d = Daemon(tmp_path / "data", tmp_path / "mnt")
+    d.mnt.mkdir()
+    try:
+        run(rametfs, "serve", "--data", d.data_dir, d.mnt, "--background", cwd=cwd)
+        d.pid = d.status()["pid"]
+        assert not (tmp_path / "MARKER").exists()
+    finally:
+        d.stop()
+
+
 # ----- crash in the middle of a promote ------------------------------------------------------
 
 def two_snapshots(daemon: Daemon, source, text: bytes) -> tuple[str, dict]:
