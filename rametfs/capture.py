@@ -245,10 +245,16 @@ class Capture:
     async def hash(self) -> None:
         """Hash and store the changed files on every core."""
         limiter = trio.CapacityLimiter(os.cpu_count() or 2)
-        async with trio.open_nursery() as nursery:
-            for job in self.jobs.values():
-                nursery.start_soon(lambda j=job: trio.to_thread.run_sync(
-                    _hash_file, self.overlay.store, self.writer, j, limiter=limiter))
+        try:
+            async with trio.open_nursery() as nursery:
+                for job in self.jobs.values():
+                    nursery.start_soon(lambda j=job: trio.to_thread.run_sync(
+                        _hash_file, self.overlay.store, self.writer, j, limiter=limiter))
+        except BaseExceptionGroup as group:  # the first failure stops them all: report it
+            first = group
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
 
     def _entry(self, txn, name: bytes, item) -> Entry:
         if isinstance(item, Entry):

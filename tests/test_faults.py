@@ -291,6 +291,13 @@ def test_full_disk_write_fails_with_enospc_and_snapshots_survive(tmp_path, sourc
             os.close(fd)
         assert caught.value.errno == errno.ENOSPC
         assert 0 < written < 64 * MIB
+        with pytest.raises(OSError) as caught:  # its chunks do not fit either
+            d.exec_ctl(eid, "promote")
+        assert caught.value.errno == errno.ENOSPC
+        assert caught.value.reply["errno"] == errno.ENOSPC
+        assert "no space left" in caught.value.reply["error"]
+        assert "no space left" in control(ex, protocol.ERROR).read_text()
+        assert snapshot_ids(d) == list(expected)
 
         os.unlink(ex / "filler")
         d.exec_ctl(eid, "reset")

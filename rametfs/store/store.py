@@ -103,6 +103,11 @@ class Store:
         finally:
             os.close(fd)
 
+    def _disk_full(self) -> bool:
+        """Whether the data directory's file system has less than 1 MiB free."""
+        st = os.statvfs(self.root)
+        return st.f_bfree * st.f_frsize < 1 << 20
+
     def close(self) -> None:
         self.env.sync(True)
         self.env.close()
@@ -123,7 +128,8 @@ class Store:
         except lmdb.MapFullError:
             raise NoSpace("metadata store is full") from None
         except lmdb.Error as exc:
-            if "No space left" in str(exc):
+            # A commit whose page writes find no room fails as EIO (a short write).
+            if "No space left" in str(exc) or self._disk_full():
                 raise NoSpace(f"no space left for metadata: {exc}") from None
             raise
 
