@@ -8,6 +8,7 @@ through the ``invalidate`` callback, so this module stays free of FUSE.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -76,10 +77,12 @@ class Control:
 
     # -- running commands ----------------------------------------------------------------
 
-    async def run_root(self, text: str) -> dict:
-        """Run one root command line; returns the reply, raises RametError (errno)."""
+    async def run_root(self, command: bytes) -> dict:
+        """Run one root command (one write to ``ctl``); returns the reply, raises RametError
+        (errno; E2BIG over :data:`protocol.MAX_COMMAND_BYTES`, EINVAL if not UTF-8)."""
+        text = command.decode(errors="replace")
         try:
-            name, args = protocol.parse_command(text, protocol.ROOT_COMMANDS)
+            name, args = protocol.parse_command(self._text(command), protocol.ROOT_COMMANDS)
             reply = await self.root_handlers[name](args)
         except (RametError, protocol.ProtocolError) as exc:
             self.root_error = self._failed(exc, text)
@@ -88,10 +91,12 @@ class Control:
         self.root_last = reply
         return reply
 
-    async def run_execution(self, ex: Execution, text: str) -> dict:
-        """Run one command line on execution ``ex``; returns the reply, raises RametError."""
+    async def run_execution(self, ex: Execution, command: bytes) -> dict:
+        """Run one command on execution ``ex``; returns the reply, raises RametError (as
+        :meth:`run_root`)."""
+        text = command.decode(errors="replace")
         try:
-            name, args = protocol.parse_command(text, protocol.EXECUTION_COMMANDS)
+            name, args = protocol.parse_command(self._text(command), protocol.EXECUTION_COMMANDS)
             if ex.id in self.busy:
                 raise Busy(f"execution {ex.id!r} is running another command")
             self.busy.add(ex.id)
@@ -105,6 +110,16 @@ class Control:
             raise self._as_rametfs(exc) from None
         self.last[ex.id] = reply
         return reply
+
+    @staticmethod
+    def _text(command: bytes) -> str:
+        if len(command) > protocol.MAX_COMMAND_BYTES:
+            raise RametError(f"a command is at most {protocol.MAX_COMMAND_BYTES} bytes",
+                             errno.E2BIG)
+        try:
+            return command.decode()
+        except UnicodeDecodeError:
+            raise InvalidArgument("a command is UTF-8 text") from None
 
     @staticmethod
     def _as_rametfs(exc: Exception) -> RametError:

@@ -523,17 +523,13 @@ class Operations(pyfuse3.Operations):
     async def _control_write(self, v: Virtual, buf: bytes) -> int:
         if v.kind not in WRITTEN:
             raise pyfuse3.FUSEError(errno.EBADF)
-        if len(buf) > protocol.MAX_COMMAND_BYTES:
-            raise pyfuse3.FUSEError(errno.E2BIG)
         if v.kind == protocol.FSMONITOR:
+            if len(buf) > protocol.MAX_COMMAND_BYTES:
+                raise pyfuse3.FUSEError(errno.E2BIG)
             v.changed(self.control.fsmonitor_answer(self.overlay.execution(v.execution), buf))
             return len(buf)
-        try:
-            text = buf.decode()
-        except UnicodeDecodeError:
-            raise pyfuse3.FUSEError(errno.EINVAL) from None
         # One write is one command: a quoted argument may hold a newline.
-        line = "promote" if v.kind == protocol.PROMOTE else text
+        line = b"promote" if v.kind == protocol.PROMOTE else buf
         try:
             if v.execution is None:
                 reply = await self.control.run_root(line)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import sys
 import threading
@@ -57,6 +58,28 @@ def test_malformed_root_command_is_einval(shared_daemon, line):
     after = shared_daemon.status()
     assert (after["snapshots"], after["executions"]) == (before["snapshots"], before["executions"])
     assert after["last"] == exc.reply
+
+
+@pytest.mark.parametrize("command, err, message", [
+    (b"\xff\xfe\n", errno.EINVAL, "a command is UTF-8 text"),
+    (b"create " + b"x" * protocol.MAX_COMMAND_BYTES, errno.E2BIG,
+     f"a command is at most {protocol.MAX_COMMAND_BYTES} bytes")])
+def test_undecodable_or_oversized_command_replaces_the_last_reply(shared_daemon, source, command,
+                                                                   err, message):
+    with pytest.raises(OSError):
+        shared_daemon.ctl("frobnicate")  # an earlier failure whose words must not stay
+    for ctl in (control(shared_daemon.mnt, protocol.CTL),
+                control(shared_daemon.exec_path(shared_daemon.create(shared_daemon.snapshot(
+                    source))), protocol.CTL)):
+        fd = os.open(ctl, os.O_RDWR)
+        try:
+            assert_fails(lambda: os.write(fd, command), err)
+            reply = json.loads(os.pread(fd, 1 << 16, 0))
+        finally:
+            os.close(fd)
+        assert reply == {"ok": False, "errno": err, "error": message}
+        assert control(ctl.parent.parent, protocol.ERROR).read_text().endswith(
+            f": {message}\n")
 
 
 def test_bad_execution_name_is_einval(shared_daemon, source):
