@@ -163,7 +163,7 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
             raise RametError(errno.ETIMEDOUT, f"daemon not ready after {WAIT_SECONDS:.0f} s; "
                              f"{log_file} ends with:\n{_tail(log_file, start)}")
         time.sleep(_POLL_SECONDS)
-    err = {code: err for err, code in EXIT_CODES.items()}.get(child.returncode, errno.EIO)
+    err = {code: e for e, code in EXIT_CODES.items()}.get(child.returncode, errno.EIO)
     raise RametError(err, f"daemon exited with status {child.returncode}; "
                      f"{log_file} ends with:\n{_tail(log_file, start)}")
 
