@@ -226,6 +226,10 @@ class Control:
             protocol.parse_count(args.get("pid", "0"), "--pid", minimum=0),
             args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"))
         ex = self.overlay.execution(member.execution)
+        if not self.overlay.pristine(ex):  # a process of an earlier holder wrote after return
+            log.info("pool %s: execution %s changed while ready: reset before its lease",
+                     member.pool, ex.id)
+            await self._reset_layer(ex)
         return {"ok": True, "execution": ex.id, "pool": member.pool, "snapshot": ex.base.id,
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
                 "lease": member.lease.to_json()}

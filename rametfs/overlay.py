@@ -452,6 +452,19 @@ class Overlay:
         self.dead_layers.set()
         return stale
 
+    def pristine(self, ex: Execution) -> bool:
+        """Whether ``ex``'s layer is as a reset leaves it: no change recorded since, no
+        dentry stored in it (one from before a daemon restart), its root record the base's."""
+        if ex.changes:
+            return False
+        prefix = u64(ex.layer)
+        with self.store.read() as txn:
+            cur = txn.cursor(db=self.store.db["dentries"])
+            if cur.set_range(prefix) and cur.key().startswith(prefix):
+                return False
+        root = self.nodes[ex.root_ino].upper
+        return root is not None and root.pack() == UpperInode.from_entry(ex.base.root).pack()
+
     def release(self, ex: Execution) -> list[tuple[int, bytes]]:
         """Delete execution ``ex`` and its upper layer (files still open turn stale).
 

@@ -312,6 +312,27 @@ def test_a_lease_ending_while_the_daemon_is_down_is_returned_by_the_next(daemon,
     assert f"lease of {eid} by gone (pid 4242 on elsewhere) expired" in daemon.log_text()
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
+def test_writes_into_a_ready_member_are_reset_before_its_next_lease(daemon, source, restart):
+    # A process of an earlier holder outlives its lease and goes on writing in the execution.
+    base = daemon.snapshot(source)
+    daemon.ctl(f"pool {base} --size 1 --name zombie")
+    eid = daemon.ctl("acquire zombie --holder a --ttl 30")["execution"]
+    daemon.ctl(f"return {eid} --holder a")
+    ex = daemon.exec_path(eid)
+    (ex / "zombie.txt").write_text("left by a\n")
+    (ex / "README").write_text("changed by a\n")
+    if restart:  # the pristine check then has no record of changes: it reads the store
+        daemon.stop()
+        daemon.start()
+
+    assert daemon.ctl("acquire zombie --holder b --ttl 30")["execution"] == eid
+    assert sorted(os.listdir(ex)) == sorted(os.listdir(source))
+    assert (ex / "README").read_text() == "project\n"
+    assert daemon.exec_status(eid)["upper_bytes"] == 0
+    assert f"execution {eid} changed while ready: reset before its lease" in daemon.log_text()
+
+
 def test_a_waiting_acquire_gets_the_execution_another_thread_returns(shared_daemon, source):
     ramet = Ramet(shared_daemon.mnt)
     with ramet.execution_pool(ramet.snapshot(source), concurrency=1) as pool:
