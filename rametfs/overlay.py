@@ -38,7 +38,7 @@ from typing import Callable, Hashable, Iterable, Iterator
 import msgpack
 import trio
 
-from .errors import InvalidArgument, NotFound, RametError, ReadOnly, fs_error
+from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
 from .protocol import CONTROL_DIR
 from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (dentry_key, from_u64, inode_key, link_key, page_key, page_of_key, u64)
@@ -1177,33 +1177,45 @@ class Overlay:
         return assemble(off, end, self._pages(node), u.base_limit, read_base, read_upper)
 
     def write(self, node: Node, off: int, data: bytes) -> int:
-        """Write ``data`` at ``off`` (bytes), copying up only the pages it touches."""
+        """Write ``data`` at ``off`` (bytes), copying up only the pages it touches; returns
+        the bytes written, fewer when the disk fills up (ENOSPC when none)."""
         self._writable(node)
         u = self.copy_up(node)
         fd = self._upper_fd(node)
         end = off + len(data)
-        if off < u.base_limit:
-            pages = self._pages(node)
-            for page in range(off // PAGE_SIZE, (min(end, u.base_limit) - 1) // PAGE_SIZE + 1):
+        touched = range(off // PAGE_SIZE, (min(end, u.base_limit) - 1) // PAGE_SIZE + 1) \
+            if off < u.base_limit else range(0)  # the pages that may still be the base's
+        pages = self._pages(node) if touched else set()
+        whole = []  # base pages this write covers whole: not copied, theirs once written
+        try:
+            for page in touched:
                 if page in pages:
                     continue
                 start = page * PAGE_SIZE
                 limit = min(start + PAGE_SIZE, u.base_limit)
-                if not (off <= start and end >= limit):  # not wholly overwritten: copy up
-                    raw = self.store.read_page(u.base.ref, page)[: limit - start]
-                    os.pwrite(fd, raw, start)
+                if off <= start and end >= limit:
+                    whole.append((page, limit))
+                    continue
+                raw = self.store.read_page(u.base.ref, page)[: limit - start]  # copy up
+                if os.pwrite(fd, raw, start) < len(raw):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 pages.add(page)
                 node.new_pages.add(page)
-        try:
-            written = os.pwrite(fd, data, off)
+            done = off + os.pwrite(fd, data, off)
         except OSError as exc:
             raise RametError(f"upper data write failed: {exc.strerror}", exc.errno) from None
-        if end > u.size:
-            u.size = end
-        now = time.time_ns()
-        u.mtime_ns = u.ctime_ns = now
+        for page, limit in whole:
+            if limit > done:  # a short write: this page and those after stay the base's
+                done = min(done, page * PAGE_SIZE)
+                break
+            pages.add(page)
+            node.new_pages.add(page)
+        if done <= off and data:
+            raise NoSpace("upper data write failed: no space left on device")
+        u.size = max(u.size, done)
+        u.mtime_ns = u.ctime_ns = time.time_ns()
         self._mark_dirty(node)
-        return written
+        return done - off
 
     def truncate(self, node: Node, size: int) -> None:
         """Set the file size (bytes); bytes past a shrink read as zeros if it grows again."""

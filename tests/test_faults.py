@@ -314,6 +314,7 @@ def test_full_disk_write_fails_with_enospc_and_snapshots_survive(tmp_path, sourc
             os.close(fd)
         assert caught.value.errno == errno.ENOSPC
         assert 0 < written < 64 * MIB
+        assert os.stat(ex / "filler").st_size == written  # a short last write counts as short
         with pytest.raises(OSError) as caught:  # its chunks do not fit either
             d.exec_ctl(eid, "promote")
         assert caught.value.errno == errno.ENOSPC

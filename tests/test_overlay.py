@@ -82,6 +82,22 @@ def test_write_copies_up_one_page(model, src):
     assert read_all(overlay, node) == bytes(expected)
 
 
+def test_short_write_leaves_the_pages_past_it_to_the_base(model, src, monkeypatch):
+    # A full disk: the upper file takes PAGE_SIZE + 100 bytes of a two-page write.
+    store, overlay, ex = model
+    node = path_node(overlay, ex, "big")
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, off: real_pwrite(
+        fd, data[:PAGE_SIZE + 100] if len(data) > PAGE_SIZE else data, off))
+    written = overlay.write(node, 0, b"N" * (2 * PAGE_SIZE))
+    monkeypatch.undo()
+
+    assert written == PAGE_SIZE  # the second page is not whole: not claimed
+    assert overlay._pages(node) == {0}
+    base = (src / "big").read_bytes()
+    assert read_all(overlay, node) == b"N" * PAGE_SIZE + base[PAGE_SIZE:]
+
+
 def test_truncate_then_grow_reads_zeros(model):
     store, overlay, ex = model
     node = path_node(overlay, ex, "small")
