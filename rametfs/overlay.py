@@ -917,10 +917,8 @@ class Overlay:
                 if cur.set_range(prefix):
                     while cur.key().startswith(prefix) and cur.delete():
                         pass
+        self._stored(gone)
         for node in gone:
-            node.dirty = False
-            node.view.dirty.discard(node)
-            node.new_pages.clear()
             try:
                 os.unlink(self._upper_path(node.view, node.ino))
             except FileNotFoundError:
@@ -1185,7 +1183,7 @@ class Overlay:
         end = off + len(data)
         touched = range(off // PAGE_SIZE, (min(end, u.base_limit) - 1) // PAGE_SIZE + 1) \
             if off < u.base_limit else range(0)  # the pages that may still be the base's
-        pages = self._pages(node) if touched else set()
+        pages = self._pages(node)
         whole = []  # base pages this write covers whole: not copied, theirs once written
         try:
             for page in touched:

@@ -73,6 +73,11 @@ class DirectoryImporter:
 
     # -- files ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _signature(st: os.stat_result) -> list[int]:
+        """What the stat cache compares: dev, ino, size, mtime and ctime (ns)."""
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
     def _cached_content(self, txn, path: str, st: os.stat_result) -> bytes | None:
         """The content id the stat cache holds for ``path`` if its (dev, ino, size, mtime,
         ctime) are unchanged and the content is still stored, else None."""
@@ -80,7 +85,7 @@ class DirectoryImporter:
         if cached is None:
             return None
         old = msgpack.unpackb(cached)
-        if old[:5] != [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]:
+        if old[:5] != self._signature(st):
             return None
         if old[5] != EMPTY_CONTENT and txn.get(old[5], db=self.store.db["contents"]) is None:
             return None
@@ -107,8 +112,7 @@ class DirectoryImporter:
                 if n < PAGE_SIZE:
                     break
         cid = self.writer.put_content(size, ids)
-        self.sources[path.encode("utf-8", "surrogateescape")] = \
-            [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, cid]
+        self.sources[path.encode("utf-8", "surrogateescape")] = self._signature(st) + [cid]
         return cid
 
     # -- the walk ------------------------------------------------------------------------
