@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import click
 
-from rametfs import __version__, protocol
+from rametfs import __version__, mounts, protocol
 from rametfs.policy import CLASSES
 from rametfs.client import (DATA_ENV, MODE_ENV, MODES, MOUNT_ENV, NotMountedError, Ramet,
                             RametError, RestoreError, resolve_mode)
@@ -155,7 +155,7 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
                                  start_new_session=True, cwd="/")
     deadline = time.monotonic() + WAIT_SECONDS
     while child.poll() is None:
-        if os.path.ismount(mountpoint) and _served_by(mountpoint) == child.pid:
+        if os.path.ismount(mountpoint) and _ready(mountpoint, child.pid):
             return
         if time.monotonic() > deadline:
             child.terminate()
@@ -168,14 +168,15 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
                      f"{log_file} ends with:\n{_tail(log_file, start)}")
 
 
-def _served_by(mountpoint: str) -> int | None:
-    """The pid of the daemon whose root status the mount shows, or None (another daemon
-    may be mounted there: the new one then exits)."""
+def _ready(mountpoint: str, pid: int) -> bool:
+    """Whether the mount's root status is daemon ``pid``'s (another daemon may be mounted
+    there: the new one then exits) and its bind of ``snapshots/`` is settled."""
     try:
         with open(os.path.join(mountpoint, protocol.CONTROL_DIR, protocol.STATUS)) as f:
-            return json.load(f)["pid"]
+            status = json.load(f)
+        return status["pid"] == pid and status["snapshots_bind"] != "pending"
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return False
 
 
 def _tail(path: str, start: int, lines: int = 20) -> str:
@@ -192,16 +193,21 @@ def _tail(path: str, start: int, lines: int = 20) -> str:
 def umount(mountpoint: str, lazy: bool) -> None:
     """Unmount MOUNTPOINT; wait for its daemon to exit.
 
-    When it returns, the daemon has flushed its state.
+    When it returns, the daemon has flushed its state.  Without --lazy the read-only bind
+    of snapshots/ goes first (it would keep the mount busy) and comes back if the mount is
+    busy.
     """
     mountpoint = os.path.abspath(mountpoint)
     try:
         pid = Ramet(mountpoint, mode="fuse").status()["pid"]
     except NotMountedError:
         pid = None  # no daemon answers, but a crashed one's mount may still need removing
+    unbound = not lazy and mounts.unbind_snapshots(mountpoint)
     argv = ["fusermount3", "-u", *(["-z"] * lazy), mountpoint]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
+        if unbound and pid is not None:
+            mounts.bind_snapshots_read_only(mountpoint)
         if pid is None:
             raise NotMountedError(mountpoint)
         busy = "busy" in done.stderr

@@ -52,7 +52,9 @@ Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
 class Control:
     """Runs control commands against an Overlay; ``invalidate`` drops kernel caches of
     ``(parent ino, name)`` dentries and ``(ino, b"")`` inodes, and returns when done;
-    ``open_less`` is what the root status reports of the FUSE adapter's mode."""
+    ``open_less`` is what the root status reports of the FUSE adapter's mode, and
+    ``snapshots_bind`` how the daemon's read-only bind of ``snapshots/`` went ("pending",
+    "read-only" or "failed: <why>", rametfs.mounts)."""
 
     def __init__(self, overlay: Overlay, mountpoint: str, invalidate: Invalidate, *,
                  open_less: bool = False):
@@ -60,6 +62,7 @@ class Control:
         self.mountpoint = mountpoint
         self.invalidate = invalidate
         self.open_less = open_less
+        self.snapshots_bind = "pending"
         self.root_last: dict | None = None
         self.root_error = ""
         self.last: dict[str, dict] = {}
@@ -302,6 +305,7 @@ class Control:
     def root_status(self) -> bytes:
         status = {"pid": os.getpid(), "data": str(self.overlay.store.root),
                   "mount": self.mountpoint, "version": "0.1.0", "open_less": self.open_less,
+                  "snapshots_bind": self.snapshots_bind,
                   "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
                   "executions": [self.execution_json(ex)
                                  for ex in self.overlay.executions.values()],

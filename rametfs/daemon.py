@@ -21,6 +21,7 @@ import trio
 
 from .control import Control
 from .errors import RametError
+from .mounts import bind_snapshots_read_only
 from .fuse_ops import Operations
 from .overlay import Overlay
 from .pools import LEASED
@@ -113,8 +114,21 @@ async def _store_dirty_records(overlay: Overlay) -> None:
         overlay.flush_all()
 
 
+async def _bind_snapshots(control: Control) -> None:
+    """Make ``snapshots/`` a read-only mount (rametfs.mounts); the root status tells how it
+    went (``serve --background`` returns once it has)."""
+    # Abandoned on cancel: a mount(8) still waiting for a lookup ends when the session closes.
+    failure = await trio.to_thread.run_sync(bind_snapshots_read_only, control.mountpoint,
+                                            abandon_on_cancel=True)
+    if failure is not None:
+        log.warning("snapshots/ not bound read-only (%s): a shared writable mmap of a "
+                    "snapshot file changes its cached pages until their write-back", failure)
+    control.snapshots_bind = "read-only" if failure is None else f"failed: {failure}"
+
+
 async def _serve(overlay: Overlay, control: Control) -> None:
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(_bind_snapshots, control)
         nursery.start_soon(_collect_dead_layers, overlay)
         nursery.start_soon(_store_dirty_records, overlay)
         nursery.start_soon(_expire_leases, control)
@@ -134,7 +148,8 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
                debug: bool = False) -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
 
-    Returns after a clean unmount (SIGINT, SIGTERM, or ``fusermount3 -u``).  Raises
+    Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
+    ``fusermount3 -u -z``).  Raises
     RametError when the mountpoint is missing (ENOENT), mounted (EBUSY) or not empty
     (ENOTEMPTY), another daemon serves ``data_dir`` (EBUSY), or the store cannot be opened.
     """

@@ -135,6 +135,7 @@ class Operations(pyfuse3.Operations):
             for name in protocol.ROOT_CONTROL_FILES}))
         self.exec_control: dict[str, int] = {}  # execution id -> its .ramet dir ino
         self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
+        self.refused_pages: set[int] = set()  # snapshot inodes whose pages are being dropped
 
     def _add_virtual(self, v: Virtual) -> None:
         self.virtual[v.ino] = v
@@ -427,8 +428,20 @@ class Operations(pyfuse3.Operations):
         v = self.virtual.get(fh)
         if v is not None:
             return await self._control_write(v, buf)
-        await self._hold(self.overlay.node(fh))
-        return self.overlay.write(self.overlay.node(fh), off, buf)
+        node = self.overlay.node(fh)
+        if node.view.read_only and fh not in self.refused_pages:
+            # Open-less, the kernel cannot refuse a shared writable mmap of a snapshot file;
+            # this WRITE is its write-back.  Drop the changed pages once it is answered.
+            self.refused_pages.add(fh)
+            trio.lowlevel.spawn_system_task(self._drop_refused_pages, fh)
+        await self._hold(node)
+        return self.overlay.write(node, off, buf)
+
+    async def _drop_refused_pages(self, ino: int) -> None:
+        try:
+            await self._invalidate([(ino, b"")])
+        finally:
+            self.refused_pages.discard(ino)
 
     @_errors
     async def fsync(self, fh, datasync):

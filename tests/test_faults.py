@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -206,6 +207,34 @@ def test_serve_onto_a_mountpoint_another_daemon_serves_is_ebusy(daemon, tmp_path
     assert proc.returncode == 5  # EBUSY, not a success read off the other daemon's mount
     assert f"{daemon.mnt} is already a mountpoint" in proc.stderr
     assert daemon.status()["pid"] == daemon.pid
+
+
+def _snapshots_bound(mnt: Path) -> bool:
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == str(mnt / "snapshots") for line in f)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the read-only bind needs CAP_SYS_ADMIN")
+@pytest.mark.parametrize("where", ["executions", "snapshots"])
+def test_umount_of_a_busy_mount_is_ebusy_and_keeps_snapshots_read_only(daemon, source, where):
+    snap = daemon.snapshot(source)
+    busy = daemon.exec_path(daemon.create(snap)) if where == "executions" \
+        else daemon.snap_path(snap)
+    holder = subprocess.Popen(["sleep", "60"], cwd=busy)
+    try:
+        proc = run(sys.executable, "-m", "rametfs", "umount", daemon.mnt, check=False)
+        assert proc.returncode == 5, proc.stderr  # EBUSY
+        assert "busy" in proc.stderr
+        assert _snapshots_bound(daemon.mnt)
+        with pytest.raises(OSError) as caught:
+            os.open(daemon.snap_path(snap) / "a.txt", os.O_RDWR)
+        assert caught.value.errno == errno.EROFS
+        assert daemon.status()["pid"] == daemon.pid
+    finally:
+        holder.kill()
+        holder.wait()
+    daemon.stop()
+    assert not _snapshots_bound(daemon.mnt)
 
 
 def test_serve_background_ignores_a_rametfs_package_in_the_working_directory(tmp_path):

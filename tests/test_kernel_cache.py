@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pyfuse3
 import pytest
@@ -149,6 +151,68 @@ def test_truncate_on_open_and_erofs(execution):
         open(snap_file, "w")
     assert caught.value.errno == errno.EROFS
     assert snap_file.read_bytes() == b"alpha\n"
+
+
+def _mount_options(point: Path) -> list[str]:
+    with open("/proc/mounts") as f:
+        found = [line.split()[3] for line in f if line.split()[1] == str(point)]
+    assert len(found) == 1, found
+    return found[0].split(",")
+
+
+def _map_and_store(path: Path, data: bytes) -> OSError | None:
+    """Open ``path`` read-write, store ``data`` at offset 0 through a shared mapping and
+    msync it; the error the msync gave (None if it gave none)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            m[:len(data)] = data
+            try:
+                m.flush()
+            except OSError as exc:
+                return exc
+            return None
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the read-only bind needs CAP_SYS_ADMIN")
+def test_snapshots_are_a_read_only_mount_that_refuses_write_opens(execution):
+    _, d, snap, _ = execution
+    assert d.status()["snapshots_bind"] == "read-only"
+    assert {"ro", "nosuid", "nodev"} <= set(_mount_options(d.mnt / "snapshots"))
+    snap_file = d.mnt / "snapshots" / snap / "big.bin"
+    for flags in (os.O_RDWR, os.O_WRONLY, os.O_WRONLY | os.O_APPEND):
+        with pytest.raises(OSError) as caught:
+            os.open(snap_file, flags)
+        assert caught.value.errno == errno.EROFS
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need CAP_SYS_ADMIN")
+def test_a_shared_writable_mmap_of_a_snapshot_file_is_dropped_at_its_write_back(execution, tmp_path):
+    """Through a bind of the mount root that leaves out the read-only bind of snapshots/ (a
+    plain ``mount --bind``), open-less mode cannot refuse the open: the mapping's stores
+    reach the page cache, their write-back fails EROFS, and the daemon drops those pages."""
+    mode, d, snap, _ = execution
+    original = bytes(range(256)) * 1024
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    run("mount", "--bind", d.mnt, plain)
+    try:
+        snap_file = plain / "snapshots" / snap / "big.bin"
+        if mode == "open":
+            with pytest.raises(OSError) as caught:
+                os.open(snap_file, os.O_RDWR)
+            assert caught.value.errno == errno.EROFS
+        else:
+            failure = _map_and_store(snap_file, b"CHANGED")
+            assert failure is not None and failure.errno == errno.EROFS
+            wait_until(lambda: (d.mnt / "snapshots" / snap / "big.bin").read_bytes() == original,
+                       5, "the snapshot file's pages to be dropped")
+        assert snap_file.read_bytes() == original
+    finally:
+        run("umount", plain)
+    assert (d.mnt / "snapshots" / snap / "big.bin").read_bytes() == original
 
 
 def test_unlinked_open_file_lives_until_closed_then_its_data_goes(execution):
