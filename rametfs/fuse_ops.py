@@ -284,7 +284,8 @@ class Operations(pyfuse3.Operations):
         if v is not None:
             if v.kind in (protocol.CTL, protocol.PROMOTE) and fields.update_size:
                 return self._virtual_attrs(v)  # the O_TRUNC of `echo cmd > ctl`
-            raise pyfuse3.FUSEError(errno.EPERM)
+            # A size is a write (like sysfs, EACCES); modes, owners and times are EPERM.
+            raise pyfuse3.FUSEError(errno.EACCES if fields.update_size else errno.EPERM)
         node = self.overlay.node(inode)
         await self._hold(node)
         kw = {}
@@ -399,6 +400,8 @@ class Operations(pyfuse3.Operations):
             if v is not None:
                 if v.kind == "dir":
                     raise pyfuse3.FUSEError(errno.EISDIR)
+                if flags & (os.O_WRONLY | os.O_RDWR) and v.kind not in WRITTEN:
+                    raise pyfuse3.FUSEError(errno.EACCES)
                 return pyfuse3.FileInfo(fh=inode, direct_io=True)
             node = self.overlay.node(inode)
             if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC) and node.view.read_only:
@@ -534,8 +537,8 @@ class Operations(pyfuse3.Operations):
                 protocol.ERROR: lambda e: c.errors.get(e.id, "").encode()}[v.kind](ex)
 
     async def _control_write(self, v: Virtual, buf: bytes) -> int:
-        if v.kind not in WRITTEN:
-            raise pyfuse3.FUSEError(errno.EBADF)
+        if v.kind not in WRITTEN:  # a read-only control file opened for writing (open-less)
+            raise pyfuse3.FUSEError(errno.EACCES)
         if v.kind == protocol.FSMONITOR:
             if len(buf) > protocol.MAX_COMMAND_BYTES:
                 raise pyfuse3.FUSEError(errno.E2BIG)

@@ -32,7 +32,9 @@ def bind_snapshots_read_only(mountpoint: str) -> str | None:
                               capture_output=True, text=True)
     except OSError as exc:  # no mount(8)
         return str(exc)
-    return None if done.returncode == 0 else done.stderr.strip() or f"mount exited {done.returncode}"
+    if done.returncode != 0:
+        return done.stderr.strip() or f"mount exited {done.returncode}"
+    return None
 
 
 def unbind_snapshots(mountpoint: str) -> bool:

@@ -189,7 +189,7 @@ def test_snapshots_are_a_read_only_mount_that_refuses_write_opens(execution):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need CAP_SYS_ADMIN")
-def test_a_shared_writable_mmap_of_a_snapshot_file_is_dropped_at_its_write_back(execution, tmp_path):
+def test_a_shared_writable_mmap_of_a_snapshot_file_is_dropped_at_write_back(execution, tmp_path):
     """Through a bind of the mount root that leaves out the read-only bind of snapshots/ (a
     plain ``mount --bind``), open-less mode cannot refuse the open: the mapping's stores
     reach the page cache, their write-back fails EROFS, and the daemon drops those pages."""
@@ -213,6 +213,28 @@ def test_a_shared_writable_mmap_of_a_snapshot_file_is_dropped_at_its_write_back(
     finally:
         run("umount", plain)
     assert (d.mnt / "snapshots" / snap / "big.bin").read_bytes() == original
+
+
+def _write_in_place(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+
+
+def test_read_only_control_files_refuse_writes_with_eacces(execution):
+    """Root passes the mode bits: open-less, the write (or the truncate of O_TRUNC) refuses;
+    with opens, the open does."""
+    _, d, _, ex = execution
+    for path in (d.mnt / ".ramet" / "status", ex / ".ramet" / "status", ex / ".ramet" / "diff",
+                 ex / ".ramet" / "error"):
+        for write in (_write_in_place, lambda p: p.write_text("x")):
+            with pytest.raises(OSError) as caught:
+                write(path)
+            assert caught.value.errno == errno.EACCES, (path, write)
+    assert (ex / ".ramet" / "diff").read_bytes() == b""
+    assert json.loads((ex / ".ramet" / "status").read_text())["id"] == ex.name
 
 
 def test_unlinked_open_file_lives_until_closed_then_its_data_goes(execution):
