@@ -236,8 +236,8 @@ def write_json(report: dict, path: Path) -> None:
 
 RATIO_WORKLOADS = ["git-status", "git-status-untracked-cache", "find-warm", "find-cold",
                    "walk-warm", "walk-cold", "walk-warm-abspath",
-                   "read-warm", "read-cold", "seqread-warm", "seqread-cold", "seqwrite",
-                   "randwrite-first", "randwrite-1000", "untar", "rm-rf"]
+                   "read-warm", "read-cold", "read-tar-warm", "seqread-warm", "seqread-cold",
+                   "seqwrite", "randwrite-first", "randwrite-1000", "untar", "rm-rf"]
 LIFECYCLE_WORKLOADS = ["fork", "reset", "promote", "discard", "promote-big"]
 
 

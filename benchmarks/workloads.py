@@ -24,8 +24,8 @@ from functools import cached_property
 from pathlib import Path
 
 from .systems import Rametfs, System, Unsupported, View, disk_usage
-from .trees import (BIG_FILE, MIB, Size, Tree, big_tree, change_files, git, make_git_repo,
-                    run, synthetic_tree, tarball)
+from .trees import (BIG_FILE, MIB, BenchError, Size, Tree, big_tree, change_files, git,
+                    make_git_repo, run, synthetic_tree, tarball)
 
 LIFECYCLE = ("cp-a", "git-worktree", "overlayfs", "fuse-overlayfs", "rametfs",
              "fallback-copy", "fallback-reflink")
@@ -366,10 +366,29 @@ def _read_tree(b: Bench, s: System, name: str, tree) -> list[Result]:
     return results
 
 
+def tar_to_pipe() -> None:
+    """``tar -cf - --exclude=./.git .`` into ``cat > /dev/null``: GNU tar reads no file
+    data when its archive is /dev/null itself.  Raises BenchError if either fails."""
+    tar = subprocess.Popen(["tar", "-cf", "-", "--exclude=./.git", "."], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    cat = subprocess.run(["cat"], stdin=tar.stdout, stdout=subprocess.DEVNULL)
+    tar.stdout.close()
+    err = tar.stderr.read()
+    if tar.wait() != 0 or cat.returncode != 0:
+        raise BenchError(f"tar exited {tar.returncode}, cat {cat.returncode}: {err[-2000:]!r}")
+
+
 @workload(*READS)
 def read_all(b: Bench, s: System) -> list[Result]:
-    """read: read every file of the tree (not ``.git``), cold then warm."""
-    return _read_tree(b, s, "read", b.tree)
+    """read: read every file of the tree (not ``.git``) from Python, cold then warm;
+    read-tar-warm: the same files archived by ``tar -c`` (C, one pass), warm."""
+    results = _read_tree(b, s, "read", b.tree)
+    with s.view(b.tree) as path, inside(path):
+        for _ in range(WARMUP):
+            tar_to_pipe()
+        results.append(Result("read-tar-warm", s.id, [timed(tar_to_pipe)
+                                                      for _ in range(b.repeat)]))
+    return results
 
 
 @workload(*READS)
