@@ -517,7 +517,9 @@ class Operations(pyfuse3.Operations):
                 if v.lookups <= 0:  # else a lookup answered since the kernel let it go
                     del self.virtual[ino]
                     v.slot.gens.remove(ino)
-        self.overlay.forgotten(nodes)
+        gone = self.overlay.forgotten(nodes)
+        if gone:
+            await trio.to_thread.run_sync(self.overlay.remove_upper_files, gone)
 
     # -- control files -------------------------------------------------------------------
 

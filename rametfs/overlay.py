@@ -898,17 +898,18 @@ class Overlay:
             u.nlink -= 1
             self._touch(node, mtime=False)
 
-    def forgotten(self, nodes: Iterable[Node]) -> None:
+    def forgotten(self, nodes: Iterable[Node]) -> list[str]:
         """The kernel dropped ``nodes`` (FUSE forget): no process has them open any more, so
-        the upper records and page maps of the unlinked ones go, in one transaction, then
-        their upper data files (now: a full disk gets its room back at once)."""
+        the upper records and page maps of the unlinked ones go, in one transaction.  Returns
+        their upper data files, for :meth:`remove_upper_files` now (a full disk gets its room
+        back at once)."""
         gone = []
         for node in nodes:
             self.upper_fds.close(node)
             if node.upper is not None and node.upper.nlink == 0 and self.is_live(node):
                 gone.append(node)
         if not gone:
-            return
+            return []
         with self.store.write() as txn:
             cur = txn.cursor(db=self.store.db["pages"])
             for node in gone:
@@ -918,11 +919,17 @@ class Overlay:
                     while cur.key().startswith(prefix) and cur.delete():
                         pass
         self._stored(gone)
-        for node in gone:
+        return [self._upper_path(node.view, node.ino) for node in gone]
+
+    @staticmethod
+    def remove_upper_files(paths: list[str]) -> None:
+        """Delete upper data files (:meth:`forgotten`).  Blocking: freeing a large file's
+        blocks takes ext4 tens of ms per GiB, so call it off the event loop."""
+        for path in paths:
             try:
-                os.unlink(self._upper_path(node.view, node.ino))
+                os.unlink(path)
             except FileNotFoundError:
-                pass  # never written
+                pass  # never written, or its layer already removed
 
     def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self.node(parent_ino)

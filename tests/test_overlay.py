@@ -190,8 +190,10 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
                 (inode_key(ex.layer, small.ino), "inodes"),
                 (page_key(ex.layer, small.ino, 0), "pages")]]
     assert stored() == [True, True, True, True]
-    overlay.forgotten([big, small])  # small still has its name
+    assert overlay.forgotten([big, small]) == [data]  # small still has its name
     assert stored() == [False, False, True, True]
+    assert os.path.exists(data)
+    overlay.remove_upper_files([data])
     assert not os.path.exists(data) and os.path.exists(overlay._upper_path(ex, small.ino))
 
 
