@@ -44,7 +44,7 @@ import trio
 from . import protocol
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
-from .overlay import Attrs, Execution, Node, Overlay
+from .overlay import Attrs, Execution, Node, Overlay, close_all
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +302,7 @@ class Operations(pyfuse3.Operations):
         if fields.update_mtime:
             kw["mtime_ns"] = attr.st_mtime_ns
         self.overlay.setattr(node, **kw)
+        await self._close_unlinked()
         return self._node_attrs(node)
 
     @_errors
@@ -409,6 +410,7 @@ class Operations(pyfuse3.Operations):
             if flags & os.O_TRUNC:  # libfuse asks for atomic O_TRUNC: it comes here
                 await self._hold(node)
                 self.overlay.setattr(node, size=0)
+                await self._close_unlinked()
             return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     @_errors
@@ -517,9 +519,14 @@ class Operations(pyfuse3.Operations):
                 if v.lookups <= 0:  # else a lookup answered since the kernel let it go
                     del self.virtual[ino]
                     v.slot.gens.remove(ino)
-        gone = self.overlay.forgotten(nodes)
-        if gone:
-            await trio.to_thread.run_sync(self.overlay.remove_upper_files, gone)
+        self.overlay.forgotten(nodes)
+        await self._close_unlinked()
+
+    async def _close_unlinked(self) -> None:
+        """Close the descriptors of unlinked upper files (freeing their blocks) in a thread."""
+        fds = self.overlay.take_unlinked_fds()
+        if fds:
+            await trio.to_thread.run_sync(close_all, fds)
 
     # -- control files -------------------------------------------------------------------
 

@@ -247,9 +247,20 @@ class OpenFiles:
         return fd
 
     def close(self, key: Hashable) -> None:
-        fd = self.fds.pop(key, None)
+        fd = self.take(key)
         if fd is not None:
             os.close(fd)
+
+    def take(self, key: Hashable) -> int | None:
+        """Remove ``key``'s descriptor from the cache, open, and hand it to the caller."""
+        return self.fds.pop(key, None)
+
+
+def close_all(fds: list[int]) -> None:
+    """Close ``fds``.  Blocking: closing the last descriptor of an unlinked file frees its
+    blocks (ext4: about 200 ms per GiB), so call it off the event loop."""
+    for fd in fds:
+        os.close(fd)
 
 
 def assemble(off: int, end: int, pages: set[int], base_limit: int,
@@ -312,6 +323,9 @@ class Overlay:
         self.stored_next_ino = self.next_ino
         self.hydrated: dict[bytes, str] = {}
         self.upper_fds = OpenFiles()  # by Node
+        # Descriptors of upper data files already unlinked: whoever drives the overlay closes
+        # them off the event loop (take_unlinked_fds, close_all); that frees their blocks.
+        self.unlinked_fds: list[int] = []
         self.base_fds = OpenFiles()  # by content id
         self.upper_root = str(store.root / "upper")
         self.hydrating: dict[bytes, trio.Event] = {}
@@ -898,18 +912,19 @@ class Overlay:
             u.nlink -= 1
             self._touch(node, mtime=False)
 
-    def forgotten(self, nodes: Iterable[Node]) -> list[str]:
+    def forgotten(self, nodes: Iterable[Node]) -> None:
         """The kernel dropped ``nodes`` (FUSE forget): no process has them open any more, so
-        the upper records and page maps of the unlinked ones go, in one transaction.  Returns
-        their upper data files, for :meth:`remove_upper_files` now (a full disk gets its room
-        back at once)."""
+        the upper records and page maps of the unlinked ones go, in one transaction, and
+        their upper data files are unlinked (:meth:`_unlink_upper`: a full disk gets its room
+        back once :attr:`unlinked_fds` are closed)."""
         gone = []
         for node in nodes:
-            self.upper_fds.close(node)
             if node.upper is not None and node.upper.nlink == 0 and self.is_live(node):
                 gone.append(node)
+            else:
+                self.upper_fds.close(node)
         if not gone:
-            return []
+            return
         with self.store.write() as txn:
             cur = txn.cursor(db=self.store.db["pages"])
             for node in gone:
@@ -919,17 +934,28 @@ class Overlay:
                     while cur.key().startswith(prefix) and cur.delete():
                         pass
         self._stored(gone)
-        return [self._upper_path(node.view, node.ino) for node in gone]
+        for node in gone:
+            self._unlink_upper(node)
 
-    @staticmethod
-    def remove_upper_files(paths: list[str]) -> None:
-        """Delete upper data files (:meth:`forgotten`).  Blocking: freeing a large file's
-        blocks takes ext4 tens of ms per GiB, so call it off the event loop."""
-        for path in paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass  # never written, or its layer already removed
+    def _unlink_upper(self, node: Node) -> None:
+        """Unlink ``node``'s upper data file, keeping a descriptor of it in
+        :attr:`unlinked_fds`: the unlink only drops the name, the blocks are freed when that
+        descriptor is closed.  A crash frees them too (the kernel closes it)."""
+        fd = self.upper_fds.take(node)
+        path = self._upper_path(node.view, node.ino)
+        try:
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY)
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # never written, or its layer already removed
+        if fd is not None:
+            self.unlinked_fds.append(fd)
+
+    def take_unlinked_fds(self) -> list[int]:
+        """The descriptors of unlinked upper files left to close (:func:`close_all`)."""
+        fds, self.unlinked_fds = self.unlinked_fds, []
+        return fds
 
     def unlink(self, parent_ino: int, name: bytes) -> None:
         parent = self.node(parent_ino)
@@ -1238,7 +1264,9 @@ class Overlay:
                 with self.store.write() as txn:
                     for p in gone:
                         txn.delete(page_key(ex.layer, node.ino, p), db=self.store.db["pages"])
-            if self.upper_fds.get(node) is not None or \
+            if size == 0:  # O_TRUNC: a new data file; the old one's blocks go off the loop
+                self._unlink_upper(node)
+            elif self.upper_fds.get(node) is not None or \
                     os.path.exists(self._upper_path(ex, node.ino)):
                 os.truncate(self._upper_path(ex, node.ino), size)
         u.size = size
