@@ -198,6 +198,22 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
     assert not os.path.exists(data) and os.path.exists(overlay._upper_path(ex, small.ino))
 
 
+def test_truncate_to_zero_starts_a_new_data_file_and_hands_over_the_old_one(model):
+    store, overlay, ex = model
+    node = path_node(overlay, ex, "big")
+    overlay.write(node, 0, b"A" * (3 * PAGE_SIZE))
+    data = overlay._upper_path(ex, node.ino)
+    old_inode = os.stat(data).st_ino
+    overlay.setattr(node, size=0)
+    fds = overlay.take_unlinked_fds()
+    assert [(os.fstat(fd).st_ino, os.fstat(fd).st_nlink) for fd in fds] == [(old_inode, 0)]
+    close_all(fds)
+    assert not os.path.exists(data) and read_all(overlay, node) == b""
+    overlay.write(node, 5, b"new")
+    assert read_all(overlay, node) == b"\0" * 5 + b"new"
+    assert os.path.getsize(data) == 8 and overlay.take_unlinked_fds() == []
+
+
 def test_reset_drops_the_layer(model):
     store, overlay, ex = model
     overlay.create(ex.root_ino, b"x", 0o644, 0, 0)
