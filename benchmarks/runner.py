@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from rametfs.mounts import mount_table
 
 from .systems import SYSTEMS, System, Unsupported
 from .trees import SCALE_1M, SIZES, BenchError
@@ -32,14 +33,9 @@ def _log(message: str, started: float) -> None:
 
 
 def mounts_under(base: Path) -> list[str]:
-    """Mountpoints at or under ``base`` (from /proc/mounts)."""
-    found = []
-    with open("/proc/mounts") as f:
-        for line in f:
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[1])
-            if point == str(base) or point.startswith(f"{base}/"):
-                found.append(point)
-    return found
+    """Mountpoints at or under ``base``."""
+    return [m.point for m in mount_table()
+            if m.point == str(base) or m.point.startswith(f"{base}/")]
 
 
 def _remove_scratch(scratch: Path) -> None:

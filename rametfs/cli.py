@@ -120,7 +120,7 @@ message_option = click.option("--message", help="A longer description of the sna
 def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
           log_file: str | None) -> None:
     """Mount rametfs at MOUNTPOINT and serve it until unmounted."""
-    data, mountpoint = os.path.abspath(data), os.path.abspath(mountpoint)
+    data, mountpoint = os.path.abspath(data), os.path.realpath(mountpoint)
     if background:
         os.makedirs(data, mode=0o700, exist_ok=True)
         log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
@@ -195,24 +195,41 @@ def umount(mountpoint: str, lazy: bool) -> None:
 
     When it returns, the daemon has flushed its state.  Without --lazy the read-only bind
     of snapshots/ goes first (it would keep the mount busy) and comes back if the mount is
-    busy.
+    busy.  Refuses (EINVAL) the bind itself and binds of the mount made elsewhere.
     """
-    mountpoint = os.path.abspath(mountpoint)
+    mountpoint = os.path.realpath(mountpoint)
     try:
-        pid = Ramet(mountpoint, mode="fuse").status()["pid"]
+        status = Ramet(mountpoint, mode="fuse").status()
     except NotMountedError:
-        pid = None  # no daemon answers, but a crashed one's mount may still need removing
-    unbound = not lazy and mounts.unbind_snapshots(mountpoint)
+        status = None  # no daemon answers, but a crashed one's mount may still need removing
+    pid = status and status["pid"]
+    parent = os.path.dirname(mountpoint)
+    if os.path.basename(mountpoint) == protocol.SNAPSHOTS_DIR and mounts.snapshots_bound(parent):
+        raise RametError(errno.EINVAL, f"{mountpoint} is the read-only bind of snapshots/ of "
+                         f"the rametfs mount at {parent}: unmount {parent}")
+    if status is not None and status["mount"] != mountpoint:
+        raise RametError(errno.EINVAL, f"{mountpoint} is a bind of the rametfs mount at "
+                         f"{status['mount']}, which stays; remove it with umount -R {mountpoint}")
+    bound = not lazy and mounts.snapshots_bound(mountpoint)
+    if bound:
+        try:
+            mounts.unbind_snapshots(mountpoint)
+        except OSError as exc:
+            raise RametError(exc.errno, f"{exc.filename}: {exc.strerror}") from None
     argv = ["fusermount3", "-u", *(["-z"] * lazy), mountpoint]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
-        if unbound and pid is not None:
-            mounts.bind_snapshots_read_only(mountpoint)
+        why = done.stderr.strip() or f"{' '.join(argv)} failed"
+        if bound and pid is not None:
+            failure = mounts.bind_snapshots_read_only(mountpoint)
+            if failure is not None:
+                why += f"; and snapshots/ is no longer read-only: {failure}"
+        if "busy" in done.stderr:
+            raise RametError(errno.EBUSY, why if pid is not None else
+                             f"{why} (no daemon answers there: --lazy detaches it)")
         if pid is None:
             raise NotMountedError(mountpoint)
-        busy = "busy" in done.stderr
-        raise RametError(errno.EBUSY if busy else errno.EIO,
-                         done.stderr.strip() or f"{' '.join(argv)} failed")
+        raise RametError(errno.EIO, why)
     if pid is None:
         return
     deadline = time.monotonic() + WAIT_SECONDS

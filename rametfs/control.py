@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from . import protocol
+from . import mounts, protocol
 from .capture import capture, diff, preview
 from .errors import Busy, InvalidArgument, RametError
 from .overlay import Execution, Overlay
@@ -52,9 +52,9 @@ Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
 class Control:
     """Runs control commands against an Overlay; ``invalidate`` drops kernel caches of
     ``(parent ino, name)`` dentries and ``(ino, b"")`` inodes, and returns when done;
-    ``open_less`` is what the root status reports of the FUSE adapter's mode, and
-    ``snapshots_bind`` how the daemon's read-only bind of ``snapshots/`` went ("pending",
-    "read-only" or "failed: <why>", rametfs.mounts)."""
+    ``open_less`` is what the root status reports of the FUSE adapter's mode.  The daemon
+    sets ``snapshots_settled`` once it has tried the read-only bind of ``snapshots/``
+    (rametfs.mounts), with ``snapshots_bind_failure`` saying why it failed, if it did."""
 
     def __init__(self, overlay: Overlay, mountpoint: str, invalidate: Invalidate, *,
                  open_less: bool = False):
@@ -62,7 +62,8 @@ class Control:
         self.mountpoint = mountpoint
         self.invalidate = invalidate
         self.open_less = open_less
-        self.snapshots_bind = "pending"
+        self.snapshots_settled = trio.Event()
+        self.snapshots_bind_failure: str | None = None
         self.root_last: dict | None = None
         self.root_error = ""
         self.last: dict[str, dict] = {}
@@ -305,13 +306,21 @@ class Control:
     def root_status(self) -> bytes:
         status = {"pid": os.getpid(), "data": str(self.overlay.store.root),
                   "mount": self.mountpoint, "version": "0.1.0", "open_less": self.open_less,
-                  "snapshots_bind": self.snapshots_bind,
+                  "snapshots_bind": self._snapshots_bind(),
                   "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
                   "executions": [self.execution_json(ex)
                                  for ex in self.overlay.executions.values()],
                   "pools": self.pools.to_json(),
                   "last": self.root_last}
         return (json.dumps(status, indent=1) + "\n").encode()
+
+    def _snapshots_bind(self) -> str:
+        """"pending", "read-only", "failed: <why>", or "absent" (unmounted since)."""
+        if not self.snapshots_settled.is_set():
+            return "pending"
+        if self.snapshots_bind_failure is not None:
+            return f"failed: {self.snapshots_bind_failure}"
+        return "read-only" if mounts.snapshots_bound(self.mountpoint) else "absent"
 
     def execution_status(self, ex: Execution) -> bytes:
         return (json.dumps(self.execution_json(ex), indent=1) + "\n").encode()

@@ -115,15 +115,17 @@ async def _store_dirty_records(overlay: Overlay) -> None:
 
 
 async def _bind_snapshots(control: Control) -> None:
-    """Make ``snapshots/`` a read-only mount (rametfs.mounts); the root status tells how it
-    went (``serve --background`` returns once it has)."""
-    # Abandoned on cancel: a mount(8) still waiting for a lookup ends when the session closes.
+    """Make ``snapshots/`` a read-only mount (rametfs.mounts).  Until this is settled the
+    FUSE adapter holds lookups in the snapshot trees, so no snapshot file can be opened
+    for writing before the bind; ``serve --background`` returns after it."""
+    # Abandoned on cancel: a mount call still waiting for a lookup ends when the session closes.
     failure = await trio.to_thread.run_sync(bind_snapshots_read_only, control.mountpoint,
                                             abandon_on_cancel=True)
     if failure is not None:
         log.warning("snapshots/ not bound read-only (%s): a shared writable mmap of a "
                     "snapshot file changes its cached pages until their write-back", failure)
-    control.snapshots_bind = "read-only" if failure is None else f"failed: {failure}"
+    control.snapshots_bind_failure = failure
+    control.snapshots_settled.set()
 
 
 async def _serve(overlay: Overlay, control: Control) -> None:
@@ -153,7 +155,7 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     RametError when the mountpoint is missing (ENOENT), mounted (EBUSY) or not empty
     (ENOTEMPTY), another daemon serves ``data_dir`` (EBUSY), or the store cannot be opened.
     """
-    mountpoint = os.path.abspath(mountpoint)
+    mountpoint = os.path.realpath(mountpoint)
     _check_mountpoint(mountpoint)
     lock = _lock_data_dir(data_dir)
     try:

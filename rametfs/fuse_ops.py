@@ -135,7 +135,8 @@ class Operations(pyfuse3.Operations):
             for name in protocol.ROOT_CONTROL_FILES}))
         self.exec_control: dict[str, int] = {}  # execution id -> its .ramet dir ino
         self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
-        self.refused_pages: set[int] = set()  # snapshot inodes whose pages are being dropped
+        # snapshot inode whose pages are being dropped -> a WRITE came since the drop began
+        self.refused_pages: dict[int, bool] = {}
 
     def _add_virtual(self, v: Virtual) -> None:
         self.virtual[v.ino] = v
@@ -230,6 +231,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def lookup(self, parent_inode, name, ctx=None):
+        await self._snapshots_settled(parent_inode)
         try:
             ino = self._lookup_ino(parent_inode, name)
         except NotFound:
@@ -238,6 +240,15 @@ class Operations(pyfuse3.Operations):
             return self._negative_entry(parent_inode, name)
         self._looked_up(ino)
         return self._attrs(ino)
+
+    async def _snapshots_settled(self, parent_inode: int) -> None:
+        """Until the daemon has tried its read-only bind of snapshots/, names in the
+        snapshot trees wait: a snapshot file reached before it could be opened for writing."""
+        if self.control.snapshots_settled.is_set():
+            return
+        node = self.overlay.nodes.get(parent_inode)
+        if parent_inode == SNAPSHOTS or (node is not None and node.view.read_only):
+            await self.control.snapshots_settled.wait()
 
     def _negative_entry(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
         """A cached "no such name" (inode 0): git looks for a .gitignore in every directory.
@@ -375,6 +386,7 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh, start_id, token):
         # fh is the directory's inode.  The listing is made when a read starts at 0 and kept
         # for the calls that page through it, so offsets stay valid between them.
+        await self._snapshots_settled(fh)  # readdirplus entries are dentries too
         listing = self.listings.get(fh)
         if listing is None or start_id == 0:
             listing = self.listings[fh] = self._listing(fh)
@@ -434,19 +446,27 @@ class Operations(pyfuse3.Operations):
         if v is not None:
             return await self._control_write(v, buf)
         node = self.overlay.node(fh)
-        if node.view.read_only and fh not in self.refused_pages:
-            # Open-less, the kernel cannot refuse a shared writable mmap of a snapshot file;
-            # this WRITE is its write-back.  Drop the changed pages once it is answered.
-            self.refused_pages.add(fh)
-            trio.lowlevel.spawn_system_task(self._drop_refused_pages, fh)
+        if node.view.read_only:
+            # Open-less, the kernel cannot refuse a shared writable mmap of a snapshot file
+            # where snapshots/ is not a read-only mount; this WRITE is its write-back.  Drop
+            # the changed pages once it is answered, again if another comes meanwhile.
+            if fh in self.refused_pages:
+                self.refused_pages[fh] = True
+            else:
+                self.refused_pages[fh] = False
+                trio.lowlevel.spawn_system_task(self._drop_refused_pages, fh)
         await self._hold(node)
         return self.overlay.write(node, off, buf)
 
     async def _drop_refused_pages(self, ino: int) -> None:
         try:
-            await self._invalidate([(ino, b"")])
+            while True:
+                await self._invalidate([(ino, b"")])
+                if not self.refused_pages[ino]:
+                    break
+                self.refused_pages[ino] = False
         finally:
-            self.refused_pages.discard(ino)
+            del self.refused_pages[ino]
 
     @_errors
     async def fsync(self, fh, datasync):

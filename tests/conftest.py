@@ -41,6 +41,7 @@ from pathlib import Path
 import pytest
 
 from rametfs import Ramet, protocol
+from rametfs.mounts import mount_table
 
 RUN_TIMEOUT_S = 600
 START_TIMEOUT_S = 60
@@ -387,15 +388,9 @@ def cli_where(ramet: Ramet) -> list[str]:
 
 
 def _mounts_under(base: str) -> list[tuple[str, str]]:
-    """(mountpoint, fstype) of /proc/mounts entries at or under ``base``, deepest first."""
-    found = []
-    with open("/proc/mounts") as f:
-        for line in f:
-            fields = line.split()
-            # /proc/mounts escapes space, tab, newline and backslash as octal (\040 ...).
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
-            if point == base or point.startswith(base + "/"):
-                found.append((point, fields[2]))
+    """(mountpoint, fstype) of the mounts at or under ``base``, deepest first."""
+    found = [(m.point, m.fstype) for m in mount_table()
+             if m.point == base or m.point.startswith(base + "/")]
     return sorted(found, key=lambda m: len(m[0]), reverse=True)
 
 

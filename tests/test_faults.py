@@ -16,6 +16,7 @@ import pytest
 
 from conftest import Daemon, check_log, run, wait_until
 from rametfs import protocol
+from rametfs.mounts import mount_at, snapshots_bound
 from test_snapshots import tree_signature, write_tree
 
 MIB = 1 << 20
@@ -209,11 +210,6 @@ def test_serve_onto_a_mountpoint_another_daemon_serves_is_ebusy(daemon, tmp_path
     assert daemon.status()["pid"] == daemon.pid
 
 
-def _snapshots_bound(mnt: Path) -> bool:
-    with open("/proc/mounts") as f:
-        return any(line.split()[1] == str(mnt / "snapshots") for line in f)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="the read-only bind needs CAP_SYS_ADMIN")
 @pytest.mark.parametrize("where", ["executions", "snapshots"])
 def test_umount_of_a_busy_mount_is_ebusy_and_keeps_snapshots_read_only(daemon, source, where):
@@ -225,7 +221,7 @@ def test_umount_of_a_busy_mount_is_ebusy_and_keeps_snapshots_read_only(daemon, s
         proc = run(sys.executable, "-m", "rametfs", "umount", daemon.mnt, check=False)
         assert proc.returncode == 5, proc.stderr  # EBUSY
         assert "busy" in proc.stderr
-        assert _snapshots_bound(daemon.mnt)
+        assert snapshots_bound(str(daemon.mnt))
         with pytest.raises(OSError) as caught:
             os.open(daemon.snap_path(snap) / "a.txt", os.O_RDWR)
         assert caught.value.errno == errno.EROFS
@@ -234,7 +230,71 @@ def test_umount_of_a_busy_mount_is_ebusy_and_keeps_snapshots_read_only(daemon, s
         holder.kill()
         holder.wait()
     daemon.stop()
-    assert not _snapshots_bound(daemon.mnt)
+    assert not snapshots_bound(str(daemon.mnt))
+
+
+def _umount(path) -> subprocess.CompletedProcess:
+    return run(sys.executable, "-m", "rametfs", "umount", path, check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts need CAP_SYS_ADMIN")
+def test_umount_leaves_a_mount_that_is_not_rametfs_alone(tmp_path):
+    inner = tmp_path / "backup" / "snapshots"
+    inner.mkdir(parents=True)
+    run("mount", "-t", "tmpfs", "rametfs-test", inner)
+    try:
+        (inner / "important.txt").write_text("precious\n")
+        proc = _umount(tmp_path / "backup")
+        assert proc.returncode == 7, proc.stderr  # ENOTCONN: no rametfs there
+        assert (inner / "important.txt").read_text() == "precious\n"
+    finally:
+        run("umount", inner)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the read-only bind needs CAP_SYS_ADMIN")
+def test_umount_refuses_the_snapshots_bind_and_the_status_follows_it(daemon):
+    proc = _umount(daemon.mnt / "snapshots")
+    assert proc.returncode == 4, proc.stderr  # EINVAL
+    assert f"unmount {daemon.mnt}" in proc.stderr
+    assert snapshots_bound(str(daemon.mnt)) and daemon.status()["snapshots_bind"] == "read-only"
+    run("umount", daemon.mnt / "snapshots")  # by hand: the status says so
+    assert daemon.status()["snapshots_bind"] == "absent"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts need CAP_SYS_ADMIN")
+def test_under_a_shared_parent_every_copy_of_the_bind_is_read_only_and_goes_with_it(
+        tmp_path, source):
+    """systemd makes / shared, so a mount namespace made earlier (a service, a container
+    with rslave) gets a copy of each new mount: the bind's copy must be read-only, and the
+    unmount must take the copies along, or they keep the daemon alive."""
+    shared, slave = tmp_path / "shared", tmp_path / "slave"
+    shared.mkdir()
+    slave.mkdir()
+    run("mount", "-t", "tmpfs", "rametfs-test", shared)
+    run("mount", "--make-shared", shared)
+    run("mount", "--rbind", shared, slave)
+    run("mount", "--make-rslave", slave)
+    d = Daemon(tmp_path / "data", shared / "mnt")
+    try:
+        d.start()
+        snap = d.snapshot(source)
+        copy = slave / "mnt" / "snapshots"
+        assert "ro" in mount_at(str(copy)).options
+        with pytest.raises(OSError) as caught:
+            os.open(copy / snap / "a.txt", os.O_RDWR)
+        assert caught.value.errno == errno.EROFS
+        other = shared / "other"
+        other.mkdir()
+        run("mount", "--rbind", d.mnt, other)
+        proc = _umount(other)  # a copy of the mount root: not the daemon's to end
+        assert proc.returncode == 4 and f"umount -R {other}" in proc.stderr, proc.stderr
+        run("umount", "-R", other)
+        d.stop()  # waits for the daemon to exit: no copy kept the connection
+        assert not os.path.exists(copy) and not os.path.ismount(slave / "mnt")
+    finally:
+        d.stop()
+        run("umount", "-R", "-l", slave)
+        run("umount", "-R", "-l", shared)
 
 
 def test_serve_background_ignores_a_rametfs_package_in_the_working_directory(tmp_path):

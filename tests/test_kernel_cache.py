@@ -6,18 +6,22 @@ listings after reset, promote and writes from another process, pages after reset
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
 import os
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyfuse3
 import pytest
 
 from conftest import Daemon, check_log, ctl_command, require_fuse, run, wait_until
+from rametfs.mounts import mount_at
 
 PATCHED = hasattr(pyfuse3.FileInfo(), "cache_readdir")
 
@@ -153,13 +157,6 @@ def test_truncate_on_open_and_erofs(execution):
     assert snap_file.read_bytes() == b"alpha\n"
 
 
-def _mount_options(point: Path) -> list[str]:
-    with open("/proc/mounts") as f:
-        found = [line.split()[3] for line in f if line.split()[1] == str(point)]
-    assert len(found) == 1, found
-    return found[0].split(",")
-
-
 def _map_and_store(path: Path, data: bytes) -> OSError | None:
     """Open ``path`` read-write, store ``data`` at offset 0 through a shared mapping and
     msync it; the error the msync gave (None if it gave none)."""
@@ -176,11 +173,29 @@ def _map_and_store(path: Path, data: bytes) -> OSError | None:
         os.close(fd)
 
 
+def _hammer(path: Path, rng: random.Random, seconds: float) -> None:
+    """Store into random pages of ``path`` through a shared mapping for ``seconds``, with an
+    msync after about a third of the stores; the close writes back the rest (FUSE flush)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            pages = len(m) // mmap.PAGESIZE
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                page = rng.randrange(pages) * mmap.PAGESIZE
+                m[page:page + 4] = b"EVIL"
+                if rng.random() < 0.3:
+                    with contextlib.suppress(OSError):  # EROFS
+                        m.flush()
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the read-only bind needs CAP_SYS_ADMIN")
 def test_snapshots_are_a_read_only_mount_that_refuses_write_opens(execution):
     _, d, snap, _ = execution
     assert d.status()["snapshots_bind"] == "read-only"
-    assert {"ro", "nosuid", "nodev"} <= set(_mount_options(d.mnt / "snapshots"))
+    assert {"ro", "nosuid", "nodev"} <= set(mount_at(str(d.mnt / "snapshots")).options)
     snap_file = d.mnt / "snapshots" / snap / "big.bin"
     for flags in (os.O_RDWR, os.O_WRONLY, os.O_WRONLY | os.O_APPEND):
         with pytest.raises(OSError) as caught:
@@ -209,6 +224,12 @@ def test_a_shared_writable_mmap_of_a_snapshot_file_is_dropped_at_write_back(exec
             assert failure is not None and failure.errno == errno.EROFS
             wait_until(lambda: (d.mnt / "snapshots" / snap / "big.bin").read_bytes() == original,
                        5, "the snapshot file's pages to be dropped")
+            # Write-backs that come while the pages are being dropped: dropped again after.
+            rng = random.Random(7)
+            for _ in range(10):
+                _hammer(snap_file, rng, 0.3)
+                wait_until(lambda: (d.mnt / "snapshots" / snap / "big.bin").read_bytes()
+                           == original, 5, "every changed page to be dropped")
         assert snap_file.read_bytes() == original
     finally:
         run("umount", plain)
