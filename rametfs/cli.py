@@ -210,12 +210,13 @@ def umount(mountpoint: str, lazy: bool) -> None:
     if status is not None and status["mount"] != mountpoint:
         raise RametError(errno.EINVAL, f"{mountpoint} is a bind of the rametfs mount at "
                          f"{status['mount']}, which stays; remove it with umount -R {mountpoint}")
+    dead = "" if pid is not None else " (no daemon answers there: --lazy detaches it)"
     bound = not lazy and mounts.snapshots_bound(mountpoint)
     if bound:
         try:
             mounts.unbind_snapshots(mountpoint)
         except OSError as exc:
-            raise RametError(exc.errno, f"{exc.filename}: {exc.strerror}") from None
+            raise RametError(exc.errno, f"{exc.filename}: {exc.strerror}{dead}") from None
     argv = ["fusermount3", "-u", *(["-z"] * lazy), mountpoint]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
@@ -225,8 +226,7 @@ def umount(mountpoint: str, lazy: bool) -> None:
             if failure is not None:
                 why += f"; and snapshots/ is no longer read-only: {failure}"
         if "busy" in done.stderr:
-            raise RametError(errno.EBUSY, why if pid is not None else
-                             f"{why} (no daemon answers there: --lazy detaches it)")
+            raise RametError(errno.EBUSY, why + dead)
         if pid is None:
             raise NotMountedError(mountpoint)
         raise RametError(errno.EIO, why)

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, check_log, run, wait_until
+from conftest import Daemon, check_log, lazy_unmount, pid_alive, run, wait_until
 from rametfs import protocol
 from rametfs.mounts import mount_at, snapshots_bound
 from test_snapshots import tree_signature, write_tree
@@ -295,6 +296,41 @@ def test_under_a_shared_parent_every_copy_of_the_bind_is_read_only_and_goes_with
         d.stop()
         run("umount", "-R", "-l", slave)
         run("umount", "-R", "-l", shared)
+
+
+def test_serve_and_umount_through_a_symlink_to_the_mountpoint(tmp_path):
+    mnt, link = tmp_path / "mnt", tmp_path / "link"
+    mnt.mkdir()
+    link.symlink_to(mnt)
+    rametfs = (sys.executable, "-m", "rametfs")
+    try:
+        run(*rametfs, "serve", "--data", tmp_path / "data", link, "--background")
+        assert json.loads((mnt / ".ramet" / "status").read_text())["mount"] == str(mnt)
+        run(*rametfs, "umount", link)
+        assert not os.path.ismount(mnt)
+    finally:
+        lazy_unmount(mnt)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the read-only bind needs CAP_SYS_ADMIN")
+def test_umount_of_a_dead_busy_mount_says_busy_and_lazy_clears_it(tmp_path, source):
+    d = Daemon(tmp_path / "data", tmp_path / "mnt")
+    d.start()
+    snap = d.snapshot(source)
+    holder = subprocess.Popen(["sleep", "60"], cwd=d.snap_path(snap))
+    pid, d.pid = d.pid, None
+    try:
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(pid), 10, f"daemon {pid} to die")
+        proc = _umount(d.mnt)
+        assert proc.returncode == 5 and "--lazy" in proc.stderr, proc.stderr  # EBUSY
+        proc = run(sys.executable, "-m", "rametfs", "umount", "--lazy", d.mnt, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert not os.path.ismount(d.mnt)
+    finally:
+        holder.kill()
+        holder.wait()
+        lazy_unmount(d.mnt)
 
 
 def test_serve_background_ignores_a_rametfs_package_in_the_working_directory(tmp_path):
