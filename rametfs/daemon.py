@@ -21,8 +21,8 @@ import trio
 
 from .control import Control
 from .errors import RametError
-from .mounts import bind_snapshots_read_only
 from .fuse_ops import Operations
+from .mounts import bind_snapshots_read_only
 from .overlay import Overlay
 from .pools import LEASED
 from .store import Store

@@ -243,7 +243,8 @@ class Operations(pyfuse3.Operations):
 
     async def _snapshots_settled(self, parent_inode: int) -> None:
         """Until the daemon has tried its read-only bind of snapshots/, names in the
-        snapshot trees wait: a snapshot file reached before it could be opened for writing."""
+        snapshot trees wait: a process that reached a snapshot file before the bind could
+        open it for writing and keep that descriptor."""
         if self.control.snapshots_settled.is_set():
             return
         node = self.overlay.nodes.get(parent_inode)
