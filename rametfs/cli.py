@@ -198,18 +198,21 @@ def umount(mountpoint: str, lazy: bool) -> None:
     busy.  Refuses (EINVAL) the bind itself and binds of the mount made elsewhere.
     """
     mountpoint = os.path.realpath(mountpoint)
+    top = mounts.mount_at(mountpoint)
+    if top is None or top.fstype != mounts.FSTYPE:
+        raise NotMountedError(mountpoint)
+    parent = os.path.dirname(mountpoint)
+    if os.path.basename(mountpoint) == protocol.SNAPSHOTS_DIR and mounts.snapshots_bound(parent):
+        raise RametError(errno.EINVAL, f"{mountpoint} is the read-only bind of snapshots/ of "
+                         f"the rametfs mount at {parent}, and goes with it")
     try:
         status = Ramet(mountpoint, mode="fuse").status()
     except NotMountedError:
         status = None  # no daemon answers, but a crashed one's mount may still need removing
-    pid = status and status["pid"]
-    parent = os.path.dirname(mountpoint)
-    if os.path.basename(mountpoint) == protocol.SNAPSHOTS_DIR and mounts.snapshots_bound(parent):
-        raise RametError(errno.EINVAL, f"{mountpoint} is the read-only bind of snapshots/ of "
-                         f"the rametfs mount at {parent}: unmount {parent}")
-    if status is not None and status["mount"] != mountpoint:
-        raise RametError(errno.EINVAL, f"{mountpoint} is a bind of the rametfs mount at "
-                         f"{status['mount']}, which stays; remove it with umount -R {mountpoint}")
+    if status is not None and status.get("mount") != mountpoint:
+        raise RametError(errno.EINVAL, f"{mountpoint} is a bind of (part of) a rametfs mount, "
+                         f"not where a daemon mounted it; remove it with umount -R {mountpoint}")
+    pid = status["pid"] if status is not None else None
     dead = "" if pid is not None else " (no daemon answers there: --lazy detaches it)"
     bound = not lazy and mounts.snapshots_bound(mountpoint)
     if bound:

@@ -62,7 +62,7 @@ class Control:
         self.mountpoint = mountpoint
         self.invalidate = invalidate
         self.open_less = open_less
-        self.snapshots_settled = trio.Event()
+        self.snapshots_settled = False
         self.snapshots_bind_failure: str | None = None
         self.root_last: dict | None = None
         self.root_error = ""
@@ -316,7 +316,7 @@ class Control:
 
     def _snapshots_bind(self) -> str:
         """"pending", "read-only", "failed: <why>", or "absent" (unmounted since)."""
-        if not self.snapshots_settled.is_set():
+        if not self.snapshots_settled:
             return "pending"
         if self.snapshots_bind_failure is not None:
             return f"failed: {self.snapshots_bind_failure}"

@@ -115,9 +115,9 @@ async def _store_dirty_records(overlay: Overlay) -> None:
 
 
 async def _bind_snapshots(control: Control) -> None:
-    """Make ``snapshots/`` a read-only mount (rametfs.mounts).  Until this is settled the
-    FUSE adapter holds lookups in the snapshot trees, so no snapshot file can be opened
-    for writing before the bind; ``serve --background`` returns after it."""
+    """Make ``snapshots/`` a read-only mount (rametfs.mounts); ``serve --background``
+    returns once this is settled.  (Lookups cannot wait for it: the kernel holds the
+    directory's lock during a lookup, and the mount needs that lock.)"""
     # Abandoned on cancel: a mount call still waiting for a lookup ends when the session closes.
     failure = await trio.to_thread.run_sync(bind_snapshots_read_only, control.mountpoint,
                                             abandon_on_cancel=True)
@@ -125,7 +125,7 @@ async def _bind_snapshots(control: Control) -> None:
         log.warning("snapshots/ not bound read-only (%s): a shared writable mmap of a "
                     "snapshot file changes its cached pages until their write-back", failure)
     control.snapshots_bind_failure = failure
-    control.snapshots_settled.set()
+    control.snapshots_settled = True
 
 
 async def _serve(overlay: Overlay, control: Control) -> None:

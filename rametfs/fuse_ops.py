@@ -231,7 +231,6 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def lookup(self, parent_inode, name, ctx=None):
-        await self._snapshots_settled(parent_inode)
         try:
             ino = self._lookup_ino(parent_inode, name)
         except NotFound:
@@ -240,16 +239,6 @@ class Operations(pyfuse3.Operations):
             return self._negative_entry(parent_inode, name)
         self._looked_up(ino)
         return self._attrs(ino)
-
-    async def _snapshots_settled(self, parent_inode: int) -> None:
-        """Until the daemon has tried its read-only bind of snapshots/, names in the
-        snapshot trees wait: a process that reached a snapshot file before the bind could
-        open it for writing and keep that descriptor."""
-        if self.control.snapshots_settled.is_set():
-            return
-        node = self.overlay.nodes.get(parent_inode)
-        if parent_inode == SNAPSHOTS or (node is not None and node.view.read_only):
-            await self.control.snapshots_settled.wait()
 
     def _negative_entry(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
         """A cached "no such name" (inode 0): git looks for a .gitignore in every directory.
@@ -387,7 +376,6 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh, start_id, token):
         # fh is the directory's inode.  The listing is made when a read starts at 0 and kept
         # for the calls that page through it, so offsets stay valid between them.
-        await self._snapshots_settled(fh)  # readdirplus entries are dentries too
         listing = self.listings.get(fh)
         if listing is None or start_id == 0:
             listing = self.listings[fh] = self._listing(fh)

@@ -75,7 +75,7 @@ def bind_snapshots_read_only(mountpoint: str) -> str | None:
         finally:
             os.close(fd)
     except OSError as exc:
-        return str(exc)
+        return exc.strerror
     return None
 
 

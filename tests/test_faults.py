@@ -245,8 +245,9 @@ def test_umount_leaves_a_mount_that_is_not_rametfs_alone(tmp_path):
     run("mount", "-t", "tmpfs", "rametfs-test", inner)
     try:
         (inner / "important.txt").write_text("precious\n")
-        proc = _umount(tmp_path / "backup")
-        assert proc.returncode == 7, proc.stderr  # ENOTCONN: no rametfs there
+        for target in (tmp_path / "backup", inner):
+            proc = _umount(target)
+            assert proc.returncode == 7, proc.stderr  # ENOTCONN: no rametfs there
         assert (inner / "important.txt").read_text() == "precious\n"
     finally:
         run("umount", inner)
@@ -256,10 +257,25 @@ def test_umount_leaves_a_mount_that_is_not_rametfs_alone(tmp_path):
 def test_umount_refuses_the_snapshots_bind_and_the_status_follows_it(daemon):
     proc = _umount(daemon.mnt / "snapshots")
     assert proc.returncode == 4, proc.stderr  # EINVAL
-    assert f"unmount {daemon.mnt}" in proc.stderr
+    assert f"rametfs mount at {daemon.mnt}, and goes with it" in proc.stderr
     assert snapshots_bound(str(daemon.mnt)) and daemon.status()["snapshots_bind"] == "read-only"
     run("umount", daemon.mnt / "snapshots")  # by hand: the status says so
     assert daemon.status()["snapshots_bind"] == "absent"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts need CAP_SYS_ADMIN")
+def test_umount_refuses_a_bind_of_an_execution(daemon, source, tmp_path):
+    ex = daemon.exec_path(daemon.create(daemon.snapshot(source)))
+    assert _umount(ex).returncode == 7  # not a mountpoint
+    other = tmp_path / "other"
+    other.mkdir()
+    run("mount", "--bind", ex, other)
+    try:
+        proc = _umount(other)
+        assert proc.returncode == 4 and f"umount -R {other}" in proc.stderr, proc.stderr
+        assert daemon.status()["pid"] == daemon.pid
+    finally:
+        run("umount", other)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts need CAP_SYS_ADMIN")
