@@ -347,8 +347,8 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
 
     def changed(node: Node, b: Entry) -> bool:
         u = node.upper
-        if u is None:
-            return node.entry != b
+        if u is None:  # as in the base; under another name of its inode (link group) too
+            return node.entry != b and not (b.link and node.entry.link == b.link)
         same_owner = (u.mode == b.mode and u.uid == b.uid and u.gid == b.gid
                       and tuple(sorted(u.xattrs.items())) == b.xattrs)
         if b.is_dir:  # its mtime moves with every change inside: not a change of its own

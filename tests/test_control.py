@@ -161,6 +161,19 @@ def test_diff_lists_exact_changes_and_is_empty_after_reset(shared_daemon, ex):
     assert control(path, "diff").read_text() == ""
 
 
+def test_diff_of_hard_links_from_the_base_is_empty_until_one_changes(shared_daemon, tmp_path):
+    src = tmp_path / "linked"
+    src.mkdir()
+    (src / "f").write_bytes(b"shared\n")
+    os.link(src / "f", src / "g")
+    path = shared_daemon.exec_path(shared_daemon.create(shared_daemon.snapshot(src)))
+    (path / "g").read_bytes()  # looked up under both names
+    assert control(path, "diff").read_text() == ""
+    with open(path / "g", "ab") as f:
+        f.write(b"more\n")
+    assert control(path, "diff").read_text().splitlines() == ["M f", "M g"]
+
+
 def test_reset_returns_every_file_to_its_base(shared_daemon, ex, snap, source):
     eid, path = ex
     make_known_changes(path)
