@@ -25,6 +25,7 @@ Non-standard behaviour (also in docs/architecture.md):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -333,6 +334,7 @@ class Overlay:
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
         self.clock = 0  # counts changes to executions (Execution.changes)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
+        self._remove_orphans()
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
         """Entries of base tree ``tid`` (immutable, so cached; see ``TREE_CACHE``)."""
@@ -526,7 +528,7 @@ class Overlay:
                 return None
             layer_key = cur.key()
             budget = 10000
-            for name in ("inodes", "dentries", "links", "pages"):
+            for name in ("inodes", "dentries", "links", "pages", "orphans"):
                 c = txn.cursor(db=db[name])
                 if c.set_range(layer_key):
                     while budget and c.key()[:8] == layer_key and c.delete():
@@ -752,11 +754,13 @@ class Overlay:
         upper record) and the counters in ``txn``; call :meth:`_stored` once it commits."""
         for node in nodes:
             if node.upper is not None:
-                layer = node.view.layer
-                txn.put(inode_key(layer, node.ino), node.upper.pack(),
-                        db=self.store.db["inodes"])
+                key = inode_key(node.view.layer, node.ino)
+                txn.put(key, node.upper.pack(), db=self.store.db["inodes"])
+                if node.upper.nlink == 0:  # no name left; processes may still hold it
+                    txn.put(key, b"", db=self.store.db["orphans"])
                 for page in node.new_pages:
-                    txn.put(page_key(layer, node.ino, page), b"", db=self.store.db["pages"])
+                    txn.put(page_key(node.view.layer, node.ino, page), b"",
+                            db=self.store.db["pages"])
         self._persist_counters(txn)
 
     @staticmethod
@@ -926,16 +930,37 @@ class Overlay:
         if not gone:
             return
         with self.store.write() as txn:
-            cur = txn.cursor(db=self.store.db["pages"])
             for node in gone:
-                prefix = inode_key(node.view.layer, node.ino)
-                txn.delete(prefix, db=self.store.db["inodes"])
-                if cur.set_range(prefix):
-                    while cur.key().startswith(prefix) and cur.delete():
-                        pass
+                self._delete_inode(txn, inode_key(node.view.layer, node.ino))
         self._stored(gone)
         for node in gone:
             self._unlink_upper(node)
+
+    def _delete_inode(self, txn, key: bytes) -> None:
+        """Delete the upper record, page map and orphan mark of inode ``key`` (layer + ino)."""
+        db = self.store.db
+        txn.delete(key, db=db["inodes"])
+        txn.delete(key, db=db["orphans"])
+        cur = txn.cursor(db=db["pages"])
+        if cur.set_range(key):
+            while cur.key().startswith(key) and cur.delete():
+                pass
+
+    def _remove_orphans(self) -> None:
+        """At start no process holds an inode of the last run: delete what is left of the
+        ones whose last name went while they were open (the kernel never forgot them: the
+        daemon stopped or crashed first), records and upper data."""
+        live = {ex.layer for ex in self.executions.values()}
+        paths = []
+        with self.store.write() as txn:
+            for key in list(txn.cursor(db=self.store.db["orphans"]).iternext(values=False)):
+                layer = from_u64(key[:8])
+                if layer in live:  # a dead layer goes whole (collect_dead_layer)
+                    paths.append(f"{self.upper_root}/{layer}/{from_u64(key[8:])}")
+                self._delete_inode(txn, key)
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):  # never written
+                os.unlink(path)
 
     def _unlink_upper(self, node: Node) -> None:
         """Unlink ``node``'s upper data file, keeping a descriptor of it in

@@ -198,6 +198,24 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
     assert not os.path.exists(data) and os.path.exists(overlay._upper_path(ex, small.ino))
 
 
+def test_an_inode_unlinked_while_open_goes_at_the_next_start(model):
+    store, overlay, ex = model
+    node = path_node(overlay, ex, "big")
+    overlay.write(node, 0, b"A" * (2 * PAGE_SIZE))
+    overlay.save(node)
+    data = overlay._upper_path(ex, node.ino)
+    overlay.unlink(ex.root_ino, b"big")  # a process still holds it: no forget before the stop
+    key = inode_key(ex.layer, node.ino)
+
+    def stored():
+        with store.read() as txn:
+            return [txn.get(k, db=store.db[db]) is not None for k, db in [
+                (key, "inodes"), (key, "orphans"), (page_key(ex.layer, node.ino, 0), "pages")]]
+    assert stored() == [True, True, True] and os.path.exists(data)
+    Overlay(store)  # the next start
+    assert stored() == [False, False, False] and not os.path.exists(data)
+
+
 def test_truncate_to_zero_starts_a_new_data_file_and_hands_over_the_old_one(model):
     store, overlay, ex = model
     node = path_node(overlay, ex, "big")

@@ -40,6 +40,9 @@ Databases (one LMDB environment, ``<data>/meta``):
 ``pages``      layer (u64) + ino (u64) + page (u64) -> ``b""``: that page of the file lives in the
                upper data file ``<data>/upper/<layer>/<ino>``, not in the base chunks.
 ``dead``       layer (u64) -> ``b""``: layers left by reset or release, deleted in the background.
+``orphans``    layer (u64) + ino (u64) -> ``b""``: an upper inode whose last name is gone while
+               processes may still hold it; deleted with its record when the kernel forgets
+               it, or at the next start (like ext4's orphan list).
 ``pools``      pool name (utf-8) -> msgpack map ``{base, size, created_ns}``: an execution pool
                (:mod:`rametfs.pools`); ``base`` the snapshot id as hex, ``size`` the number of
                executions kept for hand-out.
@@ -65,7 +68,7 @@ ID_BYTES = 32
 
 DATABASES = ("meta", "chunks", "contents", "trees", "tree_stats", "snapshots", "sources",
              "executions",
-             "inodes", "dentries", "links", "pages", "dead",
+             "inodes", "dentries", "links", "pages", "dead", "orphans",
              "pools", "leases")
 
 ENVELOPE_MAGIC = b"RMC"
