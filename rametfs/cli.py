@@ -195,7 +195,8 @@ def umount(mountpoint: str, lazy: bool) -> None:
 
     When it returns, the daemon has flushed its state.  Without --lazy the read-only bind
     of snapshots/ goes first (it would keep the mount busy) and comes back if the mount is
-    busy.  Refuses (EINVAL) the bind itself and binds of the mount made elsewhere.
+    busy.  Only a rametfs mount is unmounted (else ENOTCONN); the bind itself and binds of
+    the mount or of its executions made elsewhere are refused (EINVAL).
     """
     mountpoint = os.path.realpath(mountpoint)
     top = mounts.mount_at(mountpoint)
