@@ -206,6 +206,10 @@ def umount(mountpoint: str, lazy: bool) -> None:
     if os.path.basename(mountpoint) == protocol.SNAPSHOTS_DIR and mounts.snapshots_bound(parent):
         raise RametError(errno.EINVAL, f"{mountpoint} is the read-only bind of snapshots/ of "
                          f"the rametfs mount at {parent}, and goes with it")
+    if top.root != "/":
+        raise RametError(errno.EINVAL, f"{mountpoint} is a bind of {top.root} of a rametfs "
+                         f"mount, not where a daemon mounted it; remove it with umount "
+                         f"{mountpoint}")
     try:
         status = Ramet(mountpoint, mode="fuse").status()
     except NotMountedError:

@@ -81,23 +81,30 @@ def bind_snapshots_read_only(mountpoint: str) -> str | None:
 
 @dataclass(frozen=True)
 class Mount:
-    """One line of the mount table: where, what file system type, its options."""
+    """One mount: where, what file system type, its per-mount options, and which directory
+    of its file system it shows (``/`` unless it is a bind of a subdirectory)."""
 
     point: str
     fstype: str
     options: tuple[str, ...]
+    root: str
+
+
+def _unescape(field: bytes) -> str:
+    # The kernel escapes space, tab, newline and backslash in octal (\040 ...).
+    return os.fsdecode(field.decode("unicode_escape").encode("latin-1"))
 
 
 def mount_table() -> list[Mount]:
-    """The calling process's mounts, in mount order (/proc/self/mounts, whose paths escape
-    space, tab, newline and backslash in octal)."""
+    """The calling process's mounts, in mount order (/proc/self/mountinfo, proc(5)):
+    ``id parent dev root point options [optional...] - fstype source super-options``."""
     table = []
-    with open("/proc/self/mounts", "rb") as f:
+    with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             fields = line.split()
-            point = fields[1].decode("unicode_escape").encode("latin-1")
-            table.append(Mount(os.fsdecode(point), fields[2].decode(),
-                               tuple(fields[3].decode().split(","))))
+            fstype = fields[fields.index(b"-") + 1]
+            table.append(Mount(_unescape(fields[4]), fstype.decode(),
+                               tuple(fields[5].decode().split(",")), _unescape(fields[3])))
     return table
 
 

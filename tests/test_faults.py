@@ -264,18 +264,25 @@ def test_umount_refuses_the_snapshots_bind_and_the_status_follows_it(daemon):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts need CAP_SYS_ADMIN")
-def test_umount_refuses_a_bind_of_an_execution(daemon, source, tmp_path):
-    ex = daemon.exec_path(daemon.create(daemon.snapshot(source)))
+def test_umount_refuses_binds_of_parts_of_the_mount(daemon, source, tmp_path):
+    snap = daemon.snapshot(source)
+    ex = daemon.exec_path(daemon.create(snap))
+    (ex / "sub").mkdir()
     assert _umount(ex).returncode == 7  # not a mountpoint
     other = tmp_path / "other"
     other.mkdir()
-    run("mount", "--bind", ex, other)
-    try:
-        proc = _umount(other)
-        assert proc.returncode == 4 and f"umount -R {other}" in proc.stderr, proc.stderr
-        assert daemon.status()["pid"] == daemon.pid
-    finally:
-        run("umount", other)
+    for part in (ex, ex / "sub", daemon.mnt / "executions", daemon.mnt / "snapshots",
+                 daemon.snap_path(snap)):
+        run("mount", "--bind", part, other)
+        try:
+            proc = _umount(other)
+            root = "/" + str(part.relative_to(daemon.mnt))
+            assert proc.returncode == 4, proc.stderr  # EINVAL
+            assert f"is a bind of {root} of a rametfs mount" in proc.stderr
+            assert os.path.ismount(other)
+        finally:
+            run("umount", other)
+    assert daemon.status()["pid"] == daemon.pid
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts need CAP_SYS_ADMIN")
