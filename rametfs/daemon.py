@@ -167,6 +167,7 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
 def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool) -> None:
     store = Store(data_dir)
     overlay = Overlay(store)
+    overlay.remove_orphans()
     ops = Operations(overlay, mountpoint)
     options = set(pyfuse3.default_options) | {"fsname=rametfs", "subtype=rametfs"}
     if allow_other:

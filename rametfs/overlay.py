@@ -334,7 +334,6 @@ class Overlay:
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
         self.clock = 0  # counts changes to executions (Execution.changes)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
-        self._remove_orphans()
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
         """Entries of base tree ``tid`` (immutable, so cached; see ``TREE_CACHE``)."""
@@ -946,17 +945,18 @@ class Overlay:
             while cur.key().startswith(key) and cur.delete():
                 pass
 
-    def _remove_orphans(self) -> None:
-        """At start no process holds an inode of the last run: delete what is left of the
-        ones whose last name went while they were open (the kernel never forgot them: the
-        daemon stopped or crashed first), records and upper data."""
-        live = {ex.layer for ex in self.executions.values()}
+    def remove_orphans(self) -> None:
+        """At the daemon's start no process holds an inode of the last run: delete what is
+        left of the ones whose last name went while they were open (the kernel never forgot
+        them: the daemon stopped or crashed first), records and upper data.  Only then: a
+        second Overlay of a live store (deep verify) must leave open files alone."""
+        live = {ex.layer: ex for ex in self.executions.values()}
         paths = []
         with self.store.write() as txn:
             for key in list(txn.cursor(db=self.store.db["orphans"]).iternext(values=False)):
-                layer = from_u64(key[:8])
-                if layer in live:  # a dead layer goes whole (collect_dead_layer)
-                    paths.append(f"{self.upper_root}/{layer}/{from_u64(key[8:])}")
+                ex = live.get(from_u64(key[:8]))
+                if ex is not None:  # a dead layer goes whole (collect_dead_layer)
+                    paths.append(self._upper_path(ex, from_u64(key[8:])))
                 self._delete_inode(txn, key)
         for path in paths:
             with contextlib.suppress(FileNotFoundError):  # never written

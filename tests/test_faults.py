@@ -356,6 +356,29 @@ def test_umount_of_a_dead_busy_mount_says_busy_and_lazy_clears_it(tmp_path, sour
         lazy_unmount(d.mnt)
 
 
+def test_a_file_removed_while_open_is_gone_after_a_crash_and_restart(daemon, source):
+    eid = daemon.create(daemon.snapshot(source))
+    path = daemon.exec_path(eid)
+    (path / "big.bin").write_bytes(os.urandom(1 << 20))
+    with open(path / "keep.bin", "wb") as f:
+        f.write(b"k" * 4096)
+        f.flush()
+        os.fsync(f.fileno())  # a crash keeps what was fsync'd
+    with open(path / "big.bin", "rb") as held:
+        holder = subprocess.Popen(["sleep", "60"], stdin=held)
+    try:
+        os.unlink(path / "big.bin")
+        daemon.kill()  # before the kernel could forget the inode
+    finally:
+        holder.kill()
+        holder.wait()
+    daemon.start()
+    upper = daemon.data_dir / "upper"
+    assert sorted(p.stat().st_size for p in upper.rglob("*") if p.is_file()) == [4096]
+    assert (path / "keep.bin").read_bytes() == b"k" * 4096
+    assert not (path / "big.bin").exists()
+
+
 def test_serve_background_ignores_a_rametfs_package_in_the_working_directory(tmp_path):
     cwd = tmp_path / "cwd"
     write_tree(cwd, {"rametfs/__init__.py": b"", "rametfs/__main__.py":
