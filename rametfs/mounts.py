@@ -43,12 +43,16 @@ class _MountAttr(ctypes.Structure):  # struct mount_attr, linux/mount.h
                 ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
-def _syscall(name: str, number: int, *args) -> int:
-    ret = _libc.syscall(ctypes.c_long(number), *args)
+def _checked(ret: int, name: str, path: str | None = None) -> int:
+    """``ret`` of a libc call, or OSError from its errno."""
     if ret < 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"{name}: {os.strerror(err)}")
+        raise OSError(err, f"{name}: {os.strerror(err)}", path)
     return ret
+
+
+def _syscall(name: str, number: int, *args) -> int:
+    return _checked(_libc.syscall(ctypes.c_long(number), *args), name)
 
 
 def snapshots_path(mountpoint: str) -> str:
@@ -125,6 +129,5 @@ def snapshots_bound(mountpoint: str) -> bool:
 def unbind_snapshots(mountpoint: str) -> None:
     """Unmount the read-only bind of ``<mountpoint>/snapshots`` (umount(2)); OSError (EBUSY
     while a process works in it).  Checks nothing: see :func:`snapshots_bound`."""
-    if _libc.umount2(os.fsencode(snapshots_path(mountpoint)), 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"umount: {os.strerror(err)}", snapshots_path(mountpoint))
+    path = snapshots_path(mountpoint)
+    _checked(_libc.umount2(os.fsencode(path), 0), "umount", path)
