@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .systems import Rametfs, System, Unsupported, View, disk_usage
+from .fuse_trace import FuseTrace
+from .systems import Native, Rametfs, System, Unsupported, View, disk_usage
 from .trees import (BIG_FILE, MIB, BenchError, Size, Tree, big_tree, change_files, git,
                     make_git_repo, run, synthetic_tree, tarball)
 
@@ -37,6 +38,8 @@ STORAGE_VIEWS = 16  # views of the storage workload, each changing STORAGE_SHARE
 STORAGE_SHARE = 0.01
 RSS_EXECUTIONS = (1, 100, 1000)
 RANDOM_WRITES = 1000  # 4 KiB writes of the randwrite workload
+REQUEST_FILES = 1000  # files untarred and removed by the requests workload
+REQUEST_MIB = 64  # MiB written by it
 PAGE = 4096
 GIT_MAX_SCALE = 100_000  # larger scaling trees are not made git repositories (too slow)
 PROFILE_RUNS = 3
@@ -453,6 +456,49 @@ def untar(b: Bench, s: System) -> list[Result]:
             if i == b.repeat - 1:
                 b.profile(s, "untar+rm-rf", lambda: untar_and_remove(path))
     return [Result("untar", s.id, untars), Result("rm-rf", s.id, removes)]
+
+
+@workload("native", "fuse-overlayfs", "rametfs")
+def requests(b: Bench, s: System) -> list[Result]:
+    """requests-untar, requests-rm-rf: seconds per file of ``tar -xf`` of REQUEST_FILES small
+    files into a view and of ``rm -rf`` of them; requests-write: seconds per MiB of writing
+    REQUEST_MIB MiB, 1 MiB at a time, and the fsync.  On a FUSE system ``extra`` then holds,
+    from one more traced run (:mod:`benchmarks.fuse_trace`), the requests the kernel sent per
+    file (per MiB) by opcode, their ``total``, ``waited_us``: the µs per file (per MiB) the
+    process waited for replies, and ``<opcode>_us``: the median µs of each opcode's requests.  That is what bounds untar, rm -rf and seqwrite."""
+    tree = b.synthetic(REQUEST_FILES)
+    tar = b.scratch / f"synthetic-{REQUEST_FILES}.tar"
+    if not tar.exists():
+        tarball(tree, tar)
+    block = os.urandom(MIB)
+    steps = {
+        "untar": (REQUEST_FILES, lambda path: run("tar", "-xf", tar, "-C", path / "untarred")),
+        "rm-rf": (REQUEST_FILES, lambda path: run("rm", "-rf", path / "untarred")),
+        "write": (REQUEST_MIB, lambda path: write_file(path / "written.bin", REQUEST_MIB * MIB,
+                                                      block)),
+    }
+
+    def once(path: Path, each: Callable[[str, int, Callable[[], object]], None]) -> None:
+        (path / "untarred").mkdir()
+        for name, (units, step) in steps.items():
+            each(name, units, lambda: step(path))
+        os.unlink(path / "written.bin")
+
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    extra: dict[str, dict] = {name: {} for name in steps}
+    with s.view(tree) as path:
+        for _ in range(b.repeat):
+            once(path, lambda name, units, action:
+                 samples[name].append(timed(action) / units))
+        if not isinstance(s, Native):
+            with FuseTrace(path) as trace:
+                def traced(name: str, units: int, action: Callable[[], object]) -> None:
+                    sent = trace.run(action)
+                    extra[name] = {**sent.per(units), "waited_us": sent.waited_us(units),
+                                   **sent.median_us()}
+                once(path, traced)
+    return [Result(f"requests-{name}", s.id, samples[name], extra=extra[name])
+            for name in steps]
 
 
 # ----- rametfs figures with references ---------------------------------------------------

@@ -44,7 +44,7 @@ import trio
 from . import protocol
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
-from .overlay import Attrs, Execution, Node, Overlay, close_all
+from .overlay import Attrs, Execution, Node, Overlay, close_all, unlink_upper_files
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
     os.environ.get("RAMETFS_OPEN_LESS", "1") != "0"
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 GENERATIONS = 64  # inodes kept per control file: older ones read as ESTALE
+RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (Operations._reclaim)
 CONTROL_MODES = {protocol.CTL: 0o666, protocol.PROMOTE: 0o666, protocol.FSMONITOR: 0o777}
 WRITTEN = (protocol.CTL, protocol.PROMOTE, protocol.FSMONITOR)  # control files written to
 
@@ -137,6 +138,7 @@ class Operations(pyfuse3.Operations):
         self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
         # snapshot inode whose pages are being dropped -> a WRITE came since the drop began
         self.refused_pages: dict[int, bool] = {}
+        self._reclaiming = False  # a _reclaim task runs
 
     def _add_virtual(self, v: Virtual) -> None:
         self.virtual[v.ino] = v
@@ -529,7 +531,27 @@ class Operations(pyfuse3.Operations):
                     del self.virtual[ino]
                     v.slot.gens.remove(ino)
         self.overlay.forgotten(nodes)
-        await self._close_unlinked()
+        if self.overlay.reclaim and not self._reclaiming:
+            self._reclaiming = True
+            trio.lowlevel.spawn_system_task(self._reclaim)
+
+    async def _reclaim(self) -> None:
+        """Delete forgotten unlinked inodes: their upper data files in a worker thread, then
+        their records in one transaction, in batches: what the kernel forgets in the
+        :data:`RECLAIM_DELAY_S` after the first, then what it forgets while a batch goes.  An
+        ``rm -rf`` then waits for neither, and the loop hands a thread a job per batch, not per
+        file.  A failed or cancelled batch stays marked orphan and goes at the next start
+        (Overlay.remove_orphans)."""
+        try:
+            await trio.sleep(RECLAIM_DELAY_S)
+            while items := self.overlay.take_reclaim():
+                try:
+                    await trio.to_thread.run_sync(unlink_upper_files, items)
+                    self.overlay.reclaimed(items)
+                except Exception:  # the daemon goes on; the next start deletes them
+                    log.exception("reclaiming %d forgotten inodes failed", len(items))
+        finally:
+            self._reclaiming = False
 
     async def _close_unlinked(self) -> None:
         """Close the descriptors of unlinked upper files (freeing their blocks) in a thread."""

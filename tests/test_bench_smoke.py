@@ -1,16 +1,22 @@
 """Smoke test of the benchmark suite (benchmarks/, tools/bench): the smallest size, fork,
 reset and promote only, on every system available here.  Not a timed test: it checks that the
-suite runs, cleans up after itself and writes a complete report."""
+suite runs, cleans up after itself and writes a complete report.  Also the FUSE request tracer
+of the requests workload (benchmarks/fuse_trace.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import require_fuse
+from benchmarks.fuse_trace import FuseTrace, parse
 from benchmarks.runner import mounts_under
+from benchmarks.systems import Unsupported
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ["fork", "reset", "promote"]
@@ -60,3 +66,36 @@ def test_smoke_run_reports_every_figure(tmp_path):
 
     assert list(workdir.iterdir()) == []  # the scratch directory is gone
     assert mounts_under(tmp_path) == []
+
+
+TRACE = """\
+# entries-in-buffer/entries-written: 5/5   #P:2
+              rm-622     [001] ...1. 33961.853291: fuse_request_send: connection 39 req 12 opcode 3 (FUSE_GETATTR) len 56
+          python-592     [000] ..... 33961.853503: fuse_request_end: connection 39 req 12 len 120 error 0
+              rm-622     [001] ...1. 33961.853523: fuse_request_send: connection 39 req 16 opcode 10 (FUSE_UNLINK) len 48
+          python-592     [000] ..... 33961.853764: fuse_request_end: connection 39 req 16 len 16 error 0
+              rm-622     [001] ...1. 33961.853791: fuse_request_send: connection 39 req 18 opcode 3 (FUSE_GETATTR) len 56
+"""
+
+
+def test_trace_pairs_each_request_with_its_reply():
+    sent = parse(TRACE)
+    assert sent.counts == {"GETATTR": 2, "UNLINK": 1}
+    assert sent.per(2) == {"GETATTR": 1.0, "UNLINK": 0.5, "total": 1.5}
+    assert {op: round(us) for op, us in sent.median_us().items()} == {
+        "GETATTR_us": 212, "UNLINK_us": 241}  # the GETATTR of req 18 got no reply
+    assert round(sent.waited_us(1)) == 212 + 241
+
+
+def test_trace_counts_the_requests_of_the_mount_only(shared_daemon):
+    d = shared_daemon
+    fd = os.open(d.mnt / ".ramet" / "status", os.O_RDONLY)
+    try:
+        with FuseTrace(d.mnt) as trace:
+            sent = trace.run(lambda: [os.fstat(fd) for _ in range(5)] + [os.stat("/")])
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    finally:
+        os.close(fd)
+    assert sent.counts == {"GETATTR": 5}  # attribute timeout 0: each fstat asks the daemon
+    assert len(sent.latency_us["GETATTR"]) == 5

@@ -18,6 +18,8 @@ import pytest
 from conftest import Daemon, check_log, lazy_unmount, pid_alive, run, wait_until
 from rametfs import protocol
 from rametfs.mounts import mount_at, snapshots_bound
+from rametfs.store import Store
+from rametfs.store.format import from_u64
 from test_snapshots import tree_signature, write_tree
 
 MIB = 1 << 20
@@ -377,6 +379,49 @@ def test_a_file_removed_while_open_is_gone_after_a_crash_and_restart(daemon, sou
     assert sorted(p.stat().st_size for p in upper.rglob("*") if p.is_file()) == [4096]
     assert (path / "keep.bin").read_bytes() == b"k" * 4096
     assert not (path / "big.bin").exists()
+
+
+def removed_tree(daemon: Daemon, source: Path, files: int) -> tuple[Path, set[int]]:
+    """An execution with ``files`` files written in ``many/`` then removed by ``rm -rf``;
+    returns the data directory's upper/ and the removed inode numbers."""
+    path = daemon.exec_path(daemon.create(daemon.snapshot(source)))
+    (path / "many").mkdir()
+    for i in range(files):
+        (path / "many" / f"f{i}").write_bytes(b"%d" % i * 50)
+    inos = {(path / "many" / f"f{i}").stat().st_ino for i in range(files)}
+    run("rm", "-rf", path / "many")
+    return daemon.data_dir / "upper", inos
+
+
+def stored_inodes(daemon: Daemon) -> tuple[set[int], int]:
+    """With the daemon stopped: the inode numbers of every stored upper record, and how many
+    orphan marks there are."""
+    store = Store(daemon.data_dir)
+    try:
+        with store.read() as txn:
+            keys = txn.cursor(db=store.db["inodes"]).iternext(values=False)
+            return {from_u64(key[8:]) for key in keys}, sum(1 for _ in txn.cursor(db=store.db["orphans"]))
+    finally:
+        store.close()
+
+
+def test_rm_rf_deletes_every_upper_file_and_record(daemon, source):
+    upper, inos = removed_tree(daemon, source, 300)
+    wait_until(lambda: not [p for p in upper.rglob("*") if p.is_file()], 10,
+               "the removed files' upper data deleted")
+    daemon.stop()
+    records, orphans = stored_inodes(daemon)
+    assert (records & inos, orphans) == (set(), 0)
+
+
+def test_rm_rf_then_a_crash_leaves_nothing_after_the_restart(daemon, source):
+    upper, inos = removed_tree(daemon, source, 300)
+    daemon.kill()  # the kernel's forgets and the daemon's batched deletes are still to come
+    daemon.start()
+    daemon.stop()
+    assert [p for p in upper.rglob("*") if p.is_file()] == []
+    records, orphans = stored_inodes(daemon)
+    assert (records & inos, orphans) == (set(), 0)
 
 
 def test_serve_background_ignores_a_rametfs_package_in_the_working_directory(tmp_path):

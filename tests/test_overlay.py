@@ -10,7 +10,7 @@ import trio
 
 from rametfs.capture import Capture, diff
 from rametfs.errors import NotFound, ReadOnly, RametError
-from rametfs.overlay import Overlay, assemble, close_all
+from rametfs.overlay import Overlay, assemble, close_all, unlink_upper_files
 from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
 from rametfs.store.format import inode_key, page_key
 
@@ -191,11 +191,18 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
                 (page_key(ex.layer, small.ino, 0), "pages")]]
     assert stored() == [True, True, True, True]
     overlay.forgotten([big, small])  # small still has its name
-    assert stored() == [False, False, True, True]
-    fds = overlay.take_unlinked_fds()  # big's data file, unlinked: its blocks go at close
-    assert [os.fstat(fd).st_nlink for fd in fds] == [0]
-    close_all(fds)
+    items = overlay.take_reclaim()
+    assert [item.key for item in items] == [inode_key(ex.layer, big.ino)]
+    assert overlay.take_reclaim() == []
+    unlink_upper_files(items)
     assert not os.path.exists(data) and os.path.exists(overlay._upper_path(ex, small.ino))
+    assert stored() == [True, True, True, True]  # marked orphan until reclaimed
+    with store.read() as txn:
+        assert txn.get(inode_key(ex.layer, big.ino), db=store.db["orphans"]) == b""
+    overlay.reclaimed(items)
+    assert stored() == [False, False, True, True]
+    with store.read() as txn:
+        assert list(txn.cursor(db=store.db["orphans"])) == []
 
 
 def test_an_inode_unlinked_while_open_goes_at_the_next_start(model):
