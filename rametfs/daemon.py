@@ -25,6 +25,7 @@ from .fuse_ops import Operations
 from .mounts import bind_snapshots_read_only
 from .overlay import Overlay
 from .pools import LEASED
+from .precreate import Precreated, keep_filled
 from .store import Store
 from .verify import ROOT
 
@@ -131,6 +132,7 @@ async def _bind_snapshots(control: Control) -> None:
 async def _serve(overlay: Overlay, control: Control) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_bind_snapshots, control)
+        nursery.start_soon(keep_filled, overlay.precreated)
         nursery.start_soon(_collect_dead_layers, overlay)
         nursery.start_soon(_store_dirty_records, overlay)
         nursery.start_soon(_expire_leases, control)
@@ -168,6 +170,7 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool)
     store = Store(data_dir)
     overlay = Overlay(store)
     overlay.remove_orphans()
+    overlay.precreated = Precreated(overlay.upper_root)
     ops = Operations(overlay, mountpoint)
     options = set(pyfuse3.default_options) | {"fsname=rametfs", "subtype=rametfs"}
     if allow_other:

@@ -26,6 +26,7 @@ Non-standard behaviour (also in docs/architecture.md):
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import functools
 import os
@@ -40,6 +41,7 @@ import msgpack
 import trio
 
 from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
+from .precreate import Precreated
 from .protocol import CONTROL_DIR
 from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (dentry_key, from_u64, inode_key, link_key, page_key, page_of_key, u64)
@@ -357,6 +359,8 @@ class Overlay:
         self.reclaim: list[Reclaim] = []
         self.base_fds = OpenFiles()  # by content id
         self.upper_root = str(store.root / "upper")
+        # Empty files for new upper data files; the daemon keeps it filled (rametfs.precreate).
+        self.precreated: Precreated | None = None
         self.hydrating: dict[bytes, trio.Event] = {}
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
@@ -881,10 +885,11 @@ class Overlay:
         upper = UpperInode(mode=mode, uid=uid, gid=gid, atime_ns=now, mtime_ns=now,
                            ctime_ns=now, **fields)
         node = Node(self._alloc_ino(), ex, None, upper, parent.ino, name)
+        with self._undone_on_failure(parent):
+            if stat.S_ISDIR(mode):
+                parent.upper.nlink += 1
+            self._store_names([(parent, name, node)])
         self.nodes[node.ino] = node
-        if stat.S_ISDIR(mode):
-            self.copy_up(parent).nlink += 1
-        self._store_names([(parent, name, node)])
         return node
 
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
@@ -919,14 +924,30 @@ class Overlay:
             pass
         else:
             raise fs_error(errno.EEXIST, f"{name!r} exists")
-        u = self.copy_up(node)
-        u.nlink += 1
-        self._touch(node, mtime=False)
-        self._store_names([(parent, name, node)])
+        with self._undone_on_failure(parent, node):
+            node.upper.nlink += 1
+            self._touch(node, mtime=False)
+            self._store_names([(parent, name, node)])
         return node
 
     def _is_empty_dir(self, node: Node) -> bool:
         return not self.listdir(node.ino)
+
+    @contextlib.contextmanager
+    def _undone_on_failure(self, *nodes: Node | None) -> Iterator[None]:
+        """Copy ``nodes`` up, then put their records and names back as they were if the block
+        raises.  A namespace change changes them in memory before the transaction that stores
+        them; when that fails (a full disk) nothing changed on disk, and a file left named
+        with a link count of 0 would be deleted once the kernel forgets it."""
+        saved = [(n, copy.copy(self.copy_up(n)), n.parent, n.name)
+                 for n in nodes if n is not None]
+        try:
+            yield
+        except BaseException:
+            for node, upper, parent, name in saved:
+                vars(node.upper).update(vars(upper))
+                node.parent, node.name = parent, name
+            raise
 
     def _count_link_down(self, parent: Node, node: Node) -> None:
         """``node`` loses its name in ``parent``: its link count (and a directory's parent's)
@@ -1023,8 +1044,9 @@ class Overlay:
         node = self.lookup(parent_ino, name)
         if node.is_dir:
             raise fs_error(errno.EISDIR)
-        self._count_link_down(parent, node)
-        self._store_names([(parent, name, None)], node)
+        with self._undone_on_failure(parent, node):
+            self._count_link_down(parent, node)
+            self._store_names([(parent, name, None)], node)
 
     def rmdir(self, parent_ino: int, name: bytes) -> None:
         parent = self.node(parent_ino)
@@ -1034,8 +1056,9 @@ class Overlay:
             raise fs_error(errno.ENOTDIR)
         if not self._is_empty_dir(node):
             raise fs_error(errno.ENOTEMPTY)
-        self._count_link_down(parent, node)
-        self._store_names([(parent, name, None)], node)
+        with self._undone_on_failure(parent, node):
+            self._count_link_down(parent, node)
+            self._store_names([(parent, name, None)], node)
 
     def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes,
                flags: int) -> None:
@@ -1072,17 +1095,16 @@ class Overlay:
                     if q.ino == dst.ino:
                         raise InvalidArgument("cannot move a directory into itself")
                     q = self.node(q.parent)
-            self.copy_up(src)
-            self.copy_up(dst)
-            if src.is_dir != dst.is_dir and old_parent.ino != new_parent.ino:
-                delta = 1 if src.is_dir else -1
-                self.copy_up(new_parent).nlink += delta
-                self.copy_up(old_parent).nlink -= delta
-            src.parent, src.name, dst.parent, dst.name = (new_parent.ino, new_name,
-                                                          old_parent.ino, old_name)
-            self._touch(src, mtime=False)
-            self._touch(dst, mtime=False)
-            self._store_names([(old_parent, old_name, dst), (new_parent, new_name, src)])
+            with self._undone_on_failure(old_parent, new_parent, src, dst):
+                if src.is_dir != dst.is_dir and old_parent.ino != new_parent.ino:
+                    delta = 1 if src.is_dir else -1
+                    new_parent.upper.nlink += delta
+                    old_parent.upper.nlink -= delta
+                src.parent, src.name, dst.parent, dst.name = (new_parent.ino, new_name,
+                                                              old_parent.ino, old_name)
+                self._touch(src, mtime=False)
+                self._touch(dst, mtime=False)
+                self._store_names([(old_parent, old_name, dst), (new_parent, new_name, src)])
             return
         if dst is not None:
             if dst.ino == src.ino:
@@ -1095,16 +1117,17 @@ class Overlay:
                 raise fs_error(errno.ENOTDIR)
             if dst.is_dir and not self._is_empty_dir(dst):
                 raise fs_error(errno.ENOTEMPTY)
-        self.copy_up(src)
         replaced = () if dst is None else (dst,)
-        if dst is not None:
-            self._count_link_down(new_parent, dst)
-        if src.is_dir and old_parent.ino != new_parent.ino:
-            self.copy_up(old_parent).nlink -= 1
-            self.copy_up(new_parent).nlink += 1
-        src.parent, src.name = new_parent.ino, new_name
-        self._touch(src, mtime=False)
-        self._store_names([(old_parent, old_name, None), (new_parent, new_name, src)], *replaced)
+        with self._undone_on_failure(old_parent, new_parent, src, dst):
+            if dst is not None:
+                self._count_link_down(new_parent, dst)
+            if src.is_dir and old_parent.ino != new_parent.ino:
+                old_parent.upper.nlink -= 1
+                new_parent.upper.nlink += 1
+            src.parent, src.name = new_parent.ino, new_name
+            self._touch(src, mtime=False)
+            self._store_names([(old_parent, old_name, None), (new_parent, new_name, src)],
+                              *replaced)
 
     # -- attributes and xattrs -----------------------------------------------------------
 
@@ -1162,16 +1185,40 @@ class Overlay:
         return f"{self.upper_root}/{ex.layer}/{ino}"  # a string: pathlib costs µs per call
 
     def _upper_fd(self, node: Node) -> int:
+        """A descriptor of ``node``'s upper data file, which is made if missing: a
+        precreated empty file renamed into place (:attr:`precreated`), else created."""
         fd = self.upper_fds.get(node)
         if fd is None:
             path = self._upper_path(node.view, node.ino)
+            spare = None
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(path, os.O_RDWR)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                spare = self.precreated.take() if self.precreated is not None else None
+            if spare is not None:
+                fd = self._rename_into_place(spare, path)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                except FileNotFoundError:
+                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             self.upper_fds.put(node, fd)
         return fd
+
+    @staticmethod
+    def _rename_into_place(spare: str, path: str) -> int | None:
+        """Rename the precreated file ``spare`` to ``path`` (making its layer's directory if
+        needed) and open it; None if the spare is gone."""
+        for _ in range(2):
+            try:
+                os.rename(spare, path)
+                return os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                if not os.path.exists(spare):
+                    return None
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        return None
 
     async def sync_data(self, node: Node) -> None:
         """fsync(2) ``node``'s upper data file, if it has one, in a worker thread."""

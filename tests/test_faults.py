@@ -375,22 +375,28 @@ def test_a_file_removed_while_open_is_gone_after_a_crash_and_restart(daemon, sou
         holder.kill()
         holder.wait()
     daemon.start()
-    upper = daemon.data_dir / "upper"
-    assert sorted(p.stat().st_size for p in upper.rglob("*") if p.is_file()) == [4096]
+    assert sorted(p.stat().st_size for p in layer_files(daemon)) == [4096]
     assert (path / "keep.bin").read_bytes() == b"k" * 4096
     assert not (path / "big.bin").exists()
 
 
-def removed_tree(daemon: Daemon, source: Path, files: int) -> tuple[Path, set[int]]:
+def layer_files(daemon: Daemon) -> list[Path]:
+    """The upper data files of every layer (``<data>/upper/<layer>/<ino>``; not the empty
+    files of ``upper/precreated/``)."""
+    return [p for p in (daemon.data_dir / "upper").glob("*/*")
+            if p.parent.name != "precreated" and p.is_file()]
+
+
+def removed_tree(daemon: Daemon, source: Path, files: int) -> set[int]:
     """An execution with ``files`` files written in ``many/`` then removed by ``rm -rf``;
-    returns the data directory's upper/ and the removed inode numbers."""
+    returns the removed inode numbers."""
     path = daemon.exec_path(daemon.create(daemon.snapshot(source)))
     (path / "many").mkdir()
     for i in range(files):
         (path / "many" / f"f{i}").write_bytes(b"%d" % i * 50)
     inos = {(path / "many" / f"f{i}").stat().st_ino for i in range(files)}
     run("rm", "-rf", path / "many")
-    return daemon.data_dir / "upper", inos
+    return inos
 
 
 def stored_inodes(daemon: Daemon) -> tuple[set[int], int]:
@@ -406,20 +412,19 @@ def stored_inodes(daemon: Daemon) -> tuple[set[int], int]:
 
 
 def test_rm_rf_deletes_every_upper_file_and_record(daemon, source):
-    upper, inos = removed_tree(daemon, source, 300)
-    wait_until(lambda: not [p for p in upper.rglob("*") if p.is_file()], 10,
-               "the removed files' upper data deleted")
+    inos = removed_tree(daemon, source, 300)
+    wait_until(lambda: layer_files(daemon) == [], 10, "the removed files' upper data deleted")
     daemon.stop()
     records, orphans = stored_inodes(daemon)
     assert (records & inos, orphans) == (set(), 0)
 
 
 def test_rm_rf_then_a_crash_leaves_nothing_after_the_restart(daemon, source):
-    upper, inos = removed_tree(daemon, source, 300)
+    inos = removed_tree(daemon, source, 300)
     daemon.kill()  # the kernel's forgets and the daemon's batched deletes are still to come
     daemon.start()
     daemon.stop()
-    assert [p for p in upper.rglob("*") if p.is_file()] == []
+    assert layer_files(daemon) == []
     records, orphans = stored_inodes(daemon)
     assert (records & inos, orphans) == (set(), 0)
 

@@ -22,6 +22,7 @@ import pytest
 
 from conftest import Daemon, check_log, ctl_command, require_fuse, run, wait_until
 from rametfs.mounts import mount_at
+from rametfs.precreate import REFILL_BELOW
 
 PATCHED = hasattr(pyfuse3.FileInfo(), "cache_readdir")
 
@@ -273,6 +274,22 @@ def test_unlinked_open_file_lives_until_closed_then_its_data_goes(execution):
     finally:
         os.close(fd)
     wait_until(lambda: upper_data(d, ino) == [], 10, "the unlinked file's upper data deleted")
+
+
+def test_new_files_get_precreated_upper_data_files_and_the_pool_refills(execution):
+    _, d, _, ex = execution
+    spares = d.data_dir / "upper" / "precreated"
+    wait_until(lambda: len(list(spares.iterdir())) >= REFILL_BELOW, 30, "the precreated pool filled")
+    spare_inos = {p.stat().st_ino for p in spares.iterdir()}
+    for i in range(200):
+        (ex / f"new{i}").write_bytes(b"n%d" % i)
+    inos = {upper_data(d, (ex / f"new{i}").stat().st_ino)[0].stat().st_ino for i in range(200)}
+    assert len(inos) == 200 and inos <= spare_inos
+    # 200 taken leave fewer than REFILL_BELOW: the daemon makes more
+    wait_until(lambda: len(list(spares.iterdir())) >= REFILL_BELOW, 30,
+               "the precreated pool refilled")
+    assert all(p.stat().st_size == 0 for p in spares.iterdir())
+    assert [(ex / f"new{i}").read_bytes() for i in (0, 199)] == [b"n0", b"n199"]
 
 
 def upper_data(d: Daemon, ino: int) -> list:

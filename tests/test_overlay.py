@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -9,8 +10,9 @@ import pytest
 import trio
 
 from rametfs.capture import Capture, diff
-from rametfs.errors import NotFound, ReadOnly, RametError
+from rametfs.errors import NoSpace, NotFound, ReadOnly, RametError
 from rametfs.overlay import Overlay, assemble, close_all, unlink_upper_files
+from rametfs.precreate import TARGET, Precreated
 from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
 from rametfs.store.format import inode_key, page_key
 
@@ -309,3 +311,72 @@ def test_fsck_finds_a_corrupt_chunk(model):
     report = fsck(store)
     assert len(report.problems) == 1
     assert "/small" in report.problems[0] and ids[0].hex() in report.problems[0]
+
+
+def test_precreated_files_are_made_taken_and_taken_over_after_a_restart(tmp_path):
+    upper = str(tmp_path / "upper")
+    pool = Precreated(upper)
+    assert pool.wanted.is_set() and pool.missing() == TARGET  # an empty pool asks at once
+    pool.add(pool.make(3))
+    spare_dir = tmp_path / "upper" / "precreated"
+    assert sorted(p.name for p in spare_dir.iterdir()) == ["s1", "s2", "s3"]
+    assert {(p.stat().st_size, stat.S_IMODE(p.stat().st_mode)) for p in spare_dir.iterdir()} \
+        == {(0, 0o600)}
+    assert pool.take() == f"{spare_dir}/s1"  # oldest first
+    (spare_dir / "stray").write_bytes(b"")  # not one of ours
+    (spare_dir / "s9").write_bytes(b"x")  # not empty: never handed out
+    restarted = Precreated(upper)
+    assert list(restarted.paths) == [f"{spare_dir}/s1", f"{spare_dir}/s2", f"{spare_dir}/s3"]
+    assert restarted.make(1) == [f"{spare_dir}/s4"]  # the counter goes on past the last
+    assert sorted(p.name for p in spare_dir.iterdir()) == ["s1", "s2", "s3", "s4"]
+
+
+def test_a_new_file_gets_a_precreated_upper_data_file(model):
+    store, overlay, ex = model
+    overlay.precreated = pool = Precreated(overlay.upper_root)
+    pool.add(pool.make(1))
+    spare_ino = os.stat(pool.paths[0]).st_ino
+    first = overlay.create(ex.root_ino, b"first", 0o644, 0, 0)
+    assert overlay.write(first, 0, b"one") == 3
+    data = overlay._upper_path(ex, first.ino)
+    assert (os.stat(data).st_ino, os.path.getsize(data)) == (spare_ino, 3)
+    assert list(pool.paths) == [] and pool.wanted.is_set()
+    second = overlay.create(ex.root_ino, b"second", 0o644, 0, 0)  # none left: created
+    assert overlay.write(second, 0, b"two") == 3
+    assert read_all(overlay, first) == b"one" and read_all(overlay, second) == b"two"
+    assert os.listdir(os.path.dirname(pool.directory + "/")) == []
+
+
+def test_a_namespace_change_whose_transaction_fails_changes_nothing(model, monkeypatch):
+    store, overlay, ex = model
+    small, dir_ = path_node(overlay, ex, "small"), path_node(overlay, ex, "dir")
+    big = path_node(overlay, ex, "big")
+    overlay.mkdir(dir_.ino, b"empty", 0o755, 0, 0)
+    for node in (small, dir_, big):
+        overlay.copy_up(node)
+    before = {n.name: (n.upper.nlink, n.upper.ctime_ns, n.parent) for n in (small, dir_, big)}
+    root_nlink = overlay.node(ex.root_ino).upper.nlink if overlay.node(ex.root_ino).upper \
+        else overlay.node(ex.root_ino).entry.nlink
+
+    @contextlib.contextmanager
+    def full_disk():
+        raise NoSpace("no space left for metadata")
+        yield
+    monkeypatch.setattr(store, "write", full_disk)
+    for change in (lambda: overlay.unlink(ex.root_ino, b"small"),
+                   lambda: overlay.rename(ex.root_ino, b"big", ex.root_ino, b"small", 0),
+                   lambda: overlay.rename(ex.root_ino, b"big", ex.root_ino, b"small", 2),
+                   lambda: overlay.rename(ex.root_ino, b"big", dir_.ino, b"big", 0),
+                   lambda: overlay.link(small.ino, dir_.ino, b"again"),
+                   lambda: overlay.mkdir(ex.root_ino, b"new", 0o755, 0, 0),
+                   lambda: overlay.rmdir(dir_.ino, b"empty")):
+        with pytest.raises(NoSpace):
+            change()
+    monkeypatch.undo()
+    assert {n.name: (n.upper.nlink, n.upper.ctime_ns, n.parent)
+            for n in (small, dir_, big)} == before
+    assert overlay.node(ex.root_ino).upper.nlink == root_nlink
+    assert [n for n, _ in overlay.listdir(ex.root_ino)] == [b"big", b"dir", b"small"]
+    overlay.forgotten([small, big])  # still named: nothing to reclaim
+    assert overlay.take_reclaim() == []
+    assert read_all(overlay, small) == b"0123456789" * 2

@@ -104,9 +104,10 @@ class Store:
             os.close(fd)
 
     def _disk_full(self) -> bool:
-        """Whether the data directory's file system has less than 1 MiB free."""
+        """Whether the data directory's file system has less than 1 MiB available (to
+        unprivileged users: ext4 can fail a write with blocks still free in its reserve)."""
         st = os.statvfs(self.root)
-        return st.f_bfree * st.f_frsize < 1 << 20
+        return st.f_bavail * st.f_frsize < 1 << 20
 
     def close(self) -> None:
         self.env.sync(True)
