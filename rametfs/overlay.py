@@ -1387,7 +1387,8 @@ class Overlay:
         try:
             with os.scandir(top) as it:
                 for e in it:
-                    total += e.stat().st_blocks * 512
+                    with contextlib.suppress(FileNotFoundError):  # reclaimed meanwhile
+                        total += e.stat().st_blocks * 512
         except FileNotFoundError:
             pass
         return total

@@ -54,6 +54,7 @@ class Precreated:
         self.paths.extend(self._path(n) for n in sorted(names))
         self._counter = itertools.count(max(names, default=0) + 1)
         self.wanted = trio.Event()
+        self.failing = False  # the last creation failed
         if self.missing():
             self.wanted.set()
 
@@ -80,9 +81,15 @@ class Precreated:
             try:
                 os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             except OSError as exc:
-                log.warning("precreating %s: %s", path, exc)
+                if not self.failing:  # once per streak: a full disk fails every refill
+                    log.warning("precreating upper data files stopped: %s", exc)
+                self.failing = True
                 break
             made.append(path)
+        else:
+            if self.failing:
+                log.info("precreating upper data files again")
+            self.failing = False
         return made
 
     def add(self, paths: list[str]) -> None:
@@ -91,7 +98,7 @@ class Precreated:
 
 async def keep_filled(pool: Precreated) -> None:
     """Refill ``pool`` whenever it runs low, :data:`BATCH` files per worker-thread job; after
-    a job that made nothing (the disk is full), wait for the next low mark."""
+    a job that made fewer than asked (a full disk), wait for the next take below the mark."""
     while True:
         await pool.wanted.wait()
         pool.wanted = trio.Event()
