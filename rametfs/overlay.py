@@ -1185,40 +1185,53 @@ class Overlay:
         return f"{self.upper_root}/{ex.layer}/{ino}"  # a string: pathlib costs µs per call
 
     def _upper_fd(self, node: Node) -> int:
-        """A descriptor of ``node``'s upper data file, which is made if missing: a
-        precreated empty file renamed into place (:attr:`precreated`), else created."""
+        """A descriptor of ``node``'s upper data file, made if missing
+        (:meth:`_new_upper_file`)."""
         fd = self.upper_fds.get(node)
         if fd is None:
             path = self._upper_path(node.view, node.ino)
-            spare = None
             try:
                 fd = os.open(path, os.O_RDWR)
             except FileNotFoundError:
-                spare = self.precreated.take() if self.precreated is not None else None
-            if spare is not None:
-                fd = self._rename_into_place(spare, path)
-            if fd is None:
-                try:
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-                except FileNotFoundError:
-                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = self._new_upper_file(path)
             self.upper_fds.put(node, fd)
         return fd
 
+    def _new_upper_file(self, path: str) -> int:
+        """Make the upper data file ``path`` and open it: a precreated empty file renamed into
+        place (:attr:`precreated`), else a new one.  When the file system has no inode or
+        block left for it (ENOSPC) while the pool holds files, they go and it is tried again
+        without."""
+        spare = self.precreated.take() if self.precreated is not None else None
+        try:
+            return self._place_upper_file(spare, path)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or self.precreated is None:
+                raise
+            if spare is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(spare)
+            if not self.precreated.drain() and spare is None:
+                raise
+            return self._place_upper_file(None, path)
+
     @staticmethod
-    def _rename_into_place(spare: str, path: str) -> int | None:
-        """Rename the precreated file ``spare`` to ``path`` (making its layer's directory if
-        needed) and open it; None if the spare is gone."""
-        for _ in range(2):
+    def _place_upper_file(spare: str | None, path: str) -> int:
+        """Rename ``spare`` to ``path`` (if it is still there) or create ``path``, making its
+        layer's directory if missing, and open it read-write."""
+        while True:
             try:
+                if spare is None:
+                    return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
                 os.rename(spare, path)
                 return os.open(path, os.O_RDWR)
             except FileNotFoundError:
-                if not os.path.exists(spare):
-                    return None
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        return None
+                if spare is not None and not os.path.exists(spare):
+                    spare = None  # gone meanwhile: create it instead
+                elif os.path.isdir(os.path.dirname(path)):
+                    raise
+                else:
+                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
 
     async def sync_data(self, node: Node) -> None:
         """fsync(2) ``node``'s upper data file, if it has one, in a worker thread."""

@@ -17,6 +17,8 @@ import contextlib
 import itertools
 import logging
 import os
+import re
+import stat
 
 import trio
 
@@ -26,6 +28,8 @@ DIRECTORY = "precreated"  # in the data directory's upper/, beside the layers' d
 TARGET = 512  # files kept ready
 REFILL_BELOW = 384  # a refill starts when fewer are left
 BATCH = 64  # files made per worker-thread job
+MIN_FREE_INODES = 65536  # none are made on a file system with fewer inodes free
+_NAME = re.compile(r"s([1-9][0-9]*)", re.ASCII)
 
 
 class Precreated:
@@ -45,10 +49,10 @@ class Precreated:
         names = []
         with os.scandir(directory) as entries:
             for entry in entries:
-                if entry.is_file(follow_symlinks=False) and entry.stat().st_size == 0 \
-                        and entry.name[:1] == "s" and entry.name[1:].isdigit():
-                    names.append(int(entry.name[1:]))
-                else:  # not one of ours: never handed out
+                n = self._ours(entry)
+                if n is not None:
+                    names.append(n)
+                else:  # never handed out: it may be anything, linked from anywhere
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
         self.paths.extend(self._path(n) for n in sorted(names))
@@ -60,6 +64,19 @@ class Precreated:
 
     def _path(self, n: int) -> str:
         return f"{self.directory}/s{n}"
+
+    @staticmethod
+    def _ours(entry: os.DirEntry) -> int | None:
+        """The counter of a file this pool made and never handed out (empty, 0600, one
+        link, the daemon's own, named ``s<n>``), else None."""
+        match = _NAME.fullmatch(entry.name)
+        if match is None:
+            return None
+        st = entry.stat(follow_symlinks=False)
+        if (st.st_mode, st.st_size, st.st_nlink, st.st_uid) != \
+                (stat.S_IFREG | 0o600, 0, 1, os.geteuid()):
+            return None
+        return int(match[1])
 
     def take(self) -> str | None:
         """The path of an empty file to rename into place, or None when none is ready."""
@@ -74,7 +91,10 @@ class Precreated:
 
     def make(self, count: int) -> list[str]:
         """Create up to ``count`` empty files; returns their paths, fewer when creation fails
-        (a full disk, no inode left).  Blocking: run it in a worker thread."""
+        (a full disk, no inode left), none when fewer than :data:`MIN_FREE_INODES` inodes
+        are free.  Blocking: run it in a worker thread."""
+        if os.statvfs(self.directory).f_favail < MIN_FREE_INODES:
+            return []  # the inodes are better left to the files themselves
         made = []
         for _ in range(count):
             path = self._path(next(self._counter))
@@ -94,6 +114,16 @@ class Precreated:
 
     def add(self, paths: list[str]) -> None:
         self.paths.extend(paths)
+
+    def drain(self) -> int:
+        """Remove every file of the pool (the file system ran out of inodes or space while
+        the pool held some); returns how many went."""
+        gone = 0
+        while self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.paths.popleft())
+                gone += 1
+        return gone
 
 
 async def keep_filled(pool: Precreated) -> None:

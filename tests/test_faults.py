@@ -515,6 +515,33 @@ def test_sigkill_during_a_large_promote_keeps_every_snapshot(daemon, source):
 
 # ----- a full disk ---------------------------------------------------------------------------
 
+def test_a_file_system_with_few_inodes_gets_no_precreated_files(tmp_path, source):
+    data = tmp_path / "data"
+    data.mkdir()
+    run("mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=600", "tmpfs", data)
+    d = Daemon(data, tmp_path / "mnt")
+    try:
+        d.start()
+        ex = d.exec_path(d.create(d.snapshot(source)))
+        (ex / "first").write_bytes(b"first")
+        assert os.listdir(data / "upper" / "precreated") == []
+        written = 0
+        with pytest.raises(OSError) as caught:
+            for i in range(1000):
+                (ex / f"f{i}").write_bytes(b"%d" % i)
+                written += 1
+        assert caught.value.errno == errno.ENOSPC
+        assert written > 500  # the inodes went to the files, none to precreated ones
+        assert os.listdir(data / "upper" / "precreated") == []
+        assert [(ex / f"f{i}").read_bytes() for i in (0, written - 1)] == \
+            [b"0", b"%d" % (written - 1)]
+    finally:
+        try:
+            if d.pid is not None:
+                d.stop()
+        finally:
+            run("umount", data)
+
 def test_full_disk_write_fails_with_enospc_and_snapshots_survive(tmp_path, source, request):
     data = tmp_path / "data"
     data.mkdir()

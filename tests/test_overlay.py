@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 
@@ -12,6 +13,7 @@ import trio
 from rametfs.capture import Capture, diff
 from rametfs.errors import NoSpace, NotFound, ReadOnly, RametError
 from rametfs.overlay import Overlay, assemble, close_all, unlink_upper_files
+from rametfs import precreate
 from rametfs.precreate import TARGET, Precreated
 from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
 from rametfs.store.format import inode_key, page_key
@@ -380,3 +382,46 @@ def test_a_namespace_change_whose_transaction_fails_changes_nothing(model, monke
     overlay.forgotten([small, big])  # still named: nothing to reclaim
     assert overlay.take_reclaim() == []
     assert read_all(overlay, small) == b"0123456789" * 2
+
+
+def test_the_pool_takes_over_only_its_own_files(tmp_path):
+    spare_dir = tmp_path / "upper" / "precreated"
+    spare_dir.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"")
+    os.link(outside, spare_dir / "s1")  # a second link: it could be anything
+    for name in ("s2", "s05", "s\u00b2", "x3"):
+        (spare_dir / name).write_bytes(b"")
+        os.chmod(spare_dir / name, 0o600)
+    os.chmod(spare_dir / "s2", 0o644)
+    (spare_dir / "s4").write_bytes(b"content")
+    (spare_dir / "s6").mkdir()
+    os.symlink(outside, spare_dir / "s7")
+    (spare_dir / "s8").write_bytes(b"")
+    os.chmod(spare_dir / "s8", 0o600)
+    pool = Precreated(str(tmp_path / "upper"))
+    assert list(pool.paths) == [f"{spare_dir}/s8"]
+    assert sorted(p.name for p in spare_dir.iterdir()) == ["s6", "s8"]  # a directory stays
+    assert outside.read_bytes() == b"" and outside.stat().st_nlink == 1
+
+
+def test_the_pool_makes_nothing_where_inodes_are_few(tmp_path, monkeypatch):
+    pool = Precreated(str(tmp_path / "upper"))
+    monkeypatch.setattr(precreate, "MIN_FREE_INODES", os.statvfs(tmp_path).f_favail + 1)
+    assert pool.make(4) == [] and os.listdir(pool.directory) == []
+
+
+def test_no_room_for_a_new_upper_file_empties_the_pool_and_tries_again(model, monkeypatch):
+    store, overlay, ex = model
+    overlay.precreated = pool = Precreated(overlay.upper_root)
+    pool.add(pool.make(3))
+    rename = os.rename
+
+    def full(src, dst):  # the layer's directory needs a block the pool's inodes took
+        monkeypatch.setattr(os, "rename", rename)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "rename", full)
+    node = overlay.create(ex.root_ino, b"new", 0o644, 0, 0)
+    assert overlay.write(node, 0, b"data") == 4
+    assert read_all(overlay, node) == b"data"
+    assert list(pool.paths) == [] and os.listdir(pool.directory) == []
