@@ -22,7 +22,7 @@ import trio
 from .control import Control
 from .errors import RametError
 from .fuse_ops import Operations
-from .mounts import bind_snapshots_read_only, set_read_ahead
+from .mounts import bind_snapshots_read_only
 from .overlay import Overlay
 from .pools import LEASED
 from .precreate import Precreated, keep_filled
@@ -32,9 +32,6 @@ from .verify import ROOT
 log = logging.getLogger(__name__)
 
 DIRTY_INTERVAL_S = 1.0
-# The mount's read-ahead window (KiB): a sequential read of a cold file then comes as 1 MiB
-# READs (FUSE's largest) two at a time, not 128 KiB ones (docs/benchmarks.md).
-READ_AHEAD_KB = 2048
 
 
 def _check_mountpoint(mountpoint: str) -> None:
@@ -119,8 +116,8 @@ async def _store_dirty_records(overlay: Overlay) -> None:
 
 
 async def _bind_snapshots(control: Control) -> None:
-    """Make ``snapshots/`` a read-only mount and widen the mount's read-ahead window
-    (rametfs.mounts); ``serve --background`` returns once this is settled.  (Lookups cannot wait for it: the kernel holds the
+    """Make ``snapshots/`` a read-only mount (rametfs.mounts); ``serve --background``
+    returns once this is settled.  (Lookups cannot wait for it: the kernel holds the
     directory's lock during a lookup, and the mount needs that lock.)"""
     # Abandoned on cancel: a mount call still waiting for a lookup ends when the session closes.
     failure = await trio.to_thread.run_sync(bind_snapshots_read_only, control.mountpoint,
@@ -128,11 +125,6 @@ async def _bind_snapshots(control: Control) -> None:
     if failure is not None:
         log.warning("snapshots/ not bound read-only (%s): a shared writable mmap of a "
                     "snapshot file changes its cached pages until their write-back", failure)
-    # Only now: the kernel sets the window when it takes the daemon's INIT reply, which the
-    # bind's lookup waited for.
-    read_ahead_failure = set_read_ahead(control.mountpoint, READ_AHEAD_KB)
-    if read_ahead_failure is not None:
-        log.info("read-ahead left at the kernel's 128 KiB: %s", read_ahead_failure)
     control.snapshots_bind_failure = failure
     control.snapshots_settled = True
 

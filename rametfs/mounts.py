@@ -1,5 +1,5 @@
 """The read-only bind mount of ``snapshots/`` over itself, made by the daemon and taken down
-by ``rametfs umount``; the mount's read-ahead window; and the kernel's mount table.
+by ``rametfs umount``; and the kernel's mount table.
 
 In open-less mode the kernel sends no open, so the daemon cannot refuse a snapshot file
 opened for writing, and a shared writable mmap of it changes the kernel's cached pages.  A
@@ -85,15 +85,13 @@ def bind_snapshots_read_only(mountpoint: str) -> str | None:
 
 @dataclass(frozen=True)
 class Mount:
-    """One mount: where, what file system type, its per-mount options, which directory of
-    its file system it shows (``/`` unless it is a bind of a subdirectory), and the device
-    number of that file system (``major:minor``)."""
+    """One mount: where, what file system type, its per-mount options, and which directory
+    of its file system it shows (``/`` unless it is a bind of a subdirectory)."""
 
     point: str
     fstype: str
     options: tuple[str, ...]
     root: str
-    device: str
 
 
 def _unescape(field: bytes) -> str:
@@ -110,8 +108,7 @@ def mount_table() -> list[Mount]:
             fields = line.split()
             fstype = fields[fields.index(b"-") + 1]
             table.append(Mount(_unescape(fields[4]), fstype.decode(),
-                               tuple(fields[5].decode().split(",")), _unescape(fields[3]),
-                               fields[2].decode()))
+                               tuple(fields[5].decode().split(",")), _unescape(fields[3])))
     return table
 
 
@@ -119,22 +116,6 @@ def mount_at(path: str) -> Mount | None:
     """The topmost mount at ``path`` exactly, or None."""
     found = [m for m in mount_table() if m.point == path]
     return found[-1] if found else None
-
-
-def set_read_ahead(mountpoint: str, kib: int) -> str | None:
-    """Set the kernel's read-ahead window for the FUSE mount at ``mountpoint`` to ``kib``
-    KiB (its backing device's ``read_ahead_kb`` in sysfs; the kernel starts every FUSE mount
-    at 128 KiB, so a sequential read is 128 KiB READ requests); None when done, else why not
-    (root only).  Reads only the mount table: the daemon may not be serving yet."""
-    mount = mount_at(mountpoint)
-    if mount is None:
-        return "not mounted"
-    try:
-        with open(f"/sys/class/bdi/{mount.device}/read_ahead_kb", "w") as f:
-            f.write(str(kib))
-    except OSError as exc:
-        return exc.strerror
-    return None
 
 
 def snapshots_bound(mountpoint: str) -> bool:

@@ -21,9 +21,6 @@ import pyfuse3
 import pytest
 
 from conftest import Daemon, check_log, ctl_command, require_fuse, run, wait_until
-from benchmarks.fuse_trace import FuseTrace
-from benchmarks.systems import Unsupported
-from rametfs.daemon import READ_AHEAD_KB
 from rametfs.mounts import mount_at
 from rametfs.precreate import REFILL_BELOW
 
@@ -260,31 +257,6 @@ def test_read_only_control_files_refuse_writes_with_eacces(execution):
             assert caught.value.errno == errno.EACCES, (path, write)
     assert (ex / ".ramet" / "diff").read_bytes() == b""
     assert json.loads((ex / ".ramet" / "status").read_text())["id"] == ex.name
-
-
-def test_a_sequential_read_of_a_cold_file_comes_as_1_mib_reads(execution):
-    _, d, _, ex = execution
-    device = mount_at(str(d.mnt)).device
-    assert Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text() == f"{READ_AHEAD_KB}\n"
-    data = os.urandom(8 << 20)
-    (ex / "seq.bin").write_bytes(data)
-    fd = os.open(ex / "seq.bin", os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # its pages leave the cache
-        try:
-            with FuseTrace(d.mnt) as trace:
-                sent = trace.run(lambda: read_in_chunks(fd))
-        except Unsupported as exc:
-            pytest.skip(str(exc))
-    finally:
-        os.close(fd)
-    assert sent.counts["READ"] == 8  # 1 MiB each, FUSE's largest; 64 at 128 KiB
-    assert (ex / "seq.bin").read_bytes() == data
-
-
-def read_in_chunks(fd: int) -> None:
-    while os.read(fd, 1 << 20):
-        pass
 
 
 def test_unlinked_open_file_lives_until_closed_then_its_data_goes(execution):
