@@ -1004,8 +1004,8 @@ class Overlay:
         """At the daemon's start no process holds an inode of the last run: delete what is
         left of the ones whose last name went while they were open (the kernel never forgot
         them, or their reclaim had not run: the daemon stopped or crashed first), records and
-        upper data.  Only then: a
-        second Overlay of a live store (deep verify) must leave open files alone."""
+        upper data.  Only then: a second Overlay of a live store (deep verify) must leave open
+        files alone."""
         live = {ex.layer: ex for ex in self.executions.values()}
         with self.store.read() as txn:
             keys = list(txn.cursor(db=self.store.db["orphans"]).iternext(values=False))
