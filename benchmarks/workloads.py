@@ -465,7 +465,8 @@ def requests(b: Bench, s: System) -> list[Result]:
     REQUEST_MIB MiB, 1 MiB at a time, and the fsync.  On a FUSE system ``extra`` then holds,
     from one more traced run (:mod:`benchmarks.fuse_trace`), the requests the kernel sent per
     file (per MiB) by opcode, their ``total``, ``waited_us``: the µs per file (per MiB) the
-    process waited for replies, and ``<opcode>_us``: the median µs of each opcode's requests.  That is what bounds untar, rm -rf and seqwrite."""
+    process waited for replies, and ``<opcode>_us``: the median µs of each opcode's requests.
+    That is what bounds untar, rm -rf and seqwrite."""
     tree = b.synthetic(REQUEST_FILES)
     tar = b.scratch / f"synthetic-{REQUEST_FILES}.tar"
     if not tar.exists():

@@ -3,6 +3,7 @@ promote, and a data directory that runs out of space."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -515,16 +517,34 @@ def test_sigkill_during_a_large_promote_keeps_every_snapshot(daemon, source):
 
 # ----- a full disk ---------------------------------------------------------------------------
 
-def test_a_file_system_with_few_inodes_gets_no_precreated_files(tmp_path, source):
+@contextlib.contextmanager
+def daemon_on_tmpfs(tmp_path: Path, options: str, request) -> Iterator[Daemon]:
+    """A started daemon whose data directory is a tmpfs mounted with ``options`` (a small
+    disk); afterwards it is stopped, the tmpfs unmounted and the log checked (lines the
+    test's ``allow_log`` marks allow)."""
     data = tmp_path / "data"
     data.mkdir()
-    run("mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=600", "tmpfs", data)
+    run("mount", "-t", "tmpfs", "-o", options, "tmpfs", data)
     d = Daemon(data, tmp_path / "mnt")
     try:
         d.start()
+        yield d
+    finally:
+        try:
+            if d.pid is not None:
+                d.stop()
+        finally:
+            run("umount", data)
+            check_log(d.log_text(), [m for mark in request.node.iter_markers("allow_log")
+                                     for m in mark.args], repr(d))
+
+
+def test_a_file_system_with_few_inodes_gets_no_precreated_files(tmp_path, source, request):
+    with daemon_on_tmpfs(tmp_path, "size=64m,nr_inodes=600", request) as d:
         ex = d.exec_path(d.create(d.snapshot(source)))
         (ex / "first").write_bytes(b"first")
-        assert os.listdir(data / "upper" / "precreated") == []
+        spares = d.data_dir / "upper" / "precreated"
+        assert os.listdir(spares) == []
         written = 0
         with pytest.raises(OSError) as caught:
             for i in range(1000):
@@ -532,23 +552,13 @@ def test_a_file_system_with_few_inodes_gets_no_precreated_files(tmp_path, source
                 written += 1
         assert caught.value.errno == errno.ENOSPC
         assert written > 500  # the inodes went to the files, none to precreated ones
-        assert os.listdir(data / "upper" / "precreated") == []
+        assert os.listdir(spares) == []
         assert [(ex / f"f{i}").read_bytes() for i in (0, written - 1)] == \
             [b"0", b"%d" % (written - 1)]
-    finally:
-        try:
-            if d.pid is not None:
-                d.stop()
-        finally:
-            run("umount", data)
+
 
 def test_full_disk_write_fails_with_enospc_and_snapshots_survive(tmp_path, source, request):
-    data = tmp_path / "data"
-    data.mkdir()
-    run("mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", data)
-    d = Daemon(data, tmp_path / "mnt")
-    try:
-        d.start()
+    with daemon_on_tmpfs(tmp_path, "size=64m", request) as d:
         eid, expected = two_snapshots(d, source, b"before the disk filled\n")
         ex = d.exec_path(eid)
 
@@ -581,11 +591,3 @@ def test_full_disk_write_fails_with_enospc_and_snapshots_survive(tmp_path, sourc
         for sid, signature in expected.items():
             assert tree_signature(d.snap_path(sid)) == signature
         assert (d.snap_path(third) / "after").read_bytes() == b"room again"
-    finally:
-        try:
-            if d.pid is not None:
-                d.stop()
-        finally:
-            run("umount", data)
-            check_log(d.log_text(), [m for mark in request.node.iter_markers("allow_log")
-                                     for m in mark.args], repr(d))
