@@ -84,6 +84,23 @@ _U64x3 = struct.Struct(">QQQ")
 
 WHITEOUT = 0
 
+# Timestamps a record holds: ext4's range with 256-byte inodes (fs/ext4/ext4.h,
+# EXT4_TIMESTAMP_MIN and EXT4_EXTRA_TIMESTAMP_MAX: 1901-12-13T20:45:52Z to
+# 2446-05-10T22:38:55Z), which fits a msgpack integer in ns.
+TIME_MIN_S = -(1 << 31)
+TIME_MAX_S = (1 << 34) - 1 - (1 << 31)
+NS_PER_S = 1_000_000_000
+
+
+def clamp_time_ns(ns: int) -> int:
+    """``ns`` (ns since the epoch) clamped to what a record holds, the way the kernel clamps a
+    timestamp to an ext4 inode's range (fs/inode.c, ``timestamp_truncate``): the seconds
+    to [:data:`TIME_MIN_S`, :data:`TIME_MAX_S`], and the nanoseconds to 0 at either bound."""
+    sec, nsec = divmod(ns, NS_PER_S)
+    if TIME_MIN_S < sec < TIME_MAX_S:
+        return ns
+    return min(max(sec, TIME_MIN_S), TIME_MAX_S) * NS_PER_S
+
 
 def u64(value: int) -> bytes:
     """Encode an unsigned 64-bit integer as 8 big-endian bytes."""
