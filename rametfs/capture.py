@@ -308,10 +308,12 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
     The policy applied is ``policy_text``, else with ``tree_policy`` the execution's
     ``ramet.toml``, else none (everything is kept).  Mutations of ``ex`` wait while this runs
     (a consistent point in time).  Raises InvalidArgument (EINVAL: the policy, see
-    ``Capture.plan``), NoSpace (ENOSPC) or IntegrityError (EIO); nothing is listed unless the
+    ``Capture.plan``), NoSpace (ENOSPC), IntegrityError (EIO) or, for an execution marked
+    failed, RametError (EIO); nothing is listed unless the
     whole snapshot is stored.
     """
     started = time.monotonic_ns()
+    overlay.check_not_failed(ex)
     ex.frozen = trio.Event()
     try:
         cap = Capture(overlay, ex)

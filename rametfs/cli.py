@@ -117,8 +117,10 @@ message_option = click.option("--message", help="A longer description of the sna
 @click.option("--debug", is_flag=True, help="Debug logging, and FUSE debug output.")
 @click.option("--log", "log_file", type=click.Path(dir_okay=False),
               help="Log to this file (default: stderr; with --background <DATA>/daemon.log).")
+@click.option("--faults", is_flag=True, hidden=True,
+              help="Take the fault command (fault injection, for the test suite).")
 def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
-          log_file: str | None) -> None:
+          log_file: str | None, faults: bool) -> None:
     """Mount rametfs at MOUNTPOINT and serve it until unmounted."""
     data, mountpoint = os.path.abspath(data), os.path.realpath(mountpoint)
     if background:
@@ -126,7 +128,7 @@ def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug
         log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
         argv = [sys.executable, "-m", "rametfs", "serve", "--data", data, mountpoint,
                 "--log", log_file]
-        argv += ["--allow-other"] * allow_other + ["--debug"] * debug
+        argv += ["--allow-other"] * allow_other + ["--debug"] * debug + ["--faults"] * faults
         _start_detached(argv, mountpoint, log_file)
         return
     logging.basicConfig(
@@ -136,7 +138,7 @@ def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug
     from rametfs import errors
     from rametfs.daemon import run_daemon
     try:
-        run_daemon(data, mountpoint, allow_other=allow_other, debug=debug)
+        run_daemon(data, mountpoint, allow_other=allow_other, debug=debug, faults=faults)
     except errors.RametError as exc:
         raise RametError(exc.errno, str(exc)) from None
 

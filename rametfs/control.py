@@ -21,6 +21,7 @@ import trio
 from . import mounts, protocol
 from .capture import capture, diff, preview
 from .errors import Busy, InvalidArgument, RametError
+from .faults import FAULTS
 from .overlay import Execution, Overlay
 from .pools import READY, Member, Pools
 from .store import import_git, import_tree
@@ -57,8 +58,9 @@ class Control:
     (rametfs.mounts), with ``snapshots_bind_failure`` saying why it failed, if it did."""
 
     def __init__(self, overlay: Overlay, mountpoint: str, invalidate: Invalidate, *,
-                 open_less: bool = False):
+                 open_less: bool = False, faults: bool = False):
         self.overlay = overlay
+        self.faults = faults
         self.mountpoint = mountpoint
         self.invalidate = invalidate
         self.open_less = open_less
@@ -74,7 +76,8 @@ class Control:
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
-            "renew": self._renew, "return": self._return, "drop": self._drop}
+            "renew": self._renew, "return": self._return, "drop": self._drop,
+            "fault": self._fault}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -86,12 +89,15 @@ class Control:
         (errno; E2BIG over :data:`protocol.MAX_COMMAND_BYTES`, EINVAL if not UTF-8)."""
         text = command.decode(errors="replace")
         try:
-            name, args = protocol.parse_command(self._text(command), protocol.ROOT_COMMANDS)
-            reply = await self.root_handlers[name](args)
-        except (RametError, protocol.ProtocolError) as exc:
+            try:
+                name, args = protocol.parse_command(self._text(command), protocol.ROOT_COMMANDS)
+                reply = await self.root_handlers[name](args)
+            except Exception as exc:
+                raise self._as_rametfs(exc, text) from None
+        except RametError as exc:
             self.root_error = self._failed(exc, text)
             self.root_last = self._error_reply(exc)
-            raise self._as_rametfs(exc) from None
+            raise
         self.root_last = reply
         return reply
 
@@ -100,18 +106,25 @@ class Control:
         :meth:`run_root`)."""
         text = command.decode(errors="replace")
         try:
-            name, args = protocol.parse_command(self._text(command), protocol.EXECUTION_COMMANDS)
-            if ex.id in self.busy:
-                raise Busy(f"execution {ex.id!r} is running another command")
-            self.busy.add(ex.id)
             try:
-                reply = await self.execution_handlers[name](ex, args)
-            finally:
-                self.busy.discard(ex.id)
-        except (RametError, protocol.ProtocolError) as exc:
+                name, args = protocol.parse_command(self._text(command),
+                                                    protocol.EXECUTION_COMMANDS)
+                if ex.id in self.busy:
+                    raise Busy(f"execution {ex.id!r} is running another command")
+                self.busy.add(ex.id)
+                try:
+                    reply = await self.execution_handlers[name](ex, args)
+                finally:
+                    self.busy.discard(ex.id)
+            except Exception as exc:
+                error = self._as_rametfs(exc, text)
+                if not isinstance(exc, (RametError, protocol.ProtocolError)):
+                    self.overlay.fail(ex, str(error))
+                raise error from None
+        except RametError as exc:
             self.errors[ex.id] = self._failed(exc, text)
             self.last[ex.id] = self._error_reply(exc)
-            raise self._as_rametfs(exc) from None
+            raise
         self.last[ex.id] = reply
         return reply
 
@@ -126,8 +139,15 @@ class Control:
             raise InvalidArgument("a command is UTF-8 text") from None
 
     @staticmethod
-    def _as_rametfs(exc: Exception) -> RametError:
-        return exc if isinstance(exc, RametError) else InvalidArgument(str(exc))
+    def _as_rametfs(exc: Exception, text: str) -> RametError:
+        """``exc`` as the RametError a command fails with: a ProtocolError is EINVAL; any
+        other exception is a bug, logged with its traceback and answered EIO."""
+        if isinstance(exc, RametError):
+            return exc
+        if isinstance(exc, protocol.ProtocolError):
+            return InvalidArgument(str(exc))
+        log.error("internal error in command %r", text.strip(), exc_info=exc)
+        return RametError(f"internal error: {exc!r}", errno.EIO)
 
     @staticmethod
     def _error_reply(exc: Exception) -> dict:
@@ -177,6 +197,14 @@ class Control:
         await self.invalidate(self.overlay.release(ex))
         self._forget_replies(ex.id)
         return {"ok": True, "execution": ex.id}
+
+    async def _fault(self, args: dict) -> dict:
+        if not self.faults:
+            raise InvalidArgument("fault: fault injection is off (rametfs serve --faults)")
+        count = protocol.parse_count(args.get("count", "1"), "--count", minimum=0)
+        FAULTS.arm(args["site"], args.get("execution"), count)
+        return {"ok": True, "site": args["site"], "execution": args.get("execution"),
+                "count": count}
 
     # -- execution commands --------------------------------------------------------------
 
@@ -297,8 +325,10 @@ class Control:
 
     def execution_json(self, ex: Execution) -> dict:
         pool = self.pools.member_json(ex.id)
+        state = ("failed" if ex.failure is not None else
+                 "promoting" if ex.frozen is not None else pool["state"])
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head, **pool,
-                "state": "promoting" if ex.frozen is not None else pool["state"],
+                "state": state, "failure": ex.failure,
                 "created_ns": ex.created_ns,
                 "upper_bytes": self.overlay.upper_bytes(ex), "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}

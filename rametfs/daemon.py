@@ -21,6 +21,7 @@ import trio
 
 from .control import Control
 from .errors import RametError
+from .faults import FAULTS
 from .fuse_ops import Operations
 from .mounts import bind_snapshots_read_only
 from .overlay import Overlay
@@ -61,6 +62,28 @@ def _lock_data_dir(data_dir: str) -> int:
     return fd
 
 
+RESTART_DELAYS_S = (1.0, 2.0, 5.0, 15.0, 60.0)  # before a failed task's 1st, 2nd ... restart
+
+
+async def _guarded(name: str, task, *args) -> None:
+    """Run background task ``task(*args)`` for the daemon's life: an exception (a bug, or a
+    store error it does not handle) is logged with its traceback and the task starts again
+    after a delay that grows with each failure in a row, so nothing else stops."""
+    failures = 0
+    while True:
+        started = trio.current_time()
+        try:
+            await task(*args)
+            return
+        except Exception:
+            if trio.current_time() - started > RESTART_DELAYS_S[-1]:
+                failures = 0  # it had run well since the last failure
+            delay = RESTART_DELAYS_S[min(failures, len(RESTART_DELAYS_S) - 1)]
+            failures += 1
+            log.exception("background task %s failed; restarting it in %g s", name, delay)
+            await trio.sleep(delay)
+
+
 async def _collect_dead_layers(overlay: Overlay) -> None:
     """Free what reset and release left behind, in the background: the nodes, then the
     records and upper data of dead layers."""
@@ -69,6 +92,7 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
         while overlay.drop_stale_nodes():
             await trio.sleep(0)
         while (batch := overlay.collect_dead_layer()) is not None:
+            FAULTS.check("task:dead-layers")
             layer, records_left = batch
             if not records_left:
                 # Abandoned on unmount: the layer stays marked dead and the next start
@@ -96,9 +120,18 @@ async def _expire_leases(control: Control) -> None:
                      member.execution, member.lease.holder, member.lease.pid, member.lease.host,
                      member.pool)
             try:
+                FAULTS.check("task:leases", member.execution)
                 await control.recycle(member, ROOT)
             except RametError as exc:
                 log.info("execution %s not returned yet: %s", member.execution, exc)
+                pools.postpone(member, EXPIRY_RETRY_NS)
+            except Exception as exc:
+                log.exception("returning execution %s to pool %s failed", member.execution,
+                              member.pool)
+                ex = control.overlay.executions.get(member.execution)
+                if ex is not None:
+                    control.overlay.fail(ex, f"internal error returning it to its pool: "
+                                             f"{exc!r}")
                 pools.postpone(member, EXPIRY_RETRY_NS)
         deadline = pools.next_expiry()
         delay = math.inf if deadline is None else max(0.0, (deadline - time.time_ns()) / 1e9)
@@ -112,7 +145,26 @@ async def _store_dirty_records(overlay: Overlay) -> None:
     was never fsync'd."""
     while True:
         await trio.sleep(DIRTY_INTERVAL_S)
-        overlay.flush_all()
+        _flush_each(overlay)
+
+
+def _flush_each(overlay: Overlay) -> None:
+    """Store the dirty records of every execution not marked failed, each in its own
+    transaction: a store error (a full disk) leaves that execution's records dirty for the
+    next round, and an unexpected exception marks that execution failed; either way the
+    others are stored."""
+    for ex in list(overlay.executions.values()):
+        if ex.failure is not None:
+            continue
+        try:
+            FAULTS.check("task:flush", ex.id)
+            overlay.flush_view(ex)
+        except RametError as exc:
+            log.warning("storing the records of execution %s failed, tried again in %g s: %s",
+                        ex.id, DIRTY_INTERVAL_S, exc)
+        except Exception as exc:
+            log.exception("storing the records of execution %s failed", ex.id)
+            overlay.fail(ex, f"internal error storing its records: {exc!r}")
 
 
 async def _bind_snapshots(control: Control) -> None:
@@ -131,11 +183,11 @@ async def _bind_snapshots(control: Control) -> None:
 
 async def _serve(overlay: Overlay, control: Control) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_bind_snapshots, control)
-        nursery.start_soon(keep_filled, overlay.precreated)
-        nursery.start_soon(_collect_dead_layers, overlay)
-        nursery.start_soon(_store_dirty_records, overlay)
-        nursery.start_soon(_expire_leases, control)
+        nursery.start_soon(_guarded, "snapshots-bind", _bind_snapshots, control)
+        nursery.start_soon(_guarded, "precreate", keep_filled, overlay.precreated)
+        nursery.start_soon(_guarded, "dead-layers", _collect_dead_layers, overlay)
+        nursery.start_soon(_guarded, "flush", _store_dirty_records, overlay)
+        nursery.start_soon(_guarded, "leases", _expire_leases, control)
 
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -149,11 +201,11 @@ async def _serve(overlay: Overlay, control: Control) -> None:
 
 
 def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
-               debug: bool = False) -> None:
+               debug: bool = False, faults: bool = False) -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
 
     Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
-    ``fusermount3 -u -z``).  Raises
+    ``fusermount3 -u -z``).  ``faults`` enables the ``fault`` command (rametfs.faults).  Raises
     RametError when the mountpoint is missing (ENOENT), mounted (EBUSY) or not empty
     (ENOTEMPTY), another daemon serves ``data_dir`` (EBUSY), or the store cannot be opened.
     """
@@ -161,17 +213,18 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     _check_mountpoint(mountpoint)
     lock = _lock_data_dir(data_dir)
     try:
-        _serve_store(data_dir, mountpoint, allow_other, debug)
+        _serve_store(data_dir, mountpoint, allow_other, debug, faults)
     finally:
         os.close(lock)
 
 
-def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool) -> None:
+def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
+                 faults: bool) -> None:
     store = Store(data_dir)
     overlay = Overlay(store)
     overlay.remove_orphans()
     overlay.precreated = Precreated(overlay.upper_root)
-    ops = Operations(overlay, mountpoint)
+    ops = Operations(overlay, mountpoint, faults=faults)
     options = set(pyfuse3.default_options) | {"fsname=rametfs", "subtype=rametfs"}
     if allow_other:
         options.add("allow_other")
@@ -185,7 +238,7 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool)
         clean = True
     finally:
         if clean:
-            overlay.flush_all()
+            _flush_each(overlay)
         pyfuse3.close(unmount=clean)
         store.close()
         log.info("unmounted %s", mountpoint) if clean else log.error("crashed; mount left in place")

@@ -44,6 +44,7 @@ import trio
 from . import protocol
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
+from .faults import FAULTS
 from .overlay import Attrs, Execution, Node, Overlay, close_all, unlink_upper_files
 
 log = logging.getLogger(__name__)
@@ -97,19 +98,32 @@ class Virtual:
 
 
 def _errors(fn):
+    """Guard a handler: RametError and OSError become ``FUSEError(errno)``; any other
+    exception is a bug, logged with its traceback, answered EIO, and the execution whose
+    inode the request named (its first argument) is marked failed (``Overlay.fail``), so
+    nothing else stops.  ``forget`` has no reply: there the error is only logged."""
+    name = fn.__name__
+
     @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(self, *args):
         try:
-            return await fn(*args, **kwargs)
+            if FAULTS.armed:
+                FAULTS.check(f"handler:{name}", self._culprit(args))
+            return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
         except RametError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
-        except Exception:
-            log.exception("internal error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception as exc:
+            culprit = self._culprit(args)
+            log.exception("internal error in %s (execution %s)", name, culprit or "none")
+            ex = self.overlay.executions.get(culprit) if culprit else None
+            if ex is not None:
+                self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
+            if name != "forget":
+                raise pyfuse3.FUSEError(errno.EIO) from None
     return wrapper
 
 
@@ -120,10 +134,11 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, overlay: Overlay, mountpoint: str):
+    def __init__(self, overlay: Overlay, mountpoint: str, *, faults: bool = False):
         super().__init__()
         self.overlay = overlay
-        self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS)
+        self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS,
+                               faults=faults)
         self.uid, self.gid = os.getuid(), os.getgid()
         self.virtual: dict[int, Virtual] = {}
         self._add_virtual(Virtual(ROOT, stat.S_IFDIR | 0o755, "dir",
@@ -142,6 +157,20 @@ class Operations(pyfuse3.Operations):
 
     def _add_virtual(self, v: Virtual) -> None:
         self.virtual[v.ino] = v
+
+    def _culprit(self, args: tuple) -> str | None:
+        """The id of the execution a request's arguments name: its first inode (``forget``:
+        the first of its list) or control file; None for none."""
+        ino = args[0] if args else None
+        if isinstance(ino, list):  # forget: [(ino, count), ...]
+            ino = ino[0][0] if ino else None
+        if not isinstance(ino, int):
+            return None
+        v = self.virtual.get(ino)
+        if v is not None:
+            return v.execution
+        node = self.overlay.nodes.get(ino)
+        return node.view.id if node is not None and isinstance(node.view, Execution) else None
 
     async def _invalidate(self, entries: list[tuple[int, bytes]]) -> None:
         # The kernel calls block until related requests finish: run them in a thread while
@@ -452,10 +481,13 @@ class Operations(pyfuse3.Operations):
     async def _drop_refused_pages(self, ino: int) -> None:
         try:
             while True:
+                FAULTS.check("task:refused-pages")
                 await self._invalidate([(ino, b"")])
                 if not self.refused_pages[ino]:
                     break
                 self.refused_pages[ino] = False
+        except Exception:  # a system task: an exception here would end the daemon
+            log.exception("dropping the refused pages of snapshot inode %d failed", ino)
         finally:
             del self.refused_pages[ino]
 
@@ -519,6 +551,7 @@ class Operations(pyfuse3.Operations):
         await self._hold(node)
         self.overlay.removexattr(node, name)
 
+    @_errors
     async def forget(self, inode_list):
         # Nodes stay while the daemon runs, so inode numbers stay stable; an unlinked one
         # goes now that no process can reach it.
@@ -546,10 +579,15 @@ class Operations(pyfuse3.Operations):
             await trio.sleep(RECLAIM_DELAY_S)
             while items := self.overlay.take_reclaim():
                 try:
+                    FAULTS.check("task:reclaim")
                     await trio.to_thread.run_sync(unlink_upper_files, items)
                     self.overlay.reclaimed(items)
-                except Exception:  # the daemon goes on; the next start deletes them
+                except (RametError, OSError) as exc:  # the next start deletes them
+                    log.warning("reclaiming %d forgotten inodes failed: %s", len(items), exc)
+                except Exception as exc:  # a system task: an exception here would end the daemon
                     log.exception("reclaiming %d forgotten inodes failed", len(items))
+                    for ex in self.overlay.executions_of(items):
+                        self.overlay.fail(ex, f"internal error reclaiming its inodes: {exc!r}")
         finally:
             self._reclaiming = False
 

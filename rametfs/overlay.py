@@ -44,7 +44,8 @@ from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs
 from .precreate import Precreated
 from .protocol import CONTROL_DIR
 from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
-from .store.format import (dentry_key, from_u64, inode_key, link_key, page_key, page_of_key, u64)
+from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
+                           page_of_key, u64)
 
 NAME_MAX = 255
 FIRST_DYNAMIC_INO = 1000
@@ -146,7 +147,8 @@ class Execution(View):
     """``/executions/<id>``: a writable copy-on-write view of ``base``.
 
     ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
-    upper layer; ``frozen`` is set while a promote captures it (mutations wait on it).
+    upper layer; ``frozen`` is set while a promote captures it (mutations wait on it);
+    ``failure`` says why an internal error stopped it, until its next reset.
     """
 
     read_only = False
@@ -160,6 +162,8 @@ class Execution(View):
         self.layer = layer
         self.created_ns = created_ns
         self.frozen: trio.Event | None = None
+        # Why an internal error marked this execution failed (Overlay.fail); None: it is not.
+        self.failure: str | None = None
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
         # changed (Overlay.clock).
@@ -492,6 +496,7 @@ class Overlay:
         """
         stale = self._stale_entries(ex, keep_root_entry=True)
         old = ex.layer
+        ex.failure = None
         self._drop_layer_nodes(ex)
         with self.store.write() as txn:
             txn.put(u64(old), b"", db=self.store.db["dead"])
@@ -707,12 +712,30 @@ class Overlay:
 
     def _writable(self, node: Node) -> Execution:
         """``node``'s execution, which every change to the node passes through (and is
-        recorded by); EROFS for a snapshot."""
+        recorded by); EROFS for a snapshot, EIO for an execution marked failed."""
         view = node.view
         if view.read_only:
             raise ReadOnly("snapshots are read-only")
+        self.check_not_failed(view)
         self._changed(view, node.ino)
         return view  # type: ignore[return-value]
+
+    @staticmethod
+    def check_not_failed(ex: Execution) -> None:
+        """Raise RametError (EIO) when an internal error marked ``ex`` failed (:meth:`fail`):
+        it takes no change and no capture until its reset."""
+        if ex.failure is not None:
+            raise RametError(f"execution {ex.id} failed ({ex.failure}); reset it to go on",
+                             errno.EIO)
+
+    @staticmethod
+    def fail(ex: Execution, reason: str) -> None:
+        """Mark ``ex`` failed: an unexpected exception hit a request or background work of
+        it, so its state in memory may not be what is stored.  Reads go on; changes and
+        captures get EIO until a reset (which drops the layer and the mark).  The first
+        reason is kept."""
+        if ex.failure is None:
+            ex.failure = reason
 
     def _changed(self, ex: Execution, key: int | tuple[int, bytes]) -> None:
         self.clock += 1
@@ -978,6 +1001,11 @@ class Overlay:
             else:
                 self.upper_fds.close(node)
 
+    def executions_of(self, items: list[Reclaim]) -> list[Execution]:
+        """The live executions whose layers ``items`` belong to."""
+        layers = {from_u64(item.key[:8]) for item in items}
+        return [ex for ex in self.executions.values() if ex.layer in layers]
+
     def take_reclaim(self) -> list[Reclaim]:
         """The forgotten inodes left to reclaim, oldest first; the list is emptied."""
         items, self.reclaim = self.reclaim, []
@@ -1134,7 +1162,8 @@ class Overlay:
     def setattr(self, node: Node, *, mode: int | None = None, uid: int | None = None,
                 gid: int | None = None, size: int | None = None, atime_ns: int | None = None,
                 mtime_ns: int | None = None) -> Attrs:
-        """chmod/chown/truncate/utimens; ctime is set to now.  Without a truncate the record
+        """chmod/chown/truncate/utimens; ctime is set to now; times outside what a record
+        holds are clamped as ext4 clamps them (``clamp_time_ns``).  Without a truncate the record
         is stored with the next flush (every second, fsync, promote), as a write's is: tar
         sets mode, owner and times on every file it makes."""
         self._writable(node)
@@ -1150,9 +1179,9 @@ class Overlay:
                 raise fs_error(errno.EISDIR)
             self.truncate(node, size)
         if atime_ns is not None:
-            u.atime_ns = atime_ns
+            u.atime_ns = clamp_time_ns(atime_ns)
         if mtime_ns is not None:
-            u.mtime_ns = mtime_ns
+            u.mtime_ns = clamp_time_ns(mtime_ns)
         u.ctime_ns = time.time_ns()
         if size is not None:  # now: its page-map entries are already gone
             self.save(node)

@@ -22,6 +22,8 @@ import stat
 
 import trio
 
+from .faults import FAULTS
+
 log = logging.getLogger(__name__)
 
 DIRECTORY = "precreated"  # in the data directory's upper/, beside the layers' directories
@@ -133,6 +135,7 @@ async def keep_filled(pool: Precreated) -> None:
         await pool.wanted.wait()
         pool.wanted = trio.Event()
         while (count := min(pool.missing(), BATCH)) > 0:
+            FAULTS.check("task:precreate")
             made = await trio.to_thread.run_sync(pool.make, count)
             pool.add(made)
             if len(made) < count:

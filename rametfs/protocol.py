@@ -70,6 +70,11 @@ returned the same way by the daemon.  ``drop`` releases every execution of the p
 forgets it.  ``release`` of a pool member takes it out of its pool, which shrinks by one
 (EBUSY while leased).
 
+For the test suite, a daemon served with ``--faults`` also takes
+``fault <site> [--execution ID] [--count N]``, which makes the named site raise an
+unexpected exception at its next N hits (rametfs.faults lists the sites); elsewhere it is
+EINVAL.
+
 Execution commands::
 
     promote [--label L] [--message M] [--policy TOML]   -> {"ok", "snapshot", "stats"}
@@ -138,6 +143,7 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "return": (("execution",), frozenset({"holder", "verify"})),
     "drop": (("pool",), frozenset()),
     "snapshot-git": (("repo",), frozenset({"rev", "gitdir", "label", "message"})),
+    "fault": (("site",), frozenset({"execution", "count"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {

@@ -1,0 +1,61 @@
+"""Fault injection, for the test suite: named sites in the daemon raise when armed.
+
+The daemon's guards (every FUSE handler, every background task) must contain any exception a
+bug could raise.  The tests prove it by arming a site and making the daemon reach it: a daemon
+served with ``--faults`` (a hidden option of ``rametfs serve``) takes the root control command
+``fault <site> [--execution ID] [--count N]``.  Sites:
+
+* ``handler:<name>``: the FUSE handler ``<name>`` (``lookup``, ``write``, ``forget`` ...),
+  when a request of execution ``ID`` reaches it (any request without ``--execution``);
+* ``task:<name>``: the background task ``<name>`` (``flush``, ``reclaim``, ``leases``,
+  ``dead-layers``, ``precreate``, ``refused-pages``), at its next round of work, for
+  execution ``ID`` where the task works per execution.
+
+An armed site raises :class:`InjectedFault` (an ``Exception`` that is neither a
+``RametError`` nor an ``OSError``: what a bug raises) at its next ``N`` hits (default 1; 0 disarms it).
+Unarmed, :meth:`Faults.check` costs one attribute test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InjectedFault(Exception):
+    """The exception an armed site raises."""
+
+
+@dataclass
+class _Armed:
+    execution: str | None  # None: any
+    count: int
+
+
+class Faults:
+    """The armed sites of one daemon."""
+
+    def __init__(self) -> None:
+        self.armed: dict[str, _Armed] = {}
+
+    def arm(self, site: str, execution: str | None = None, count: int = 1) -> None:
+        """Arm ``site`` for its next ``count`` hits (0 disarms it)."""
+        if count > 0:
+            self.armed[site] = _Armed(execution, count)
+        else:
+            self.armed.pop(site, None)
+
+    def check(self, site: str, execution: str | None = None) -> None:
+        """Raise InjectedFault if ``site`` is armed for ``execution`` (or for any)."""
+        if not self.armed:
+            return
+        armed = self.armed.get(site)
+        if armed is None or armed.execution not in (None, execution):
+            return
+        armed.count -= 1
+        if armed.count <= 0:
+            del self.armed[site]
+        raise InjectedFault(f"fault injected at {site}"
+                            + (f" for execution {execution}" if execution else ""))
+
+
+FAULTS = Faults()

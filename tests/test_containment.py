@@ -1,0 +1,348 @@
+"""Containment: a fault in one execution stays in that execution.
+
+Out-of-range timestamps are clamped as ext4 clamps them (they used to kill the daemon at the
+next flush of dirty records).  Every FUSE handler and every background task is guarded: an
+exception injected into it (``rametfs serve --faults``, rametfs.faults) is logged with its
+traceback, answered EIO, marks the execution that caused it failed (writes and captures EIO,
+status says why, until a reset), and the daemon and a bystander execution keep working.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Daemon, check_log, ctl_command, require_fuse, run, wait_until
+from rametfs import protocol
+from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
+from rametfs.fuse_ops import OPEN_LESS
+from test_kernel_cache import _map_and_store
+from test_snapshots import write_tree
+
+TRACEBACK_LINES = (r"Traceback|^\s|^\S*Error|^rametfs\.faults\.InjectedFault|"
+                   r"internal error|failed; restarting|failed$")
+
+
+def _set_times(path: Path, how: str) -> None:
+    if how.startswith("touch"):
+        run("touch", "-d", how.split()[1], path)
+    else:
+        ns = int(how)
+        os.utime(path, ns=(ns, ns))
+
+
+@pytest.mark.parametrize("how", ["touch 2600-01-01", "touch 1600-01-01", str(2 ** 70),
+                                 str(-2 ** 70), str(TIME_MAX_S * NS_PER_S + 7),
+                                 str(TIME_MIN_S * NS_PER_S - 1), "1700000000123456789"])
+def test_times_a_record_cannot_hold_are_clamped_as_ext4_clamps_them(daemon, tmp_path, how):
+    """The same call on ext4 (the host file system) and in an execution gives the same
+    times; the daemon then flushes the record, survives, keeps a bystander's unsynced
+    data, and the time outlives a crash and a promote."""
+    src = write_tree(tmp_path / "src", {"f": b"base\n"})
+    snap = daemon.snapshot(src)
+    victim, bystander = daemon.create(snap), daemon.create(snap)
+    ext4 = tmp_path / "ext4-f"
+    ext4.write_bytes(b"base\n")
+    _set_times(ext4, how)
+    f = daemon.exec_path(victim) / "f"
+    _set_times(f, how)
+    want = (os.stat(ext4).st_atime_ns, os.stat(ext4).st_mtime_ns)
+    assert (os.stat(f).st_atime_ns, os.stat(f).st_mtime_ns) == want
+    (daemon.exec_path(bystander) / "unsynced").write_bytes(b"keep me\n")
+    time.sleep(1.5)  # past the dirty-record flush (daemon.DIRTY_INTERVAL_S)
+    assert daemon.is_alive()
+    daemon.kill()  # a crash: only what the flush stored survives
+    daemon.start()
+    assert (daemon.exec_path(bystander) / "unsynced").read_bytes() == b"keep me\n"
+    assert (os.stat(f).st_atime_ns, os.stat(f).st_mtime_ns) == want
+    promoted = daemon.exec_ctl(victim, "promote")["snapshot"]
+    assert os.stat(daemon.snap_path(promoted) / "f").st_mtime_ns == want[1]
+
+
+# ----- injected faults ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    """A daemon served with ``--faults``; its log is checked for the expected tracebacks only."""
+    require_fuse()
+    base = tmp_path_factory.mktemp("faults")
+    d = Daemon(base / "data", base / "mnt", serve_args=("--faults",))
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()
+        check_log(d.log_text(), [TRACEBACK_LINES], repr(d))
+
+
+@pytest.fixture(scope="module")
+def base_snapshot(faulty, tmp_path_factory):
+    src = write_tree(tmp_path_factory.mktemp("faults-src"),
+                     {"base.txt": b"from the base\n" * 1000, "d/inner.txt": b"inner\n"})
+    os.symlink("base.txt", src / "link")
+    return faulty.snapshot(src)
+
+
+@pytest.fixture
+def pair(faulty, base_snapshot):
+    """``(victim, bystander)`` execution paths of the base snapshot, released after."""
+    ids = [faulty.create(base_snapshot) for _ in range(2)]
+    yield tuple(faulty.exec_path(i) for i in ids)
+    for eid in ids:
+        faulty.ctl(f"release {eid}")
+
+
+def _statx_sync(path: Path) -> None:
+    """statx(2) with AT_STATX_FORCE_SYNC: the kernel asks the daemon (GETATTR) although it
+    has the attributes cached."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)
+    AT_FDCWD, AT_STATX_FORCE_SYNC, STATX_BASIC_STATS = -100, 0x2000, 0x7FF
+    if libc.statx(AT_FDCWD, os.fsencode(path), AT_STATX_FORCE_SYNC, STATX_BASIC_STATS, buf):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_more(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"more\n")
+
+
+# handler -> (set-up in the victim before the fault is armed, the call that reaches it)
+HANDLER_CASES = {
+    "lookup": (None, lambda v: os.stat(v / "never-seen")),
+    "getattr": (None, lambda v: _statx_sync(v / "base.txt")),
+    "setattr": (None, lambda v: os.chmod(v / "base.txt", 0o600)),
+    "readlink": (lambda v: os.symlink("target", v / "new-link"),
+                 lambda v: os.readlink(v / "new-link")),
+    "mkdir": (None, lambda v: os.mkdir(v / "newdir")),
+    "mknod": (None, lambda v: os.mkfifo(v / "fifo")),
+    "symlink": (None, lambda v: os.symlink("x", v / "sym")),
+    "link": (None, lambda v: os.link(v / "base.txt", v / "hard")),
+    "unlink": (None, lambda v: os.unlink(v / "base.txt")),
+    "rmdir": (lambda v: os.mkdir(v / "empty"), lambda v: os.rmdir(v / "empty")),
+    "rename": (None, lambda v: os.rename(v / "base.txt", v / "moved.txt")),
+    "readdir": (None, lambda v: os.listdir(v / "d")),
+    "create": (None, lambda v: open(v / "created", "wb").close()),
+    "read": (None, lambda v: (v / "base.txt").read_bytes()),
+    "write": (None, lambda v: _write_more(v / "base.txt")),
+    "fsync": (lambda v: _write_more(v / "base.txt"), lambda v: _fsync_path(v / "base.txt")),
+    "fsyncdir": (None, lambda v: _fsync_path(v / "d")),
+    "getxattr": (None, lambda v: os.getxattr(v / "base.txt", "user.x")),
+    "listxattr": (None, lambda v: os.listxattr(v / "base.txt")),
+    "setxattr": (None, lambda v: os.setxattr(v / "base.txt", "user.x", b"1")),
+    "removexattr": (lambda v: os.setxattr(v / "base.txt", "user.x", b"1"),
+                    lambda v: os.removexattr(v / "base.txt", "user.x")),
+}
+if not OPEN_LESS:  # plain pyfuse3: the kernel sends open and opendir too
+    HANDLER_CASES["open"] = (None, lambda v: open(v / "base.txt", "rb").close())
+    HANDLER_CASES["opendir"] = (None, lambda v: os.listdir(v / "d"))
+
+
+def _status(path: Path) -> dict:
+    return json.loads((path / protocol.CONTROL_DIR / protocol.STATUS).read_text())
+
+
+def _bystander_works(bystander: Path) -> None:
+    """stat, create, write, read back, list, unlink: each answers as it should."""
+    assert (bystander / "base.txt").stat().st_size == len(b"from the base\n") * 1000
+    (bystander / "probe").write_bytes(b"probe\n")
+    assert (bystander / "probe").read_bytes() == b"probe\n"
+    assert "probe" in os.listdir(bystander)
+    os.unlink(bystander / "probe")
+    assert _status(bystander)["state"] != "failed"
+
+
+def _assert_failed(faulty: Daemon, victim: Path, handler: str) -> None:
+    status = _status(victim)
+    assert status["state"] == "failed"
+    assert status["failure"].startswith(f"internal error in {handler}: InjectedFault(")
+    with pytest.raises(OSError) as caught:
+        (victim / "after-failure").write_bytes(b"x")
+    assert caught.value.errno == errno.EIO
+    with pytest.raises(OSError) as caught:
+        ctl_command(victim / protocol.CONTROL_DIR / protocol.CTL, "checkpoint")
+    assert caught.value.errno == errno.EIO
+    assert "failed (internal error in" in caught.value.reply["error"]
+    assert (victim / "d" / "inner.txt").read_bytes() == b"inner\n"  # reads go on
+
+
+@pytest.mark.parametrize("handler", sorted(HANDLER_CASES))
+def test_an_exception_in_a_handler_fails_only_its_request_and_execution(faulty, pair, handler):
+    victim, bystander = pair
+    setup, call = HANDLER_CASES[handler]
+    if setup is not None:
+        setup(victim)
+    # Armed for a few hits: the kernel retries a failed read-ahead with a read of its own.
+    faulty.ctl(f"fault handler:{handler} --execution {victim.name} --count 8")
+    with pytest.raises(OSError) as caught:
+        call(victim)
+    faulty.ctl(f"fault handler:{handler} --count 0")
+    assert caught.value.errno == errno.EIO
+    assert faulty.is_alive()
+    _assert_failed(faulty, victim, handler)
+    _bystander_works(bystander)
+    assert f"internal error in {handler} (execution {victim.name})" in faulty.log_text()
+    reply = ctl_command(victim / protocol.CONTROL_DIR / protocol.CTL, "reset")
+    assert reply["ok"] and _status(victim)["state"] != "failed"
+    (victim / "after-reset").write_bytes(b"works\n")
+    assert (victim / "after-reset").read_bytes() == b"works\n"
+
+
+def test_an_exception_in_statfs_answers_eio_and_nothing_fails(faulty, pair):
+    victim, bystander = pair
+    faulty.ctl("fault handler:statfs")
+    with pytest.raises(OSError) as caught:
+        os.statvfs(victim)
+    assert caught.value.errno == errno.EIO
+    assert os.statvfs(victim).f_namemax == 255
+    assert _status(victim)["state"] != "failed"
+    _bystander_works(bystander)
+
+
+def _drop_kernel_caches() -> None:
+    """Make the kernel forget every unused inode: FUSE sends FORGET for each."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the kernel's caches needs root")
+def test_an_exception_in_forget_is_logged_and_the_daemon_goes_on(faulty, pair):
+    victim, bystander = pair
+    for i in range(20):
+        (victim / f"f{i}").write_bytes(b"x")
+    faulty.ctl(f"fault handler:forget --execution {victim.name} --count 1000")
+    _drop_kernel_caches()
+    wait_until(lambda: "internal error in forget" in faulty.log_text(), 10,
+               "a forget to reach the armed fault")
+    faulty.ctl("fault handler:forget --count 0")  # disarm
+    assert faulty.is_alive()
+    assert _status(victim)["state"] == "failed"
+    _bystander_works(bystander)
+
+
+# ----- background tasks --------------------------------------------------------------------------
+
+def test_an_exception_in_the_dirty_flush_fails_that_execution_and_stores_the_others(
+        tmp_path, request):
+    require_fuse()
+    d = Daemon(tmp_path / "data", tmp_path / "mnt", serve_args=("--faults",))
+    d.start()
+    try:
+        snap = d.snapshot(write_tree(tmp_path / "src", {"a": b"a\n"}))
+        victim, bystander = d.create(snap), d.create(snap)
+        d.ctl(f"fault task:flush --execution {victim}")
+        (d.exec_path(victim) / "lost").write_bytes(b"never stored\n")
+        (d.exec_path(bystander) / "kept").write_bytes(b"stored by the flush\n")
+        wait_until(lambda: d.exec_status(victim)["state"] == "failed", 10,
+                   "the flush to fail the victim")
+        assert d.exec_status(victim)["failure"].startswith(
+            "internal error storing its records: InjectedFault(")
+        time.sleep(1.5)  # one more round: the bystander's records are stored
+        d.kill()
+        d.start()
+        assert (d.exec_path(bystander) / "kept").read_bytes() == b"stored by the flush\n"
+        assert d.exec_status(victim)["state"] != "failed"  # the mark lives in memory only
+    finally:
+        d.stop()
+        check_log(d.log_text(), [TRACEBACK_LINES], repr(d))
+
+
+def test_an_exception_in_reclaim_fails_that_execution_only(faulty, pair):
+    victim, bystander = pair
+    (victim / "doomed").write_bytes(b"x" * 100_000)
+    faulty.ctl("fault task:reclaim")
+    os.unlink(victim / "doomed")
+    wait_until(lambda: _status(victim)["state"] == "failed", 10, "reclaim to fail the victim")
+    assert _status(victim)["failure"].startswith("internal error reclaiming its inodes:")
+    assert "reclaiming 1 forgotten inodes failed" in faulty.log_text()
+    _bystander_works(bystander)
+    (bystander / "gone").write_bytes(b"y")
+    os.unlink(bystander / "gone")  # reclaim still runs for others
+
+
+def test_an_exception_in_lease_expiry_fails_that_member_and_it_is_returned_later(faulty,
+                                                                                 base_snapshot):
+    pool = faulty.ctl(f"pool {base_snapshot} --size 1 --name faultpool")
+    member = pool["executions"][0]
+    faulty.ctl(f"fault task:leases --execution {member}")
+    faulty.ctl("acquire faultpool --holder h --ttl 0.2")
+    (faulty.exec_path(member) / "dirty").write_bytes(b"x")
+    wait_until(lambda: "returning execution %s to pool faultpool failed" % member
+               in faulty.log_text(), 10, "the lease task to hit the fault")
+    assert faulty.is_alive()
+    # retried after daemon.EXPIRY_RETRY_NS: the reset clears the mark, the member is ready
+    wait_until(lambda: faulty.exec_status(member)["state"] == "ready", 10,
+               "the member to be returned")
+    assert not (faulty.exec_path(member) / "dirty").exists()
+    faulty.ctl("drop faultpool")
+
+
+def test_an_exception_in_dead_layer_collection_restarts_the_task(faulty, pair):
+    victim, bystander = pair
+    (victim / "big").write_bytes(b"z" * 1_000_000)
+    ino = (victim / "big").stat().st_ino
+    [layer_dir] = [p.parent for p in (faulty.data_dir / "upper").glob(f"*/{ino}")]
+    faulty.ctl("fault task:dead-layers")
+    ctl_command(victim / protocol.CONTROL_DIR / protocol.CTL, "reset")
+    wait_until(lambda: "background task dead-layers failed; restarting it in 1 s"
+               in faulty.log_text(), 10, "the collector to hit the fault")
+    wait_until(lambda: not layer_dir.exists(), 15, "the restarted task to delete the layer")
+    _bystander_works(bystander)
+
+
+def test_an_exception_in_precreation_restarts_the_task(faulty, pair):
+    victim, bystander = pair
+    faulty.ctl("fault task:precreate")
+    for i in range(300):  # takes the precreated pool below its refill mark
+        (bystander / f"n{i}").write_bytes(b"n")
+    wait_until(lambda: "background task precreate failed" in faulty.log_text(), 10,
+               "precreation to hit the fault")
+    for i in range(300, 400):
+        (bystander / f"n{i}").write_bytes(b"n")
+    assert sorted(os.listdir(bystander))[:2] == ["base.txt", "d"]
+    assert len([n for n in os.listdir(bystander) if n.startswith("n")]) == 400
+    assert _status(victim)["state"] != "failed"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not OPEN_LESS,
+                    reason="a refused write-back needs open-less mode and a bind mount (root)")
+def test_an_exception_dropping_refused_pages_is_logged_and_the_next_drop_works(
+        faulty, base_snapshot, tmp_path):
+    original = (faulty.snap_path(base_snapshot) / "base.txt").read_bytes()
+    plain = tmp_path / "plain"  # a bind of the root without the read-only snapshots/ bind
+    plain.mkdir()
+    run("mount", "--bind", faulty.mnt, plain)
+    try:
+        snap_file = plain / "snapshots" / base_snapshot / "base.txt"
+        faulty.ctl("fault task:refused-pages")
+        assert _map_and_store(snap_file, b"CHANGED").errno == errno.EROFS
+        wait_until(lambda: "dropping the refused pages of snapshot inode" in faulty.log_text(),
+                   10, "the drop to hit the fault")
+        assert _map_and_store(snap_file, b"AGAIN").errno == errno.EROFS
+        wait_until(lambda: (faulty.snap_path(base_snapshot) / "base.txt").read_bytes()
+                   == original, 10, "the next refused pages to be dropped")
+    finally:
+        run("umount", plain)
+
+
+def test_the_fault_command_is_refused_without_faults(shared_daemon):
+    with pytest.raises(OSError) as caught:
+        shared_daemon.ctl("fault task:flush")
+    assert caught.value.errno == errno.EINVAL
+    assert caught.value.reply["error"] == "fault: fault injection is off (rametfs serve --faults)"
