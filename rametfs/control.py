@@ -330,7 +330,9 @@ class Control:
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head, **pool,
                 "state": state, "failure": ex.failure,
                 "created_ns": ex.created_ns,
-                "upper_bytes": self.overlay.upper_bytes(ex), "last": self.last.get(ex.id),
+                "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
+                "max_bytes": ex.max_bytes, "max_inodes": ex.max_inodes,
+                "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}
 
     def root_status(self) -> bytes:

@@ -223,6 +223,7 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
     store = Store(data_dir)
     overlay = Overlay(store)
     overlay.remove_orphans()
+    overlay.count_usage()
     overlay.precreated = Precreated(overlay.upper_root)
     ops = Operations(overlay, mountpoint, faults=faults)
     options = set(pyfuse3.default_options) | {"fsname=rametfs", "subtype=rametfs"}

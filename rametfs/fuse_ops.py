@@ -57,6 +57,7 @@ CONTROL_NAME = protocol.CONTROL_DIR.encode()
 OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
     os.environ.get("RAMETFS_OPEN_LESS", "1") != "0"
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
+LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
 GENERATIONS = 64  # inodes kept per control file: older ones read as ESTALE
 RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (Operations._reclaim)
 CONTROL_MODES = {protocol.CTL: 0o666, protocol.PROMOTE: 0o666, protocol.FSMONITOR: 0o777}
@@ -151,6 +152,7 @@ class Operations(pyfuse3.Operations):
             for name in protocol.ROOT_CONTROL_FILES}))
         self.exec_control: dict[str, int] = {}  # execution id -> its .ramet dir ino
         self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
+        self.listing_entries = 0  # entries of every kept listing
         # snapshot inode whose pages are being dropped -> a WRITE came since the drop began
         self.refused_pages: dict[int, bool] = {}
         self._reclaiming = False  # a _reclaim task runs
@@ -388,10 +390,11 @@ class Operations(pyfuse3.Operations):
 
     # -- directories ---------------------------------------------------------------------
 
-    def _listing(self, ino: int) -> list[tuple[bytes, pyfuse3.EntryAttributes]]:
+    def _listing(self, ino: int) -> list[tuple[bytes, int]]:
+        """Directory ``ino``'s entries, ``(name, inode number)`` sorted by name."""
         v = self.virtual.get(ino)
         if v is None:
-            return [(name, self._node_attrs(node)) for name, node in self.overlay.listdir(ino)]
+            return [(name, node.ino) for name, node in self.overlay.listdir(ino)]
         if ino == SNAPSHOTS:
             names = [s.id.encode() for s in self.overlay.store.snapshots()]
             entries = [(n, self.overlay.snapshot_view(n.decode()).root_ino) for n in names]
@@ -401,23 +404,33 @@ class Operations(pyfuse3.Operations):
         else:  # .ramet is found by lookup, never listed
             entries = sorted([(n, i) for n, i in v.children.items() if n != CONTROL_NAME] +
                              [(n, self._control_file(slot).ino) for n, slot in v.files.items()])
-        return [(name, self._attrs(i)) for name, i in entries]
+        return entries
+
+    def _keep_listing(self, ino: int, listing: list) -> None:
+        """Keep ``listing`` for the readdir calls to come; the oldest kept go while more than
+        :data:`LISTINGS` listings or :data:`LISTING_ENTRIES` entries are kept."""
+        old = self.listings.pop(ino, None)
+        self.listing_entries += len(listing) - (len(old) if old is not None else 0)
+        while self.listings and (len(self.listings) >= LISTINGS
+                                 or self.listing_entries > LISTING_ENTRIES):
+            self.listing_entries -= len(self.listings.popitem(last=False)[1])
+        self.listings[ino] = listing
 
     @_errors
     async def readdir(self, fh, start_id, token):
-        # fh is the directory's inode.  The listing is made when a read starts at 0 and kept
-        # for the calls that page through it, so offsets stay valid between them.
+        # fh is the directory's inode.  The listing (names and inode numbers; attributes are
+        # made per reply) is made when a read starts at 0 and kept for the calls that page
+        # through it, so offsets stay valid between them.
         listing = self.listings.get(fh)
         if listing is None or start_id == 0:
-            listing = self.listings[fh] = self._listing(fh)
-            if len(self.listings) > LISTINGS:
-                self.listings.popitem(last=False)
+            listing = self._listing(fh)
+            self._keep_listing(fh, listing)
         self.listings.move_to_end(fh)
         for i in range(start_id, len(listing)):
-            name, attrs = listing[i]
-            if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
+            name, ino = listing[i]
+            if not pyfuse3.readdir_reply(token, name, self._attrs(ino), i + 1):
                 break
-            self._looked_up(attrs.st_ino)
+            self._looked_up(ino)
 
     # -- files ---------------------------------------------------------------------------
 

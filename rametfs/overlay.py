@@ -30,6 +30,7 @@ import copy
 import errno
 import functools
 import os
+import re
 import secrets
 import stat
 import time
@@ -53,6 +54,8 @@ RELEASED = -1  # the layer of a released execution: every node of it is stale  #
 DIR_SIZE = 4096
 TREE_CACHE = 4096  # decoded base trees kept in memory
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
+XATTR_BYTES = 64 * 1024  # names and values of one inode's extended attributes
+SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -164,6 +167,13 @@ class Execution(View):
         self.frozen: trio.Event | None = None
         # Why an internal error marked this execution failed (Overlay.fail); None: it is not.
         self.failure: str | None = None
+        # What the layer uses: bytes its upper data files take on disk, and upper inode
+        # records (copied up or new); counted at start (Overlay.count_usage), then kept.
+        self.upper_bytes = 0
+        self.upper_inodes = 1  # the root's record
+        # Its limits (None: none): EDQUOT past them, like ext4's project quotas.
+        self.max_bytes: int | None = None
+        self.max_inodes: int | None = None
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
         # changed (Overlay.clock).
@@ -181,7 +191,7 @@ class Node:
     """An inode of a view: a base entry (``entry``), an upper record (``upper``), or both."""
 
     __slots__ = ("ino", "view", "layer", "entry", "upper", "parent", "name", "pages",
-                 "new_pages", "dirty")
+                 "new_pages", "dirty", "allocated")
 
     def __init__(self, ino: int, view: View, entry: Entry | None, upper: UpperInode | None,
                  parent: int, name: bytes):
@@ -195,6 +205,7 @@ class Node:
         self.pages: set[int] | None = None  # page map, loaded on first use
         self.new_pages: set[int] = set()  # pages not yet written to the page map
         self.dirty = False  # upper record changed since it was last stored (view.dirty)
+        self.allocated = 0  # bytes its upper data file takes on disk, as last seen
 
     @property
     def mode(self) -> int:
@@ -430,14 +441,14 @@ class Overlay:
     # -- snapshots -----------------------------------------------------------------------
 
     def snapshot_view(self, sid: str) -> SnapshotView:
-        """The view of snapshot ``sid`` (full id); NotFound (ENOENT) if there is none."""
+        """The view of snapshot ``sid``, its full id as the store spells it (64 lower-case hex
+        digits: another spelling of the same id would make another view); NotFound (ENOENT)
+        if there is none."""
         view = self.snapshot_views.get(sid)
         if view is None:
-            try:
-                raw = bytes.fromhex(sid)
-            except ValueError:
-                raise NotFound(f"no snapshot {sid!r}") from None
-            snap = self.store.snapshot_by_raw_id(raw) if len(raw) == 32 else None
+            if not SNAPSHOT_ID_RE.fullmatch(sid):
+                raise NotFound(f"no snapshot {sid!r}")
+            snap = self.store.snapshot_by_raw_id(bytes.fromhex(sid))
             if snap is None:
                 raise NotFound(f"no snapshot {sid!r}")
             view = SnapshotView(snap, self._alloc_ino())
@@ -497,6 +508,7 @@ class Overlay:
         stale = self._stale_entries(ex, keep_root_entry=True)
         old = ex.layer
         ex.failure = None
+        ex.upper_bytes, ex.upper_inodes = 0, 1
         self._drop_layer_nodes(ex)
         with self.store.write() as txn:
             txn.put(u64(old), b"", db=self.store.db["dead"])
@@ -785,6 +797,7 @@ class Overlay:
             return node.upper
         parent = self.node(node.parent)
         self.copy_up(parent)
+        self._check_inode_quota(ex)
         node.upper = UpperInode.from_entry(node.entry)
         with self.store.write() as txn:
             txn.put(inode_key(ex.layer, node.ino), node.upper.pack(), db=self.store.db["inodes"])
@@ -794,7 +807,35 @@ class Overlay:
                 txn.put(link_key(ex.layer, node.entry.link), u64(node.ino),
                         db=self.store.db["links"])
             self._persist_counters(txn)
+        ex.upper_inodes += 1
         return node.upper
+
+    @staticmethod
+    def _check_inode_quota(ex: Execution) -> None:
+        """EDQUOT when ``ex`` holds as many upper inode records as its limit allows (a
+        copy-up takes one, as it takes an upper inode in kernel overlayfs)."""
+        if ex.max_inodes is not None and ex.upper_inodes >= ex.max_inodes:
+            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its "
+                                         f"{ex.max_inodes} inodes (--max-inodes)")
+
+    def _room(self, ex: Execution, wanted: int) -> int:
+        """How many of ``wanted`` bytes ``ex`` may still allocate (all, without a limit);
+        EDQUOT when none."""
+        if ex.max_bytes is None:
+            return wanted
+        room = ex.max_bytes - ex.upper_bytes
+        if room <= 0 < wanted:
+            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its {ex.max_bytes} "
+                                         f"bytes (--max-bytes)")
+        return min(wanted, room)
+
+    @staticmethod
+    def _allocated(node: Node, fd: int) -> None:
+        """Count what ``node``'s upper data file takes on disk now into its execution's
+        usage (``os.fstat``: blocks, as quota counts them)."""
+        now = os.fstat(fd).st_blocks * 512
+        node.view.upper_bytes += now - node.allocated
+        node.allocated = now
 
     def save(self, *nodes: Node) -> None:
         """Store the upper records and new page-map entries of ``nodes`` now, in one
@@ -907,11 +948,13 @@ class Overlay:
         now = time.time_ns()
         upper = UpperInode(mode=mode, uid=uid, gid=gid, atime_ns=now, mtime_ns=now,
                            ctime_ns=now, **fields)
+        self._check_inode_quota(ex)
         node = Node(self._alloc_ino(), ex, None, upper, parent.ino, name)
         with self._undone_on_failure(parent):
             if stat.S_ISDIR(mode):
                 parent.upper.nlink += 1
             self._store_names([(parent, name, node)])
+        ex.upper_inodes += 1
         self.nodes[node.ino] = node
         return node
 
@@ -998,6 +1041,10 @@ class Overlay:
                 self.reclaim.append(Reclaim(inode_key(node.view.layer, node.ino),
                                             self._upper_path(node.view, node.ino),
                                             self.upper_fds.take(node)))
+                # its blocks and record are as good as gone: the batch frees them soon
+                node.view.upper_bytes -= node.allocated
+                node.view.upper_inodes -= 1
+                node.allocated = 0
             else:
                 self.upper_fds.close(node)
 
@@ -1060,6 +1107,8 @@ class Overlay:
             pass  # never written, or its layer already removed
         if fd is not None:
             self.unlinked_fds.append(fd)
+        node.view.upper_bytes -= node.allocated
+        node.allocated = 0
 
     def take_unlinked_fds(self) -> list[int]:
         """The descriptors of unlinked upper files left to close (:func:`close_all`)."""
@@ -1191,11 +1240,18 @@ class Overlay:
 
     def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
         """Set an xattr; POSIX ACLs are refused (EOPNOTSUPP) since they would not change the
-        mode bits as they do on ext4, and tools then fall back to chmod."""
+        mode bits as they do on ext4, and tools then fall back to chmod.  ENOSPC when the
+        inode's names and values would pass :data:`XATTR_BYTES` (ext4 answers ENOSPC when
+        they pass its one block), so storing the record stays cheap."""
         self._writable(node)
         if name.startswith(b"system.posix_acl_"):
             raise fs_error(errno.EOPNOTSUPP, "POSIX ACLs are not supported")
-        self.copy_up(node).xattrs[name] = value
+        xattrs = self.copy_up(node).xattrs
+        total = sum(len(k) + len(v) for k, v in xattrs.items() if k != name)
+        if total + len(name) + len(value) > XATTR_BYTES:
+            raise fs_error(errno.ENOSPC, f"the extended attributes of an inode hold at most "
+                                         f"{XATTR_BYTES} bytes of names and values")
+        xattrs[name] = value
         self._touch(node, mtime=False)
         self.save(node)
 
@@ -1223,6 +1279,7 @@ class Overlay:
                 fd = os.open(path, os.O_RDWR)
             except FileNotFoundError:
                 fd = self._new_upper_file(path)
+            node.allocated = os.fstat(fd).st_blocks * 512  # counted already (count_usage)
             self.upper_fds.put(node, fd)
         return fd
 
@@ -1359,9 +1416,10 @@ class Overlay:
     def write(self, node: Node, off: int, data: bytes) -> int:
         """Write ``data`` at ``off`` (bytes), copying up only the pages it touches; returns
         the bytes written, fewer when the disk fills up (ENOSPC when none)."""
-        self._writable(node)
+        ex = self._writable(node)
         u = self.copy_up(node)
         fd = self._upper_fd(node)
+        data = data[:self._room(ex, len(data))]  # a short write up to the limit
         end = off + len(data)
         touched = range(off // PAGE_SIZE, (min(end, u.base_limit) - 1) // PAGE_SIZE + 1) \
             if off < u.base_limit else range(0)  # the pages that may still be the base's
@@ -1384,6 +1442,8 @@ class Overlay:
             done = off + os.pwrite(fd, data, off)
         except OSError as exc:
             raise RametError(f"upper data write failed: {exc.strerror}", exc.errno) from None
+        finally:
+            self._allocated(node, fd)
         for page, limit in whole:
             if limit > done:  # a short write: this page and those after stay the base's
                 done = min(done, page * PAGE_SIZE)
@@ -1417,23 +1477,33 @@ class Overlay:
                 self._unlink_upper(node)
             elif self.upper_fds.get(node) is not None or \
                     os.path.exists(self._upper_path(ex, node.ino)):
-                os.truncate(self._upper_path(ex, node.ino), size)
+                fd = self._upper_fd(node)
+                os.ftruncate(fd, size)
+                self._allocated(node, fd)
         u.size = size
         u.mtime_ns = u.ctime_ns = time.time_ns()
         self._mark_dirty(node)
 
-    def upper_bytes(self, ex: Execution) -> int:
-        """Bytes the execution's upper data files take on disk."""
-        total = 0
-        top = self.store.root / "upper" / str(ex.layer)
-        try:
-            with os.scandir(top) as it:
+    def count_usage(self) -> None:
+        """Count what each execution's layer uses (:attr:`Execution.upper_bytes`,
+        :attr:`Execution.upper_inodes`): a scan of its upper data files and a count of its
+        records, O(upper inodes).  The daemon calls it once at its start, after
+        :meth:`remove_orphans`; from then on every change keeps the counts."""
+        for ex in self.executions.values():
+            ex.upper_bytes = 0
+            with contextlib.suppress(FileNotFoundError), \
+                    os.scandir(f"{self.upper_root}/{ex.layer}") as it:
                 for e in it:
-                    with contextlib.suppress(FileNotFoundError):  # reclaimed meanwhile
-                        total += e.stat().st_blocks * 512
-        except FileNotFoundError:
-            pass
-        return total
+                    ex.upper_bytes += e.stat().st_blocks * 512
+            prefix = u64(ex.layer)
+            with self.store.read() as txn:
+                cur = txn.cursor(db=self.store.db["inodes"])
+                ex.upper_inodes = 0
+                if cur.set_range(prefix):
+                    for key in cur.iternext(values=False):
+                        if not key.startswith(prefix):
+                            break
+                        ex.upper_inodes += 1
 
 
 def walk_names(overlay: Overlay, ino: int, prefix: bytes = b"") -> Iterator[tuple[bytes, Node]]:

@@ -346,3 +346,45 @@ def test_the_fault_command_is_refused_without_faults(shared_daemon):
         shared_daemon.ctl("fault task:flush")
     assert caught.value.errno == errno.EINVAL
     assert caught.value.reply["error"] == "fault: fault injection is off (rametfs serve --faults)"
+
+
+# ----- bounded work and memory per request ---------------------------------------------------
+
+def test_the_xattrs_of_one_inode_are_bounded_and_refused_with_enospc_like_ext4(shared_daemon,
+                                                                              tmp_path):
+    """Names and values of one inode hold at most 64 KiB (rametfs.overlay.XATTR_BYTES; ext4
+    holds one block): past it setxattr gives ENOSPC, as ext4 does past its block."""
+    snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f\n"}))
+    eid = shared_daemon.create(snap)
+    f = shared_daemon.exec_path(eid) / "f"
+    value = b"v" * 1000
+    names = [f"user.k{i:03d}" for i in range(64)]  # 9 + 1000 bytes each: 64 fit, 65 do not
+    for name in names:
+        os.setxattr(f, name, value)
+    with pytest.raises(OSError) as caught:
+        os.setxattr(f, "user.one-more", value)
+    assert caught.value.errno == errno.ENOSPC
+    ext4 = tmp_path / "ext4-f"  # the host's ext4: the same errno once its block is full
+    ext4.write_bytes(b"f\n")
+    with pytest.raises(OSError) as on_ext4:
+        for name in names:
+            os.setxattr(ext4, name, value)
+    assert on_ext4.value.errno == caught.value.errno
+    os.setxattr(f, names[0], b"w" * 1000)  # replacing within the limit works
+    os.removexattr(f, names[1])
+    os.setxattr(f, "user.one-more", value)  # the removed one's room is free again
+    assert os.getxattr(f, names[0]) == b"w" * 1000
+    assert len(os.listxattr(f)) == 64
+    shared_daemon.ctl(f"release {eid}")
+
+
+def test_other_spellings_of_a_snapshot_id_are_not_found(shared_daemon, tmp_path):
+    """Only the id as the store spells it names a snapshot: 100,000 spellings of one id
+    (upper case, leading spaces) made 100,000 views before."""
+    snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f\n"}))
+    snapshots = shared_daemon.mnt / protocol.SNAPSHOTS_DIR
+    assert (snapshots / snap / "f").read_bytes() == b"f\n"
+    for spelling in (snap.upper(), " " + snap, snap + " ", snap[:32], "0x" + snap[2:],
+                     snap[:-1] + "G"):
+        with pytest.raises(FileNotFoundError):
+            os.stat(snapshots / spelling)
