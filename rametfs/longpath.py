@@ -11,20 +11,110 @@ of less than PATH_MAX bytes (open(2) documents these links to a descriptor's fil
 name is resolved as the call resolves it (``follow_symlinks=False`` does not follow it);
 names before it are followed as in the path itself.
 
+Opening a deep directory costs a lookup per level (about 0.1 µs each), so a walk that named
+every path from the root would cost O(depth²): within ``with cached():`` a thread's ``short``
+keeps the directories it opened (the last :data:`CACHE`) and opens a directory from its
+parent's descriptor, one name; there a path of :data:`CACHED_FROM` bytes or more (some
+hundred levels, where the kernel's lookups cost more than the link's) goes by descriptor.  A cached descriptor stays on the directory it opened, so the
+block must not rename or remove the directories it walks (a walk that removes, like
+``rametfs.fallback.sync``'s, caches only after its removals).
+
 Linux: where ``/proc/self/fd`` is missing a long path is passed on as it is, and the call
 fails with ENAMETOOLONG.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
 
 PATH_MAX = 4096  # bytes with the final NUL: Linux's limits.h
 NAME_MAX = 255
 SHORT = PATH_MAX - NAME_MAX - 1  # a name joined to a shorter path stays short (scandir's)
+CACHE = 256  # directory descriptors a thread keeps within cached()
+WINDOW = 128  # levels opened one by one on a miss (fewer than CACHE)
+CACHED_FROM = 1024  # bytes: within cached(), a path this long goes by its directory's fd
 _PROC_FD = os.path.isdir("/proc/self/fd")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+class _Cache(threading.local):
+    dirs: OrderedDict | None = None  # path -> descriptor, least recently used first
+    active = 0  # short() blocks open in this thread: an evicted descriptor waits for 0
+    evicted: list
+
+    def __init__(self):
+        self.evicted = []
+
+
+_cache = _Cache()
+
+
+@contextlib.contextmanager
+def cached() -> Iterator[None]:
+    """Let this thread's ``short`` keep directories open until the block ends (see the
+    module docstring); nested blocks share the outermost one's."""
+    if _cache.dirs is not None:
+        yield
+        return
+    _cache.dirs = OrderedDict()
+    try:
+        yield
+    finally:
+        dirs, _cache.dirs = _cache.dirs, None
+        for fd in [*dirs.values(), *_cache.evicted]:
+            os.close(fd)
+        _cache.evicted.clear()
+
+
+def forget(path: bytes) -> None:
+    """Close the descriptor this thread's cache holds for directory ``path``, if any (before
+    removing the directory: closing the last descriptor of a removed directory is what frees
+    it, and costs as much as the rmdir)."""
+    fd = _cache.dirs.pop(path, None) if _cache.dirs is not None else None
+    if fd is not None:
+        if _cache.active:
+            _cache.evicted.append(fd)
+        else:
+            os.close(fd)
+
+
+def _cached_dir(dirs: OrderedDict, path: bytes) -> int:
+    """The cached descriptor of directory ``path``.  On a miss, the directories from the
+    nearest cached one above (at most :data:`WINDOW` levels up, else the one ``WINDOW``
+    levels up is opened whole) down to ``path`` are opened one name at a time and cached, so
+    a walk going back up a deep chain finds the next ones cached too."""
+    fd = dirs.get(path)
+    if fd is not None:
+        dirs.move_to_end(path)
+        return fd
+    todo, up, base = [path], path, None
+    for _ in range(WINDOW):
+        up = up.rpartition(b"/")[0]
+        if not up:
+            break
+        base = dirs.get(up)
+        if base is not None:
+            dirs.move_to_end(up)
+            break
+        todo.append(up)
+    if base is None:
+        top = todo.pop()
+        base = _cache_put(dirs, top, open_dir(top))
+    for p in reversed(todo):
+        base = _cache_put(dirs, p, os.open(p.rpartition(b"/")[2], _DIR_FLAGS, dir_fd=base))
+    return base
+
+
+def _cache_put(dirs: OrderedDict, path: bytes, fd: int) -> int:
+    dirs[path] = fd
+    if len(dirs) > CACHE:  # a block still using it may be open: closed once none is
+        _cache.evicted.append(dirs.popitem(last=False)[1])
+    return fd
 
 
 class short:
@@ -32,23 +122,36 @@ class short:
     while the block runs (see the module docstring).  Raises OSError when a directory on
     the way cannot be opened (ENOENT, ENOTDIR, EACCES ...)."""
 
-    __slots__ = ("path", "fd")
+    __slots__ = ("path", "fd", "counted")
 
     def __init__(self, path: bytes):
         self.path = path
-        self.fd: int | None = None
+        self.fd: int | None = None  # ours to close
+        self.counted = False
 
     def __enter__(self) -> bytes:
-        if len(self.path) < SHORT or not _PROC_FD:
+        if len(self.path) < (SHORT if _cache.dirs is None else CACHED_FROM) or not _PROC_FD:
             return self.path
         parent, _, name = self.path.rpartition(b"/")
-        self.fd = open_dir(parent)
-        return b"/proc/self/fd/%d/%s" % (self.fd, name)
+        if _cache.dirs is None:
+            self.fd = fd = open_dir(parent)
+        else:
+            fd = _cached_dir(_cache.dirs, parent)
+            _cache.active += 1
+            self.counted = True
+        return b"/proc/self/fd/%d/%s" % (fd, name)
 
     def __exit__(self, *exc_info: object) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self.counted:
+            self.counted = False
+            _cache.active -= 1
+            if not _cache.active:
+                for fd in _cache.evicted:
+                    os.close(fd)
+                _cache.evicted.clear()
 
 
 def open_dir(path: bytes) -> int:

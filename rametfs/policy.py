@@ -35,7 +35,7 @@ from typing import Protocol
 import blake3
 
 from .errors import InvalidArgument
-from .longpath import short
+from .longpath import cached, short
 from .treewalk import postorder, preorder
 
 if sys.version_info >= (3, 11):
@@ -552,7 +552,8 @@ def path_digest(path: str | os.PathLike) -> str | None:
         return _file_digest(path)
     if not stat.S_ISDIR(st.st_mode):
         return blake3.blake3(b"").hexdigest()
-    return tree_digest(_fs_items(path))
+    with cached():
+        return tree_digest(_fs_items(path))
 
 
 def _fs_items(top: bytes) -> Iterator[tuple[bytes, str, str]]:

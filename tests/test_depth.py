@@ -308,13 +308,14 @@ def test_deep_base_snapshot_changed_deep_inside(ramet, empty_base):
         _at(p, 3500, lambda fd: os.chmod(fd, 0o700))  # the directory itself
         _at(p, DEPTH, lambda fd: _make(fd, "new.txt", b"new\n"))
         lp = level_path
-        changes = [("D", f"{lp(1000)}gone.txt"), ("D", f"{lp(2000)}kind"),
-                   ("A", f"{lp(2000)}kind/"), ("A", f"{lp(2000)}kind/now"),
-                   ("M", f"{lp(3000)}edit.txt"), ("M", lp(3500)), ("A", f"{lp(DEPTH)}new.txt")]
-        # Depth first, each directory's names sorted: the deepest changes come before those
-        # above them whose names sort after DIR (edit.txt); a type change is D, then A.
-        assert ex.diff() == depth_first(changes)
-        assert ex.diff().index(("A", f"{lp(DEPTH)}new.txt")) == 5
+        # Depth first, each directory's names in byte order: a change below a name that
+        # sorts before another comes first (DIR < edit.txt < gone.txt < kind), a directory
+        # before what is below it, and a type change is D, then A.
+        changes = [("M", lp(3500)), ("A", f"{lp(DEPTH)}new.txt"), ("M", f"{lp(3000)}edit.txt"),
+                   ("D", f"{lp(2000)}kind"), ("A", f"{lp(2000)}kind/"),
+                   ("A", f"{lp(2000)}kind/now"), ("D", f"{lp(1000)}gone.txt")]
+        assert depth_first(changes) == changes
+        assert ex.diff() == changes
         changed = ex.promote()
         model = {**BASE_MODEL, 1000: {}, 2000: {"kind": {"now": b"n\n"}},
                  3000: {"edit.txt": b"before\nafter\n"},

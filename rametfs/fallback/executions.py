@@ -31,7 +31,7 @@ from pathlib import Path
 from .. import policy as _policy
 from .. import protocol
 from ..errors import Busy, InvalidArgument, NotFound, RametError
-from ..longpath import short
+from ..longpath import cached, short
 from ..store import Entry, Store, import_git, import_tree
 from ..store.trees import encode_tree
 from . import clone, manifest, scan, sync
@@ -198,7 +198,9 @@ class Fallback:
             meta = self._load(eid)
             root = os.fsencode(self.path(eid))
             pol = _load_policy(root, policy, True)
-            classified = _policy.classify_tree(pol, _policy.FsTree(), _policy.FsTree.root(root))
+            with cached():
+                classified = _policy.classify_tree(pol, _policy.FsTree(),
+                                                   _policy.FsTree.root(root))
             problems = []
             if pol is not None:
                 if pol.patterns[_policy.SHARED]:
@@ -276,8 +278,9 @@ class Fallback:
             pol = _load_policy(rootb, policy_text, tree_policy)
             classified = _policy.Classified()
             if pol is not None:
-                classified = _policy.classify_tree(pol, _policy.FsTree(),
-                                                   _policy.FsTree.root(rootb), durable=False)
+                with cached():
+                    classified = _policy.classify_tree(pol, _policy.FsTree(),
+                                                       _policy.FsTree.root(rootb), durable=False)
             skip = frozenset(os.fsencode(p.rstrip("/")) for p, cls, *_ in classified.paths
                              if cls not in _policy.KEPT)
             now = scan.scan(self.store, rootb, meta.records, store_contents=True, skip=skip)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import blake3
 
 from ..errors import RametError
-from ..longpath import short
+from ..longpath import cached, short
 from ..store import FLAG_HAS_LINKS, PAGE_SIZE, Entry, Store
 from ..store.chunks import chunk_id, content_id
 from ..store.importer import read_xattrs
@@ -295,7 +295,8 @@ def scan(store: Store, root: bytes, records: dict[bytes, Record], *,
     path vanishes or cannot be read, NoSpace (ENOSPC) when the store is full.
     """
     s = _Scanner(store, root, records, store_contents, hash_all, skip)
-    top = s.walk(os.lstat(root))
+    with cached():
+        top = s.walk(os.lstat(root))
     if s.jobs:
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             list(pool.map(s.hash, s.jobs.values()))

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..longpath import short
+from ..longpath import cached, forget, short
 from ..store import EMPTY_CONTENT, Entry, Snapshot, Store
 from ..treewalk import postorder, preorder
 from .clone import clone_file
@@ -83,8 +83,9 @@ class _Sync:
 
     def plan(self, root: Entry) -> None:
         self.order.append((b"", root))
-        for _ in preorder([(b"", root, os.lstat(self.root))], self._plan_dir):
-            pass
+        with cached():
+            for _ in preorder([(b"", root, os.lstat(self.root))], self._plan_dir):
+                pass
         self.dirs.append((b"", root))
         for members in self.groups.values():
             self._plan_group(members)
@@ -183,6 +184,10 @@ class _Sync:
             if is_dir:
                 remove_tree(self.path(rel))
         self.stats.removed = len(self.remove)
+        with cached():  # from here on directories are only made
+            self._write()
+
+    def _write(self) -> None:
         for rel in self.mkdirs:
             self._make_writable(os.path.dirname(rel))
             with short(self.path(rel)) as path:
@@ -270,6 +275,10 @@ class _Sync:
     # -- the new manifest ----------------------------------------------------------------
 
     def records(self) -> dict[bytes, Record]:
+        with cached():
+            return self._records()
+
+    def _records(self) -> dict[bytes, Record]:
         out = {}
         for rel, be in self.order:
             record = self.kept.get(rel)  # directories are never kept: their ctime moved
@@ -299,6 +308,8 @@ def remove_tree(path: bytes) -> None:
     def remove(item: tuple[bytes, bool], _below: list | None) -> None:
         p, is_dir = item
         function = os.rmdir if is_dir else os.unlink
+        if is_dir:
+            forget(p)
         with short(p) as sp:
             try:
                 function(sp)
@@ -310,7 +321,8 @@ def remove_tree(path: bytes) -> None:
     with short(path) as p:
         if not stat.S_ISDIR(os.lstat(p).st_mode):
             raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), os.fsdecode(path))
-    postorder((path, True), children, remove)
+    with cached():  # children go before their directory: no cached one is gone while used
+        postorder((path, True), children, remove)
 
 
 def sync(store: Store, root: bytes, snapshot: Snapshot, records: dict[bytes, Record],
