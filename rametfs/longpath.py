@@ -3,21 +3,22 @@
 A system call refuses a path of PATH_MAX (4,096 on Linux) bytes or more with ENAMETOOLONG,
 but a process inside an execution builds a tree as deep as it likes with relative ``mkdir``
 and ``chdir``, so the fallback mode's walks (which name paths from the execution's root) and
-the input digests of rametfs.policy meet paths longer than that.  ``with short(path) as p``
-gives a name for the same file that any call takes: ``path`` itself when it is short enough
-(no cost; shorter than :data:`SHORT`, so that ``p + b"/" + name`` is too, as the entries of
-``os.scandir(p)`` are), else ``/proc/self/fd/<fd>/<last name>`` with ``fd`` its directory, opened in hops
-of less than PATH_MAX bytes (open(2) documents these links to a descriptor's file).  The last
-name is resolved as the call resolves it (``follow_symlinks=False`` does not follow it);
-names before it are followed as in the path itself.
+the input digests of rametfs.policy meet longer paths.  ``with short(path) as p`` gives a
+name for the same file that any call takes: ``path`` itself when it is short enough (no cost;
+shorter than :data:`SHORT`, so that ``p + b"/" + name``, an entry of ``os.scandir(p)``, is
+too), else ``/proc/self/fd/<fd>/<last name>`` with ``fd`` its directory, opened in hops of
+less than PATH_MAX bytes (proc(5): these links name a descriptor's file).  The last name is
+resolved as the call resolves it (``follow_symlinks=False`` does not follow it); names before
+it are followed as in the path itself.
 
-Opening a deep directory costs a lookup per level (about 0.1 µs each), so a walk that named
-every path from the root would cost O(depth²): within ``with cached():`` a thread's ``short``
-keeps the directories it opened (the last :data:`CACHE`) and opens a directory from its
-parent's descriptor, one name; there a path of :data:`CACHED_FROM` bytes or more (some
-hundred levels, where the kernel's lookups cost more than the link's) goes by descriptor.  A cached descriptor stays on the directory it opened, so the
-block must not rename or remove the directories it walks (a walk that removes, like
-``rametfs.fallback.sync``'s, caches only after its removals).
+Opening a deep directory costs a lookup per level (about 0.1 µs each), so a walk naming every
+path from the root costs O(depth²).  Within ``with cached():`` a thread's ``short`` keeps the
+directories it opened (the last :data:`CACHE`), opens a directory from its parent's
+descriptor (one name), and takes a path of :data:`CACHED_FROM` bytes or more (some hundred
+levels, where the kernel's lookups cost more than the link's) by descriptor too.  A cached
+descriptor stays on the directory it opened, so the block must not rename or remove what it
+walks: ``rametfs.fallback.sync`` caches after its removals, and its ``remove_tree`` lets go
+of each directory (:func:`forget`) before removing it.
 
 Linux: where ``/proc/self/fd`` is missing a long path is passed on as it is, and the call
 fails with ENAMETOOLONG.
