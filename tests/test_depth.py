@@ -9,7 +9,7 @@ preview and promote under a policy whose patterns match deep paths, reset and th
 snapshot read back (with directory fds) must all give the exact expected results.  The shallow
 shapes check that captures give the tree ids an import of the same tree gives, bit for bit.
 
-Each test takes the ``ramet`` fixture (conftest): both FUSE (the shared daemon) and fallback.
+Each test runs in both modes: FUSE (a daemon of the test's own) and fallback.
 """
 
 from __future__ import annotations
@@ -179,6 +179,18 @@ def root_tree(ramet: Ramet, snapshot: str) -> str:
         return reply["verification"]["base_root"]
     finally:
         ramet.release(ex)
+
+
+@pytest.fixture(params=["fuse", "fallback"])
+def ramet(request, tmp_path):
+    """conftest's ``ramet``, but FUSE mode on a daemon of the test's own: the deep snapshots
+    stay out of the shared daemon's store, which other tests check whole (``rametfs fsck``,
+    whose walk is another branch's to make a loop)."""
+    if request.param == "fuse":
+        yield Ramet(request.getfixturevalue("daemon").mnt)
+    else:
+        with Ramet(data=tmp_path / "data", mode="fallback") as r:
+            yield r
 
 
 @pytest.fixture
