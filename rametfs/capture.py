@@ -25,6 +25,8 @@ from .overlay import Execution, Node, Overlay, assemble, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.writer import ChunkWriter
 from .store.format import link_key
+from .store.trees import subtree_paths
+from .treewalk import postorder, preorder
 
 
 @dataclass
@@ -177,7 +179,11 @@ class Capture:
         self.policy = load_policy(self.overlay, self.ex, text, tree_policy)
         if self.policy is not None:
             self._classify()
-        return self._plan_dir(self.overlay.node(self.ex.root_ino), "")
+        top = self._dir_plan(self.overlay.node(self.ex.root_ino), "")
+        if isinstance(top, _DirPlan):
+            for _ in preorder([(top, "")], self._fill):
+                pass
+        return top
 
     def _classify(self) -> None:
         pol = self.policy
@@ -191,17 +197,25 @@ class Capture:
         for path, cls, *_ in self.classified.paths:
             path = path.rstrip("/")
             self.special[path] = cls
-            parts = path.split("/")
-            self.above.update("/".join(parts[:i]) for i in range(len(parts)))
+            while path not in self.above:  # its directories, up to one already there
+                path = path.rpartition("/")[0]
+                self.above.add(path)
         for name in self.classified.outputs:
             for path in pol.recipes[name].inputs:
                 self.inputs[path] = _input_spec(self.overlay, self.ex, path)
 
-    def _plan_dir(self, node: Node, path: str) -> Entry | _DirPlan | _BaseDirPlan:
+    def _dir_plan(self, node: Node, path: str) -> Entry | _DirPlan | _BaseDirPlan:
+        """The plan of directory ``node``: its base entry where never copied up (filtered
+        when a left-out path lies below), else a _DirPlan for :meth:`_fill`."""
         if node.upper is None and not (self.descend_links and node.entry.flags & FLAG_HAS_LINKS):
             return self._filter_base(node.entry, path) if path in self.above else node.entry
-        plan = _DirPlan(node)
-        for name, child in self.overlay.listdir(node.ino):
+        return _DirPlan(node)
+
+    def _fill(self, item: tuple[_DirPlan, str]) -> Iterator[tuple[_DirPlan, str]]:
+        """List the copied-up directory of ``item`` into its plan; yields the plans of its
+        copied-up subdirectories, for the walk to fill in turn."""
+        plan, path = item
+        for name, child in self.overlay.listdir(plan.node.ino):
             child_path = _join(path, name)
             cls = self.special.get(child_path)
             if cls == policy.SHARED:
@@ -209,7 +223,10 @@ class Capture:
             elif cls is not None:
                 continue  # ephemeral or rebuildable: left out
             elif child.is_dir:
-                plan.children.append((name, self._plan_dir(child, child_path)))
+                sub = self._dir_plan(child, child_path)
+                plan.children.append((name, sub))
+                if isinstance(sub, _DirPlan):
+                    yield sub, child_path
             elif child.upper is None:
                 plan.children.append((name, child.entry))
             elif stat.S_ISREG(child.upper.mode) and not self.overlay.base_only(child):
@@ -219,22 +236,28 @@ class Capture:
                 plan.children.append((name, (child, job)))
             else:
                 plan.children.append((name, (child, None)))
-        return plan
 
     def _filter_base(self, entry: Entry, path: str) -> _BaseDirPlan:
         """An unchanged base directory without its left-out paths (shared ones are equal
         to the base: a changed one stopped the promote)."""
-        plan = _BaseDirPlan(entry)
-        for name, child in self.overlay.tree(entry.ref).items():
-            child_path = _join(path, name)
-            cls = self.special.get(child_path)
-            if cls is not None and cls != policy.SHARED:
-                continue
-            if cls is None and child.is_dir and child_path in self.above:
-                plan.children.append((name, self._filter_base(child, child_path)))
-            else:
-                plan.children.append((name, child))
-        return plan
+        def fill(item: tuple[_BaseDirPlan, str]) -> Iterator[tuple[_BaseDirPlan, str]]:
+            plan, path = item
+            for name, child in self.overlay.tree(plan.entry.ref).items():
+                child_path = _join(path, name)
+                cls = self.special.get(child_path)
+                if cls is not None and cls != policy.SHARED:
+                    continue
+                if cls is None and child.is_dir and child_path in self.above:
+                    sub = _BaseDirPlan(child)
+                    plan.children.append((name, sub))
+                    yield sub, child_path
+                else:
+                    plan.children.append((name, child))
+
+        top = _BaseDirPlan(entry)
+        for _ in preorder([(top, path)], fill):
+            pass
+        return top
 
     async def digest_inputs(self) -> None:
         """Hash the inputs of the recipes this promote stores (worker threads)."""
@@ -257,10 +280,20 @@ class Capture:
             raise first from None
 
     def _entry(self, txn, name: bytes, item) -> Entry:
+        """The entry of plan ``item`` named ``name``, its trees stored in ``txn`` (subtrees
+        first, bottom-up)."""
+        def children(pair: tuple[bytes, object]) -> list | None:
+            _, it = pair
+            return it.children if isinstance(it, (_DirPlan, _BaseDirPlan)) else None
+
+        return postorder((name, item), children,
+                         lambda pair, entries: self._one_entry(txn, *pair, entries))
+
+    def _one_entry(self, txn, name: bytes, item, entries: list[Entry] | None) -> Entry:
+        """The entry of one plan item; ``entries`` those of a directory's children."""
         if isinstance(item, Entry):
             return item.renamed(name)
-        if isinstance(item, (_DirPlan, _BaseDirPlan)):
-            entries = [self._entry(txn, n, c) for n, c in item.children]
+        if entries is not None:
             tid = self.overlay.store.put_tree(txn, entries)
             u = (ov.UpperInode.from_entry(item.entry) if isinstance(item, _BaseDirPlan)
                  else item.node.upper or ov.UpperInode.from_entry(item.node.entry))
@@ -335,17 +368,13 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
     out: list[tuple[str, bytes]] = []
     descend_links = _has_upper_links(overlay, ex)
 
-    def base_paths(entry: Entry, path: bytes):
-        yield path + (b"/" if entry.is_dir else b"")
-        if entry.is_dir:
-            for name, child in overlay.tree(entry.ref).items():
-                yield from base_paths(child, path + b"/" + name)
-
-    def node_paths(node: Node, path: bytes):
-        yield path + (b"/" if node.is_dir else b"")
-        if node.is_dir:
-            for name, child in overlay.listdir(node.ino):
-                yield from node_paths(child, path + b"/" + name)
+    def node_paths(node: Node, path: bytes) -> Iterator[bytes]:
+        def below(item: tuple[Node, bytes]):
+            n, p = item
+            return [(c, p + b"/" + name) for name, c in overlay.listdir(n.ino)] if n.is_dir \
+                else None
+        for n, p in preorder([(node, path)], below):
+            yield p + (b"/" if n.is_dir else b"")
 
     def changed(node: Node, b: Entry) -> bool:
         u = node.upper
@@ -363,7 +392,10 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
                     or not overlay.base_only(node))
         return not same_attrs or u.rdev != b.size
 
-    def walk(node: Node, base: Entry, path: bytes) -> None:
+    def pairs(item: tuple[Node, Entry, bytes]) -> Iterator[tuple[Node, Entry, bytes]]:
+        """Compare one copied-up directory with its base; yields the pairs of directories
+        below it to compare in turn (the walk does so before this one goes on)."""
+        node, base, path = item
         if node.upper is None and not (descend_links and base.flags & FLAG_HAS_LINKS):
             return
         base_entries = overlay.tree(base.ref)
@@ -372,20 +404,21 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
             b, c = base_entries.get(name), current.get(name)
             p = path + name
             if c is None:
-                out.extend(("D", x) for x in base_paths(b, p))
+                out.extend(("D", x) for x in subtree_paths(b, p, overlay.tree))
             elif b is None:
                 out.extend(("A", x) for x in node_paths(c, p))
             elif c.is_dir and b.is_dir:
                 if changed(c, b):
                     out.append(("M", p + b"/"))
-                walk(c, b, p + b"/")
+                yield c, b, p + b"/"
             elif c.is_dir != b.is_dir or stat.S_IFMT(c.mode) != stat.S_IFMT(b.mode):
-                out.extend(("D", x) for x in base_paths(b, p))
+                out.extend(("D", x) for x in subtree_paths(b, p, overlay.tree))
                 out.extend(("A", x) for x in node_paths(c, p))
             elif changed(c, b):
                 out.append(("M", p))
 
-    walk(overlay.node(ex.root_ino), ex.base.root, b"")
+    for _ in preorder([(overlay.node(ex.root_ino), ex.base.root, b"")], pairs):
+        pass
     return out
 
 

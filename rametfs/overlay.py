@@ -47,6 +47,7 @@ from .protocol import CONTROL_DIR
 from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
                            page_of_key, u64)
+from .treewalk import preorder
 
 NAME_MAX = 255
 FIRST_DYNAMIC_INO = 1000
@@ -790,31 +791,38 @@ class Overlay:
     def copy_up(self, node: Node) -> UpperInode:
         """Materialise ``node`` (and its parent directories) in its execution's upper layer.
 
-        Writes the upper record and the dentry that names it; its inode number stays.
+        Writes the upper records and the dentries that name them, in one transaction; inode
+        numbers stay.
         """
         ex = self._writable(node)
         if node.upper is not None:
             return node.upper
-        parent = self.node(node.parent)
-        self.copy_up(parent)
-        self._check_inode_quota(ex)
-        node.upper = UpperInode.from_entry(node.entry)
-        with self.store.write() as txn:
-            txn.put(inode_key(ex.layer, node.ino), node.upper.pack(), db=self.store.db["inodes"])
-            txn.put(dentry_key(ex.layer, node.parent, node.name), u64(node.ino),
-                    db=self.store.db["dentries"])
-            if node.entry.link:
-                txn.put(link_key(ex.layer, node.entry.link), u64(node.ino),
-                        db=self.store.db["links"])
+        chain, n = [], node  # it and its ancestors not copied up yet, deepest first
+        while n.upper is None:  # a loop, not recursion: a tree may be any depth
+            chain.append(n)
+            n = self.node(n.parent)
+            self._writable(n)  # each directory on the way is recorded as changed too
+        self._check_inode_quota(ex, len(chain))
+        uppers = [(n, UpperInode.from_entry(n.entry)) for n in reversed(chain)]
+        with self.store.write() as txn:  # one transaction: all of them or (ENOSPC) none
+            for n, upper in uppers:
+                txn.put(inode_key(ex.layer, n.ino), upper.pack(), db=self.store.db["inodes"])
+                txn.put(dentry_key(ex.layer, n.parent, n.name), u64(n.ino),
+                        db=self.store.db["dentries"])
+                if n.entry.link:
+                    txn.put(link_key(ex.layer, n.entry.link), u64(n.ino),
+                            db=self.store.db["links"])
             self._persist_counters(txn)
-        ex.upper_inodes += 1
+        for n, upper in uppers:
+            n.upper = upper
+        ex.upper_inodes += len(uppers)
         return node.upper
 
     @staticmethod
-    def _check_inode_quota(ex: Execution) -> None:
-        """EDQUOT when ``ex`` holds as many upper inode records as its limit allows (a
-        copy-up takes one, as it takes an upper inode in kernel overlayfs)."""
-        if ex.max_inodes is not None and ex.upper_inodes >= ex.max_inodes:
+    def _check_inode_quota(ex: Execution, new: int = 1) -> None:
+        """EDQUOT when ``new`` more upper inode records would pass ``ex``'s limit (a copy-up
+        takes one, as it takes an upper inode in kernel overlayfs)."""
+        if ex.max_inodes is not None and ex.upper_inodes + new > ex.max_inodes:
             raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its "
                                          f"{ex.max_inodes} inodes (--max-inodes)")
 
@@ -1508,8 +1516,9 @@ class Overlay:
 
 def walk_names(overlay: Overlay, ino: int, prefix: bytes = b"") -> Iterator[tuple[bytes, Node]]:
     """Every path below directory ``ino`` (depth first, sorted), with its node."""
-    for name, child in overlay.listdir(ino):
-        path = prefix + name
-        yield path, child
-        if child.is_dir:
-            yield from walk_names(overlay, child.ino, path + b"/")
+    def below(item: tuple[bytes, Node]) -> list[tuple[bytes, Node]] | None:
+        path, node = item
+        return [(path + b"/" + name, child) for name, child in overlay.listdir(node.ino)] \
+            if node.is_dir else None
+
+    return preorder([(prefix + name, child) for name, child in overlay.listdir(ino)], below)

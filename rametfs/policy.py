@@ -35,6 +35,8 @@ from typing import Protocol
 import blake3
 
 from .errors import InvalidArgument
+from .longpath import cached, short
+from .treewalk import postorder, preorder
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,16 +118,29 @@ class Policy:
                 return cls, recipe
         return None
 
-    def class_of(self, path: str, is_dir: bool) -> tuple[str, str | None, str]:
+    def class_of(self, path: str, is_dir: bool, memo: dict | None = None
+                 ) -> tuple[str, str | None, str]:
         """``(class, recipe, top)``: the class ``path`` ends up in, from its topmost
-        directory down, and the path (``top``) that got it (``path`` itself if durable)."""
-        parts = path.split("/")
-        for i in range(1, len(parts) + 1):
-            top = "/".join(parts[:i])
-            found = self.classify(top, is_dir or i < len(parts))
-            if found is not None and found[0] != DURABLE:
-                return found[0], found[1], top
-        return DURABLE, None, path
+        directory down, and the path (``top``) that got it (``path`` itself if durable).
+
+        ``memo`` (a dict the caller keeps across calls) holds what each directory on the way
+        got, so that classifying every path of a deep tree costs one match per path, not
+        one per path and level."""
+        memo = {} if memo is None else memo
+        parent = path.rpartition("/")[0]
+        todo, d = [], parent  # the directories above ``path`` not classified yet
+        while d and d not in memo:
+            todo.append(d)
+            d = d.rpartition("/")[0]
+        for d in reversed(todo):  # from the top down: the topmost class wins
+            memo[d] = memo.get(d.rpartition("/")[0]) or self._own_class(d, True)
+        return memo.get(parent) or self._own_class(path, is_dir) or (DURABLE, None, path)
+
+    def _own_class(self, path: str, is_dir: bool) -> tuple[str, str | None, str] | None:
+        """``(class, recipe, path)`` when a pattern names ``path`` itself into a class other
+        than durable, else None."""
+        found = self.classify(path, is_dir)
+        return (*found, path) if found is not None and found[0] != DURABLE else None
 
     def may_match_below(self, path: str) -> bool:
         """Whether a pattern could name something below directory ``path`` ("" the root);
@@ -332,19 +347,22 @@ def kind_of(mode: int) -> str:
 
 def subtree_totals(tree: Tree, item) -> tuple[int, int]:
     """``(files, bytes)`` below directory ``item``, by walking it."""
-    files = nbytes = 0
-    for _name, child in tree.children(item):
-        kind = tree.kind(child)
-        if kind == "d":
-            f, b = subtree_totals(tree, child)
-            files, nbytes = files + f, nbytes + b
-        elif kind == "f":
-            files, nbytes = files + 1, nbytes + tree.size(child)
-    return files, nbytes
+    def children(pair: tuple[str, object]) -> list | None:
+        kind, it = pair
+        return [(tree.kind(c), c) for _name, c in tree.children(it)] if kind == "d" else None
+
+    def combine(pair: tuple[str, object], below: list | None) -> tuple[int, int]:
+        kind, it = pair
+        if below is not None:
+            return sum(f for f, _ in below), sum(b for _, b in below)
+        return (1, tree.size(it)) if kind == "f" else (0, 0)
+
+    return postorder(("d", item), children, combine)
 
 
 class FsTree:
-    """:class:`Tree` over a real directory: items are ``(absolute path, lstat result)``."""
+    """:class:`Tree` over a real directory: items are ``(absolute path, lstat result)``;
+    paths may be longer than PATH_MAX (rametfs.longpath)."""
 
     @staticmethod
     def root(path: bytes) -> tuple[bytes, os.stat_result]:
@@ -353,9 +371,9 @@ class FsTree:
     @staticmethod
     def children(item: tuple[bytes, os.stat_result]):
         path = item[0]
-        with os.scandir(path) as it:
-            names = sorted(e.name for e in it)
-        return [(name, (path + b"/" + name, os.lstat(path + b"/" + name))) for name in names]
+        with short(path) as p, os.scandir(p) as it:
+            found = sorted((e.name, e.stat(follow_symlinks=False)) for e in it)
+        return [(name, (path + b"/" + name, st)) for name, st in found]
 
     @staticmethod
     def kind(item: tuple[bytes, os.stat_result]) -> str:
@@ -386,16 +404,19 @@ def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True)
     """
     out = Classified()
 
-    def walk(item, prefix: str) -> None:
+    def below(item: tuple[object, str]) -> Iterator[tuple[object, str]]:
+        """Classify the paths of one durable directory; yields its durable subdirectories,
+        which the walk classifies before this one goes on."""
+        node, prefix = item
         if not durable and not policy.may_match_below(prefix.rstrip("/")):
             return
-        for name, child in tree.children(item):
+        for name, child in tree.children(node):
             path = f"{prefix}{os.fsdecode(name)}"
             kind = tree.kind(child)
             found = policy.classify(path, kind == "d") if policy else None
             cls, recipe = found or (DURABLE, None)
             if cls == DURABLE and kind == "d":
-                walk(child, path + "/")
+                yield child, path + "/"
                 continue
             if cls == DURABLE and not durable:
                 continue
@@ -408,7 +429,8 @@ def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True)
             if recipe:
                 out.outputs.setdefault(recipe, []).append(path.rstrip("/"))
 
-    walk(root, "")
+    for _ in preorder([(root, "")], below):
+        pass
     return out
 
 
@@ -459,13 +481,14 @@ def input_problems(policy: Policy, classified: Classified,
     missing (``exists(path)`` is None) or that the promote would not keep.  ``exists``
     returns whether the path is a directory, None when it is absent."""
     problems = []
+    memo: dict = {}
     for name in classified.outputs:
         for path in policy.recipes[name].inputs:
             is_dir = exists(path)
             if is_dir is None:
                 problems.append(f"recipe {name}: input {path} is missing")
                 continue
-            cls, _recipe, top = policy.class_of(path, is_dir)
+            cls, _recipe, top = policy.class_of(path, is_dir, memo)
             if cls not in KEPT:
                 problems.append(f"recipe {name}: input {path} is {cls} ({top}), so a promote "
                                 "would not keep it")
@@ -476,9 +499,10 @@ def shared_problems(policy: Policy, changes: Iterable[tuple[str, bytes]]) -> lis
     """The changed shared paths among ``changes`` (``(letter, path)`` pairs of a diff,
     directories ending in ``/``), as ``"shared path changed: <letter> <path>"``."""
     out = []
+    memo: dict = {}
     for letter, raw in changes:
         path = os.fsdecode(raw)
-        cls, _recipe, _top = policy.class_of(path.rstrip("/"), path.endswith("/"))
+        cls, _recipe, _top = policy.class_of(path.rstrip("/"), path.endswith("/"), memo)
         if cls == SHARED:
             out.append(f"shared path changed: {letter} {path}")
     return out
@@ -518,37 +542,46 @@ def path_digest(path: str | os.PathLike) -> str | None:
     target; None when it does not exist.  Raises OSError when it cannot be read."""
     path = os.fsencode(path)
     try:
-        st = os.lstat(path)
+        with short(path) as p:
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                return blake3.blake3(os.readlink(p)).hexdigest()
     except FileNotFoundError:
         return None
     if stat.S_ISREG(st.st_mode):
         return _file_digest(path)
-    if stat.S_ISLNK(st.st_mode):
-        return blake3.blake3(os.readlink(path)).hexdigest()
     if not stat.S_ISDIR(st.st_mode):
         return blake3.blake3(b"").hexdigest()
-    return tree_digest(_fs_items(path, b""))
+    with cached():
+        return tree_digest(_fs_items(path))
 
 
-def _fs_items(top: bytes, rel: bytes) -> Iterator[tuple[bytes, str, str]]:
-    with os.scandir(top + b"/" + rel if rel else top) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for e in entries:
-        path = rel + b"/" + e.name if rel else e.name
-        if e.is_symlink():
-            yield path, "l", blake3.blake3(os.readlink(e.path)).hexdigest()
-        elif e.is_dir(follow_symlinks=False):
-            yield path, "d", "-"
-            yield from _fs_items(top, path)
-        elif e.is_file(follow_symlinks=False):
-            yield path, "f", _file_digest(e.path)
-        else:
-            yield path, "o", "-"
+def _fs_items(top: bytes) -> Iterator[tuple[bytes, str, str]]:
+    """``(path below top, kind, digest)`` for :func:`tree_digest`, of every path below the
+    directory ``top``, in no particular order (the digest sorts them)."""
+    def listing(rel: bytes) -> list[tuple[bytes, str, str | None]]:
+        out = []
+        with short(top + b"/" + rel if rel else top) as p, os.scandir(p) as it:
+            for e in it:
+                path = rel + b"/" + e.name if rel else e.name
+                if e.is_symlink():
+                    out.append((path, "l", blake3.blake3(os.readlink(e.path)).hexdigest()))
+                elif e.is_dir(follow_symlinks=False):
+                    out.append((path, "d", "-"))
+                elif e.is_file(follow_symlinks=False):
+                    out.append((path, "f", None))  # read when the walk gets there
+                else:
+                    out.append((path, "o", "-"))
+        return out
+
+    for path, kind, digest in preorder(listing(b""), lambda i: listing(i[0]) if i[1] == "d"
+                                       else None):
+        yield path, kind, digest if digest is not None else _file_digest(top + b"/" + path)
 
 
 def _file_digest(path: bytes) -> str:
     h = blake3.blake3()
-    with open(path, "rb") as f:
+    with short(path) as p, open(p, "rb") as f:
         while data := f.read(_READ_BYTES):
             h.update(data)
     return h.hexdigest()

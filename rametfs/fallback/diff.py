@@ -13,6 +13,8 @@ import stat
 from collections.abc import Callable, Iterator
 
 from ..store import Entry
+from ..store.trees import subtree_paths
+from ..treewalk import preorder
 
 Trees = Callable[[bytes], dict[bytes, Entry]]
 
@@ -26,19 +28,15 @@ def _changed(current: Entry, base: Entry) -> bool:
             or current.size != base.size)
 
 
-def _paths(entry: Entry, path: bytes, tree: Trees) -> Iterator[bytes]:
-    yield path + (b"/" if entry.is_dir else b"")
-    if entry.is_dir:
-        for name, child in tree(entry.ref).items():
-            yield from _paths(child, path + b"/" + name, tree)
-
-
 def diff_trees(base: Entry, current: Entry, tree: Trees) -> list[tuple[str, bytes]]:
     """``[(letter, path)]`` from root entry ``base`` to root entry ``current``; ``tree(id)``
     gives a directory's entries by name (either side)."""
     out: list[tuple[str, bytes]] = []
 
-    def walk(b: Entry, c: Entry, path: bytes) -> None:
+    def pairs(item: tuple[Entry, Entry, bytes]) -> Iterator[tuple[Entry, Entry, bytes]]:
+        """Compare one pair of directories; yields the pairs below to compare in turn (the
+        walk does so before this one goes on)."""
+        b, c, path = item
         if b.ref == c.ref:
             return
         old, new = tree(b.ref), tree(c.ref)
@@ -46,18 +44,19 @@ def diff_trees(base: Entry, current: Entry, tree: Trees) -> list[tuple[str, byte
             be, ce = old.get(name), new.get(name)
             p = path + name
             if ce is None:
-                out.extend(("D", x) for x in _paths(be, p, tree))
+                out.extend(("D", x) for x in subtree_paths(be, p, tree))
             elif be is None:
-                out.extend(("A", x) for x in _paths(ce, p, tree))
+                out.extend(("A", x) for x in subtree_paths(ce, p, tree))
             elif be.is_dir and ce.is_dir:
                 if _changed(ce, be):
                     out.append(("M", p + b"/"))
-                walk(be, ce, p + b"/")
+                yield be, ce, p + b"/"
             elif stat.S_IFMT(be.mode) != stat.S_IFMT(ce.mode):
-                out.extend(("D", x) for x in _paths(be, p, tree))
-                out.extend(("A", x) for x in _paths(ce, p, tree))
+                out.extend(("D", x) for x in subtree_paths(be, p, tree))
+                out.extend(("A", x) for x in subtree_paths(ce, p, tree))
             elif _changed(ce, be):
                 out.append(("M", p))
 
-    walk(base, current, b"")
+    for _ in preorder([(base, current, b"")], pairs):
+        pass
     return out

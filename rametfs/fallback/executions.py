@@ -31,6 +31,7 @@ from pathlib import Path
 from .. import policy as _policy
 from .. import protocol
 from ..errors import Busy, InvalidArgument, NotFound, RametError
+from ..longpath import cached, short
 from ..store import Entry, Store, import_git, import_tree
 from ..store.trees import encode_tree
 from . import clone, manifest, scan, sync
@@ -197,7 +198,9 @@ class Fallback:
             meta = self._load(eid)
             root = os.fsencode(self.path(eid))
             pol = _load_policy(root, policy, True)
-            classified = _policy.classify_tree(pol, _policy.FsTree(), _policy.FsTree.root(root))
+            with cached():
+                classified = _policy.classify_tree(pol, _policy.FsTree(),
+                                                   _policy.FsTree.root(root))
             problems = []
             if pol is not None:
                 if pol.patterns[_policy.SHARED]:
@@ -275,8 +278,9 @@ class Fallback:
             pol = _load_policy(rootb, policy_text, tree_policy)
             classified = _policy.Classified()
             if pol is not None:
-                classified = _policy.classify_tree(pol, _policy.FsTree(),
-                                                   _policy.FsTree.root(rootb), durable=False)
+                with cached():
+                    classified = _policy.classify_tree(pol, _policy.FsTree(),
+                                                       _policy.FsTree.root(rootb), durable=False)
             skip = frozenset(os.fsencode(p.rstrip("/")) for p, cls, *_ in classified.paths
                              if cls not in _policy.KEPT)
             now = scan.scan(self.store, rootb, meta.records, store_contents=True, skip=skip)
@@ -332,13 +336,17 @@ class Fallback:
 
     def _graft(self, now: scan.Scan, top: Entry, parts: list[bytes], new: Entry) -> Entry:
         """``top`` with the entry at ``parts`` replaced by ``new``; new trees go to ``now``."""
-        entries = now.tree(self.store, top.ref)
-        name = parts[0]
-        entries[name] = (self._graft(now, entries[name], parts[1:], new) if len(parts) > 1
-                         else new.renamed(name))
-        tid, _ = encode_tree(list(entries.values()))
-        now.trees[tid] = list(entries.values())
-        return dataclasses.replace(top, ref=tid)
+        path = [top]  # the directories from top down to the parent of the grafted entry
+        for name in parts[:-1]:
+            path.append(now.tree(self.store, path[-1].ref)[name])
+        entry = new
+        for directory, name in zip(reversed(path), reversed(parts)):  # bottom-up
+            entries = now.tree(self.store, directory.ref)
+            entries[name] = entry.renamed(name)
+            tid, _ = encode_tree(list(entries.values()))
+            now.trees[tid] = list(entries.values())
+            entry = dataclasses.replace(directory, ref=tid)
+        return entry
 
     def _json(self, meta: manifest.Meta) -> dict:
         return {"execution": meta.id, "id": meta.id, "base": meta.base, "head": meta.head,
@@ -407,7 +415,8 @@ def _exists(root: bytes):
     """``exists(path)`` for rametfs.policy.input_problems, under the directory ``root``."""
     def exists(path: str) -> bool | None:
         try:
-            return stat.S_ISDIR(os.lstat(root + b"/" + os.fsencode(path)).st_mode)
+            with short(root + b"/" + os.fsencode(path)) as p:
+                return stat.S_ISDIR(os.lstat(p).st_mode)
         except (FileNotFoundError, NotADirectoryError):
             return None
     return exists

@@ -23,16 +23,19 @@ import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import blake3
 
 from ..errors import RametError
+from ..longpath import cached, short
 from ..store import FLAG_HAS_LINKS, PAGE_SIZE, Entry, Store
 from ..store.chunks import chunk_id, content_id
 from ..store.importer import read_xattrs
 from ..store.writer import ChunkWriter
 from ..store.trees import encode_tree
+from ..treewalk import postorder, preorder
 from .manifest import UNTRUSTED, Record
 
 RACY_NS = 2_000_000_000  # covers coarse timestamps: a jiffy on Linux, 1 s on HFS+, 2 s on FAT
@@ -80,7 +83,7 @@ class _Node:
     ref: bytes = b""        # content id (file), target (symlink)
     size: int = 0           # bytes (file), rdev (device)
     stable: bool = True     # False: the file changed while it was hashed
-    children: dict[bytes, "_Node"] | None = None
+    children: dict[bytes, "_Node"] | None = None  # a directory's (an lstat result until visited)
 
 
 @dataclass
@@ -106,23 +109,35 @@ class _Scanner:
         self.writer = ChunkWriter(self.store) if self.store_contents else None
 
     def path(self, rel: bytes) -> bytes:
+        """The absolute path of ``rel``: maybe longer than PATH_MAX (rametfs.longpath)."""
         return self.root + b"/" + rel if rel else self.root
 
     # -- the walk ------------------------------------------------------------------------
 
-    def walk(self, rel: bytes, st: os.stat_result) -> _Node:
+    def walk(self, st: os.stat_result) -> _Node:
+        """The tree from the root (``st`` its lstat), depth first in name order."""
+        top = self.visit(b"", st)
+        for _ in preorder([(b"", top)], self.below):
+            pass
+        return top
+
+    def visit(self, rel: bytes, st: os.stat_result) -> _Node:
+        """One path's node; a directory's children are listed by :meth:`below`."""
         path = self.path(rel)
         record = self.by_ino.get(st.st_ino)
         trusted = record is not None and not self.hash_all and record.vouches_for(st)
         node = _Node(st, record, trusted)
-        node.xattrs = record.entry.xattrs if trusted else read_xattrs(path)
         self.stats.scanned += 1
-        if stat.S_ISDIR(st.st_mode):
-            with os.scandir(path) as it:
-                items = sorted((e.name, e.stat(follow_symlinks=False)) for e in it
-                               if join(rel, e.name) not in self.skip)
-            node.children = {name: self.walk(join(rel, name), child) for name, child in items}
-            return node
+        with short(path) as p:
+            node.xattrs = record.entry.xattrs if trusted else read_xattrs(p)
+            if stat.S_ISDIR(st.st_mode):
+                with os.scandir(p) as it:
+                    node.children = dict(sorted(
+                        (e.name, e.stat(follow_symlinks=False)) for e in it
+                        if join(rel, e.name) not in self.skip))
+                return node
+            if stat.S_ISLNK(st.st_mode):
+                node.ref = os.readlink(p)
         if st.st_nlink > 1:
             self.groups.setdefault(st.st_ino, []).append(rel)
         if stat.S_ISREG(st.st_mode):
@@ -130,11 +145,22 @@ class _Scanner:
                 node.ref, node.size = record.entry.ref, record.entry.size
             else:
                 self.jobs.setdefault(st.st_ino, []).append((path, node))
-        elif stat.S_ISLNK(st.st_mode):
-            node.ref = os.readlink(path)
-        else:
+        elif not stat.S_ISLNK(st.st_mode):
             node.size = st.st_rdev
         return node
+
+    def below(self, item: tuple[bytes, _Node]) -> Iterator[tuple[bytes, _Node]] | None:
+        """Visit the children of a directory's node (listed, as lstat results, by
+        :meth:`visit`), replacing each by its node; yields them for the walk."""
+        rel, node = item
+        if node.children is None:
+            return None
+        return self._visit_children(rel, node.children)
+
+    def _visit_children(self, rel: bytes, children: dict) -> Iterator[tuple[bytes, _Node]]:
+        for name, st in children.items():
+            child = children[name] = self.visit(join(rel, name), st)
+            yield join(rel, name), child
 
     # -- hashing -------------------------------------------------------------------------
 
@@ -151,7 +177,8 @@ class _Scanner:
 
     def _content(self, path: bytes, st: os.stat_result) -> tuple[bytes, int, bool]:
         # O_NONBLOCK: a fifo put in the file's place meanwhile must not block the open.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with short(path) as p:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         ids: list[bytes] = []
         size = 0
         try:
@@ -190,11 +217,25 @@ class _Scanner:
             used.add(link)
             self.links[ino] = (link, len(names))
 
-    def build(self, rel: bytes, name: bytes, node: _Node) -> Entry:
+    def build(self, top: _Node) -> Entry:
+        """The root entry of the tree walked (``top`` its node), bottom-up: each directory's
+        tree in :attr:`trees`, each path's record in :attr:`records` (children first)."""
+        def children(item: tuple[bytes, bytes, _Node]) -> list | None:
+            rel, _, node = item
+            if node.children is None:
+                return None
+            return [(join(rel, n), n, c) for n, c in node.children.items()]
+
+        def combine(item: tuple[bytes, bytes, _Node], entries: list[Entry] | None) -> Entry:
+            return self._entry(*item, entries)
+
+        return postorder((b"", b"", top), children, combine)
+
+    def _entry(self, rel: bytes, name: bytes, node: _Node, entries: list[Entry] | None
+               ) -> Entry:
         st = node.st
         uid, gid = self._owner(rel, node)
-        if node.children is not None:
-            entries = [self.build(join(rel, n), n, c) for n, c in node.children.items()]
+        if entries is not None:
             tid, _ = encode_tree(entries)
             self.trees[tid] = entries
             has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
@@ -254,12 +295,13 @@ def scan(store: Store, root: bytes, records: dict[bytes, Record], *,
     path vanishes or cannot be read, NoSpace (ENOSPC) when the store is full.
     """
     s = _Scanner(store, root, records, store_contents, hash_all, skip)
-    top = s.walk(b"", os.lstat(root))
+    with cached():
+        top = s.walk(os.lstat(root))
     if s.jobs:
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             list(pool.map(s.hash, s.jobs.values()))
     s.number_links()
-    root_entry = s.build(b"", b"", top)
+    root_entry = s.build(top)
     if s.writer:
         s.stats.new_chunks, s.stats.new_chunk_bytes = s.writer.new_chunks, s.writer.new_bytes
     return Scan(root_entry, s.trees, s.records, s.stats)

@@ -21,16 +21,18 @@ are set only when running as root.  Blocking.
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
 import stat
-import sys
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..longpath import cached, forget, short
 from ..store import EMPTY_CONTENT, Entry, Snapshot, Store
+from ..treewalk import postorder, preorder
 from .clone import clone_file
 from .manifest import Record
 from ..store.importer import read_xattrs
@@ -74,24 +76,32 @@ class _Sync:
         self.lock = threading.Lock()
 
     def path(self, rel: bytes) -> bytes:
+        """The absolute path of ``rel``: maybe longer than PATH_MAX (rametfs.longpath)."""
         return self.root + b"/" + rel if rel else self.root
 
     # -- plan ----------------------------------------------------------------------------
 
     def plan(self, root: Entry) -> None:
         self.order.append((b"", root))
-        self._plan_dir(b"", root, os.lstat(self.root))
+        with cached():
+            for _ in preorder([(b"", root, os.lstat(self.root))], self._plan_dir):
+                pass
         self.dirs.append((b"", root))
         for members in self.groups.values():
             self._plan_group(members)
 
-    def _plan_dir(self, rel: bytes, b: Entry, st: os.stat_result | None) -> None:
+    def _plan_dir(self, item: tuple[bytes, Entry, os.stat_result | None]
+                  ) -> Iterator[tuple[bytes, Entry, os.stat_result | None]]:
+        """Plan one directory of the snapshot (``st`` its lstat there, None if missing);
+        yields its subdirectories, which the walk plans before this one goes on."""
+        rel, b, st = item
         current: dict[bytes, os.stat_result] = {}
         if st is not None:
-            if self._dir_differs(rel, b, st):
-                self.changes.append(("M", rel + b"/"))
-            with os.scandir(self.path(rel)) as it:
-                current = {e.name: e.stat(follow_symlinks=False) for e in it}
+            with short(self.path(rel)) as path:
+                if self._dir_differs(path, b, st):
+                    self.changes.append(("M", rel + b"/"))
+                with os.scandir(path) as it:
+                    current = {e.name: e.stat(follow_symlinks=False) for e in it}
         base = self.store.tree(b.ref)
         for name in sorted(current.keys() - base.keys()):
             self.changes.append(("A", join(rel, name)))
@@ -108,8 +118,8 @@ class _Sync:
                 if cst is None:
                     self.changes.append(("D", p + b"/"))
                     self.mkdirs.append(p)
-                self._plan_dir(p, be, cst)
-                self.dirs.append((p, be))
+                yield p, be, cst
+                self.dirs.append((p, be))  # after its subtree: children before parents
             elif be.link:
                 self.groups.setdefault(be.link, []).append((p, be, cst))
             elif cst is not None and self._clean(be, cst):
@@ -153,10 +163,12 @@ class _Sync:
                 and e.size == be.size and e.uid == be.uid and e.gid == be.gid
                 and e.xattrs == be.xattrs and st.st_nlink == (be.nlink if be.link else 1))
 
-    def _dir_differs(self, rel: bytes, be: Entry, st: os.stat_result) -> bool:
+    def _dir_differs(self, path: bytes, be: Entry, st: os.stat_result) -> bool:
+        """Whether the directory at ``path`` (short: rametfs.longpath), ``st`` its lstat,
+        differs from ``be`` in mode, mtime, xattrs or (as root) owner."""
         record = self.by_ino.get(st.st_ino)
         xattrs = (record.entry.xattrs if record is not None and record.vouches_for(st)
-                  else read_xattrs(self.path(rel)))
+                  else read_xattrs(path))
         return (st.st_mode != be.mode or st.st_mtime_ns != be.mtime_ns or xattrs != be.xattrs
                 or (self.as_root and (st.st_uid, st.st_gid) != (be.uid, be.gid)))
 
@@ -165,48 +177,56 @@ class _Sync:
     def apply(self) -> None:
         for rel in self.remove:
             self._make_writable(os.path.dirname(rel))
-            path = self.path(rel)
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                remove_tree(path)
-            else:
-                os.unlink(path)
+            with short(self.path(rel)) as path:
+                is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+                if not is_dir:
+                    os.unlink(path)
+            if is_dir:
+                remove_tree(self.path(rel))
         self.stats.removed = len(self.remove)
+        with cached():  # from here on directories are only made
+            self._write()
+
+    def _write(self) -> None:
         for rel in self.mkdirs:
             self._make_writable(os.path.dirname(rel))
-            os.mkdir(self.path(rel), 0o700)
+            with short(self.path(rel)) as path:
+                os.mkdir(path, 0o700)
             self.written.add(rel)
         if self.files:
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
                 list(pool.map(self._write_content, self.files.keys(), self.files.values()))
         for names in self.others:
             self._make_writable(os.path.dirname(names[0][0]))
-            self._make_node(self.path(names[0][0]), names[0][1])
+            with short(self.path(names[0][0])) as path:
+                self._make_node(path, names[0][1])
             self._link_rest(names)
         for rel, be in self.dirs:
-            path = self.path(rel)
-            if self._dir_differs(rel, be, os.lstat(path)):
-                self._set_attrs(path, be, fresh=rel in self.written)
-                self.written.add(rel)
+            with short(self.path(rel)) as path:
+                if self._dir_differs(path, be, os.lstat(path)):
+                    self._set_attrs(path, be, fresh=rel in self.written)
+                    self.written.add(rel)
 
     def _write_content(self, cid: bytes, inodes: list[list[tuple[bytes, Entry]]]) -> None:
         src = None if cid == EMPTY_CONTENT else os.fsencode(self.store.hydrate(cid))
         for names in inodes:
             rel, be = names[0]
             self._make_writable(os.path.dirname(rel))
-            path = self.path(rel)
-            if src is None:
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                                 0o600))
-                method = "empty"
-            else:
-                method = clone_file(src, path, self.method)
-            self._set_attrs(path, be)
+            with short(self.path(rel)) as path:
+                if src is None:
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                                     0o600))
+                    method = "empty"
+                else:
+                    method = clone_file(src, path, self.method)
+                self._set_attrs(path, be)
             self._link_rest(names)
             with self.lock:
                 self.stats.methods[method] += 1
                 self.stats.file_bytes += be.size
 
     def _make_node(self, path: bytes, be: Entry) -> None:
+        """Make the symlink, fifo, device node or socket ``be`` at ``path`` (short)."""
         if be.is_symlink:
             os.symlink(be.ref, path)
         elif stat.S_ISFIFO(be.mode):
@@ -216,16 +236,16 @@ class _Sync:
         self._set_attrs(path, be)
 
     def _link_rest(self, names: list[tuple[bytes, Entry]]) -> None:
-        first = self.path(names[0][0])
         for rel, _ in names:
             if rel != names[0][0]:
                 self._make_writable(os.path.dirname(rel))
-                os.link(first, self.path(rel), follow_symlinks=False)
+                with short(self.path(names[0][0])) as first, short(self.path(rel)) as path:
+                    os.link(first, path, follow_symlinks=False)
             with self.lock:
                 self.written.add(rel)
 
     def _set_attrs(self, path: bytes, be: Entry, fresh: bool = True) -> None:
-        """Owner, xattrs, mode and mtime of ``be`` on ``path``; a ``fresh`` path (made just
+        """Owner, xattrs, mode and mtime of ``be`` on ``path`` (short); a ``fresh`` path (made just
         now) has no xattrs to remove, so none are read (nor is a security label dropped)."""
         # chown first: it clears setuid bits and security.capability; xattrs before chmod,
         # since a user.* xattr needs write permission; the mtime last.
@@ -247,19 +267,24 @@ class _Sync:
         # whose mode the last pass (over self.dirs) puts back.
         if self.as_root:
             return
-        path = self.path(rel)
-        mode = os.lstat(path).st_mode
-        if mode & 0o300 != 0o300:
-            os.chmod(path, stat.S_IMODE(mode) | 0o700)
+        with short(self.path(rel)) as path:
+            mode = os.lstat(path).st_mode
+            if mode & 0o300 != 0o300:
+                os.chmod(path, stat.S_IMODE(mode) | 0o700)
 
     # -- the new manifest ----------------------------------------------------------------
 
     def records(self) -> dict[bytes, Record]:
+        with cached():
+            return self._records()
+
+    def _records(self) -> dict[bytes, Record]:
         out = {}
         for rel, be in self.order:
             record = self.kept.get(rel)  # directories are never kept: their ctime moved
             if record is None:
-                st = os.lstat(self.path(rel))
+                with short(self.path(rel)) as path:
+                    st = os.lstat(path)
                 record = Record(be, st.st_ino, st.st_ctime_ns)
             out[rel] = record
         self.stats.kept = len(self.kept)
@@ -268,18 +293,36 @@ class _Sync:
 
 
 def remove_tree(path: bytes) -> None:
-    """Remove a directory tree (never following symlinks), opening up read-only directories
-    on the way (they stop a user other than root)."""
-    def retry(function, failed, exc: BaseException) -> None:
-        if not isinstance(exc, PermissionError) or function not in (os.unlink, os.rmdir):
-            raise exc
-        os.chmod(os.path.dirname(failed), 0o700)
-        function(failed)
+    """Remove the directory tree at ``path`` (absolute, any length and depth; symlinks are
+    removed, never followed), opening up read-only directories on the way (they stop a user
+    other than root).  Raises OSError: ENOTDIR when ``path`` is no directory, EACCES for a
+    directory that cannot be listed.  (shutil.rmtree recurses, and keeps a descriptor open
+    per level.)"""
+    def children(item: tuple[bytes, bool]) -> list[tuple[bytes, bool]] | None:
+        p, is_dir = item
+        if not is_dir:
+            return None
+        with short(p) as sp, os.scandir(sp) as it:
+            return [(p + b"/" + e.name, e.is_dir(follow_symlinks=False)) for e in it]
 
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=retry)
-    else:
-        shutil.rmtree(path, onerror=lambda f, p, info: retry(f, p, info[1]))
+    def remove(item: tuple[bytes, bool], _below: list | None) -> None:
+        p, is_dir = item
+        function = os.rmdir if is_dir else os.unlink
+        if is_dir:
+            forget(p)
+        with short(p) as sp:
+            try:
+                function(sp)
+            except PermissionError:
+                with short(os.path.dirname(p)) as parent:
+                    os.chmod(parent, 0o700)
+                function(sp)
+
+    with short(path) as p:
+        if not stat.S_ISDIR(os.lstat(p).st_mode):
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), os.fsdecode(path))
+    with cached():  # children go before their directory: no cached one is gone while used
+        postorder((path, True), children, remove)
 
 
 def sync(store: Store, root: bytes, snapshot: Snapshot, records: dict[bytes, Record],

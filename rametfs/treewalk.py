@@ -1,0 +1,60 @@
+"""Depth-first walks over trees as loops over an explicit stack, never recursion.
+
+A tree inside an execution is as deep as its owner makes it (relative ``mkdir`` has no limit),
+so a walk that recursed would stop at Python's recursion limit (about 1,000 frames): every
+walk over snapshot trees, overlay nodes or real directories uses these two.  The stack holds
+one iterator (or one partial result list) per level of the current path, so memory grows with
+the tree, not with anything else, and the order is exactly that of the recursive walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def preorder(top: Iterable[T], children: Callable[[T], Iterable[T] | None]) -> Iterator[T]:
+    """Every item of ``top`` and below it, each before its children (a recursive walk's
+    order).  ``children(item)`` gives the items below ``item`` or None for a leaf; it is
+    called when the walk resumes after yielding ``item``, so the consumer may act on an item
+    before its children are listed, and ``children`` may be a generator that does work as it
+    goes (what it does between two children happens in the recursive walk's order)."""
+    stack = [iter(top)]
+    while stack:
+        for item in stack[-1]:
+            yield item
+            below = children(item)
+            if below is not None:
+                stack.append(iter(below))
+            break
+        else:
+            stack.pop()
+
+
+def postorder(root: T, children: Callable[[T], Iterable[T] | None],
+              combine: Callable[[T, list[R] | None], R]) -> R:
+    """Fold the tree at ``root`` bottom-up: ``combine(item, results)`` for each item after
+    its children, ``results`` their values in order (None for a leaf, whose ``children`` is
+    None).  Returns ``root``'s value; combines run in a recursive fold's order."""
+    below = children(root)
+    if below is None:
+        return combine(root, None)
+    stack: list[tuple[T, Iterator[T], list[R]]] = [(root, iter(below), [])]
+    while True:
+        item, it, done = stack[-1]
+        for child in it:
+            grand = children(child)
+            if grand is None:
+                done.append(combine(child, None))
+            else:
+                stack.append((child, iter(grand), []))
+                break
+        else:
+            stack.pop()
+            value = combine(item, done)
+            if not stack:
+                return value
+            stack[-1][2].append(value)
