@@ -40,6 +40,7 @@ from typing import Callable, Hashable, Iterable, Iterator
 import msgpack
 import trio
 
+from .authority import Access
 from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
 from .precreate import Precreated
 from .protocol import CONTROL_DIR
@@ -146,19 +147,22 @@ class Execution(View):
     """``/executions/<id>``: a writable copy-on-write view of ``base``.
 
     ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
-    upper layer; ``frozen`` is set while a promote captures it (mutations wait on it).
+    upper layer; ``frozen`` is set while a promote captures it (mutations wait on it);
+    ``access`` who may use it and what its control files do (rametfs.authority), fixed at
+    create.
     """
 
     read_only = False
 
     def __init__(self, eid: str, base: Snapshot, head: str, layer: int, root_ino: int,
-                 created_ns: int):
+                 created_ns: int, access: Access):
         super().__init__(root_ino)
         self.id = eid
         self.base = base
         self.head = head
         self.layer = layer
         self.created_ns = created_ns
+        self.access = access
         self.frozen: trio.Event | None = None
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
@@ -170,7 +174,8 @@ class Execution(View):
 
     def record(self) -> bytes:
         return msgpack.packb({"base": self.base.id, "head": self.head, "layer": self.layer,
-                              "root_ino": self.root_ino, "created_ns": self.created_ns})
+                              "root_ino": self.root_ino, "created_ns": self.created_ns,
+                              **self.access.to_record()})
 
 
 class Node:
@@ -445,7 +450,8 @@ class Overlay:
 
     def _load_execution(self, eid: str, rec: dict) -> Execution:
         base = self.store.snapshot(rec["base"])
-        ex = Execution(eid, base, rec["head"], rec["layer"], rec["root_ino"], rec["created_ns"])
+        ex = Execution(eid, base, rec["head"], rec["layer"], rec["root_ino"], rec["created_ns"],
+                       Access.from_record(rec))
         with self.store.read() as txn:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
         upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
@@ -463,14 +469,15 @@ class Overlay:
         txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
         self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
 
-    def create_execution(self, snap: Snapshot, eid: str) -> Execution:
-        """A new execution of ``snap`` named ``eid``: one record, O(1) in the tree size.
+    def create_execution(self, snap: Snapshot, eid: str, access: Access = Access()) -> Execution:
+        """A new execution of ``snap`` named ``eid`` with ``access``: one record, O(1) in the
+        tree size.
 
         Raises RametError(EEXIST) when ``eid`` is taken.
         """
         if eid in self.executions:
             raise RametError(f"execution {eid!r} already exists", errno.EEXIST)
-        ex = Execution(eid, snap, snap.id, 0, self._alloc_ino(), time.time_ns())
+        ex = Execution(eid, snap, snap.id, 0, self._alloc_ino(), time.time_ns(), access)
         with self.store.write() as txn:
             self._new_layer(txn, ex)
             self._persist_counters(txn)
