@@ -12,9 +12,9 @@ execution is in one state:
 
 Ready members are handed out last-returned first.  This module keeps the records and the
 in-memory state on the trio thread (every method is synchronous); resetting and verifying is
-the caller's job (rametfs.control).  ``acquire`` never waits: writes to one control file are
-serialised by the kernel, so a waiting command would hold up every other root command (the
-return that would free an execution included); the wrapper polls instead.  Records live in
+the caller's job (rametfs.control).  ``acquire`` never waits: a command holds the descriptor
+it was written to, and the kernel serialises writes to one inode, so a waiting command would
+hold up whatever else is written there; the wrapper polls instead.  Records live in
 the ``pools`` and ``leases`` databases (rametfs.store.format, rametfs.store.leases).
 """
 
