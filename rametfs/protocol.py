@@ -123,7 +123,8 @@ harness lists them, anyone may look up a name (a snapshot id is 64 hex digits).
 ``--control`` is what the execution's own files allow, whoever writes them: ``full`` every
 execution command; ``read`` the files read as ever (``fsmonitor`` answers too) and a write to
 ``ctl`` or ``promote`` is EACCES (at the open, or at the write for root); ``none``: ``.ramet``
-does not exist (ENOENT) and cannot be made (EEXIST).
+does not exist (ENOENT) and cannot be made (EEXIST).  A control file acts on the execution it
+was opened in: once that is released, ENOENT, even when another execution has its name.
 
 What an execution's own files show never depends on content outside it: its ``ctl`` replies
 and the ``last`` of its ``status`` leave out :data:`STORE_WIDE_STATS` (deduplication against
