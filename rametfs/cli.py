@@ -306,16 +306,40 @@ def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None, 
     click.echo(snapshot_id)
 
 
+def _octal(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
+    """An octal mode option's value as an int (None when not given); a usage error (exit 2)
+    for text that is not octal."""
+    if text is None:
+        return None
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not an octal mode such as 0750") from None
+
+
 @main.command()
 @click.argument("snapshot")
 @click.option("--name", help="Execution id to use (default: generated).")
+@click.option("--owner", type=click.IntRange(0), metavar="UID",
+              help="The uid it belongs to (default: the daemon's).")
+@click.option("--group", type=click.IntRange(0), metavar="GID",
+              help="Its group, for --share's group bits (default: the daemon's gid).")
+@click.option("--share", metavar="MODE", callback=_octal,
+              help="Its permission bits, like a directory's (default 0700: the owner alone).")
+@click.option("--control", type=click.Choice(protocol.CONTROLS),
+              help="What its own .ramet files allow: full (default), read (no writes) or "
+                   "none (no .ramet).")
 @ramet_options
-def create(ramet: Ramet, snapshot: str, name: str | None) -> None:
+def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, group: int | None,
+           share: int | None, control: str | None) -> None:
     """Create an execution of SNAPSHOT; print its id.
 
-    SNAPSHOT is an id or a unique prefix of one.
+    SNAPSHOT is an id or a unique prefix of one.  The harness acts on it through the root
+    control file whatever its --control.
     """
-    click.echo(ramet.create(snapshot, name=name).id)
+    click.echo(ramet.create(snapshot, name=name, owner=owner, group=group, share=share,
+                            control=control).id)
+
 
 
 @main.command()

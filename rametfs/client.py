@@ -24,6 +24,9 @@ then.  ``mode="auto"`` picks fallback when ``/dev/fuse`` is missing.
 
 In FUSE mode every call is one synchronous command on a ``ctl`` file (or one read of a status
 file); each opens its own file descriptor, so calls from several threads do not interfere.
+A process that may write the root ``ctl`` (the harness: the daemon's uid, or root) sends an
+execution's commands there (``promote <id>``...), so they work whatever the execution's
+``control``; any other process uses the execution's own ``.ramet/`` files.
 Failures raise :class:`RametError` with the daemon's (or the file system's) errno and message.
 """
 
@@ -176,12 +179,22 @@ class Ramet:
             label=label, message=message)
         return reply["snapshot"]
 
-    def create(self, snapshot: str, name: str | None = None) -> Execution:
+    def create(self, snapshot: str, name: str | None = None, *, owner: int | None = None,
+               group: int | None = None, share: int | None = None,
+               control: str | None = None) -> Execution:
         """Create a writable execution of ``snapshot`` (id or unique prefix).
 
-        Errors: ENOENT unknown snapshot, EINVAL bad name, EEXIST name taken.
+        ``owner``/``group``: the uid and gid it belongs to (default: the daemon's);
+        ``share``: its permission bits, like a directory's (default ``0o700``: the owner
+        alone; the owner always has ``rwx``); ``control``: what its own control files allow
+        (``"full"``, the default; ``"read"``: no writes; ``"none"``: no ``.ramet``).  See
+        docs/security.md.  In fallback mode they are recorded and shown in the status; the
+        data directory (0700) keeps other uids out and executions have no control files.
+
+        Errors: ENOENT unknown snapshot, EINVAL bad name or setting, EEXIST name taken.
         """
-        reply = self._backend.root_command("create", snapshot, name=name)
+        reply = self._backend.root_command("create", snapshot, name=name,
+                                           **_access(owner, group, share, control))
         return Execution(self, reply["execution"])
 
     def release(self, execution: str | Execution) -> None:
@@ -219,17 +232,22 @@ class Ramet:
         return Restored(reply["snapshot"], execution, steps)
 
     def execution_pool(self, snapshot: str, concurrency: int = 4, *, name: str | None = None,
-                       ttl: float = DEFAULT_TTL, verify: str = "root") -> ExecutionPool:
+                       ttl: float = DEFAULT_TTL, verify: str = "root", owner: int | None = None,
+                       group: int | None = None, share: int | None = None,
+                       control: str | None = None) -> ExecutionPool:
         """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
 
         The daemon (fallback mode: the data directory) keeps the pool and a lease per
         acquired execution (:class:`ExecutionPool`); ``name`` reattaches to (or creates) a
         named pool that outlives this process, ``ttl`` is the lease time in seconds,
-        ``verify`` the check after each reset (``"root"`` or ``"deep"``).  Errors: ENOENT
-        unknown snapshot, EEXIST a pool of that name has another base, EINVAL bad name or
-        size.
+        ``verify`` the check after each reset (``"root"`` or ``"deep"``); ``owner``,
+        ``group``, ``share`` and ``control`` are every member's, as :meth:`create` takes
+        them (a named pool reattached to keeps its own; those given must match it).  Errors:
+        ENOENT unknown snapshot, EEXIST a pool of that name has another base or other
+        settings, EINVAL bad name, size or setting.
         """
-        return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify)
+        return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify,
+                             owner=owner, group=group, share=share, control=control)
 
     def pools(self) -> list[dict]:
         """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
@@ -249,10 +267,14 @@ class Ramet:
 
     def executions(self) -> list[dict]:
         """Every execution record: ``{"id", "base", "head", "created_ns", "upper_bytes",
-        "state", "pool", "lease", "quarantine_reason"}`` (``upper_bytes`` is None in
-        fallback mode); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
+        "state", "pool", "lease", "quarantine_reason", "owner", "group", "share",
+        "control"}`` (``upper_bytes`` is None in fallback mode; ``share`` octal text,
+        ``"0700"``); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
         "acquired_ns"}`` or None; ``"state"`` is ``"ready"``, ``"leased"``,
-        ``"quarantined"`` or (FUSE mode) ``"promoting"``."""
+        ``"quarantined"`` or (FUSE mode) ``"promoting"``.  A process other than the
+        harness sees only the executions shared with it, as their own status shows them
+        (``{"execution", "id", "base", "head", "state", "created_ns", "upper_bytes",
+        "last"}``)."""
         return self.status()["executions"]
 
 
@@ -324,8 +346,11 @@ class Execution:
 
     def status(self) -> dict:
         """``{"execution", "base", "head", "state", "pool", "lease", "quarantine_reason",
-        "created_ns", "upper_bytes", "last"}`` (see :meth:`Ramet.executions`); ``"last"``
-        is the reply of its last command, with the promote's ``"stats"``."""
+        "created_ns", "upper_bytes", "last", "path", "owner", "group", "share",
+        "control"}`` (see :meth:`Ramet.executions`); ``"last"`` is the reply of its last
+        command, with the promote's ``"stats"``.  A process other than the harness reads the
+        execution's own ``.ramet/status``: ``{"execution", "id", "base", "head", "state",
+        "created_ns", "upper_bytes", "last"}``, the last reply without store-wide figures."""
         return self.ramet._backend.execution_status(self.id)
 
 
@@ -340,13 +365,15 @@ class _Mount:
         self.mount = Path(os.path.abspath(mountpoint))
         if not os.path.exists(self.mount / protocol.CONTROL_DIR / protocol.STATUS):
             raise NotMountedError(self.mount)
+        self.root_ctl = self.mount / protocol.CONTROL_DIR / protocol.CTL
+        self.harness = os.access(self.root_ctl, os.W_OK)  # else: the execution's own files
 
     def close(self) -> None:
         pass
 
     def root_command(self, command: str, *positional: str, **options: str | None) -> dict:
         line = protocol.format_command(command, *positional, **options)
-        return _command(self.mount / protocol.CONTROL_DIR / protocol.CTL, line, self.mount)
+        return _command(self.root_ctl, line, self.mount)
 
     def status(self) -> dict:
         state = _read_json(self.mount / protocol.CONTROL_DIR / protocol.STATUS, self.mount)
@@ -357,11 +384,26 @@ class _Mount:
         return self.mount / protocol.EXECUTIONS_DIR / execution_id
 
     def command(self, execution_id: str, command: str, **options: str | None) -> dict:
+        ctl = self._control(execution_id, protocol.CTL)
+        if self.harness:
+            return self._root_on(execution_id, command, **options)
         line = protocol.format_command(command, **options)
-        return _command(self._control(execution_id, protocol.CTL), line, self.mount,
-                        self._missing(execution_id))
+        return _command(ctl, line, self.mount, self._missing(execution_id))
+
+    def _root_on(self, execution_id: str, command: str, **options: str | None) -> dict:
+        """Root ``<command> <execution_id> ...``; the daemon's "no execution" error reads as
+        the path route's does."""
+        try:
+            return self.root_command(command, execution_id, **options)
+        except RametError as exc:
+            if exc.errno == errno.ENOENT and str(exc) == f"no execution {execution_id!r}":
+                raise RametError(errno.ENOENT, self._missing(execution_id)) from None
+            raise
 
     def diff(self, execution_id: str) -> list[tuple[str, str]]:
+        if self.harness:
+            self._control(execution_id, protocol.DIFF)  # the name's check
+            return [tuple(pair) for pair in self._root_on(execution_id, "diff")["diff"]]
         text = self._read(execution_id, protocol.DIFF)
         return [tuple(line.split(" ", 1)) for line in text.splitlines() if line]
 
@@ -370,8 +412,10 @@ class _Mount:
         return [tuple(pair) for pair in reply["verification"]["differences"]]
 
     def execution_status(self, execution_id: str) -> dict:
-        return _read_json(self._control(execution_id, protocol.STATUS), self.mount,
-                          self._missing(execution_id))
+        status = self._control(execution_id, protocol.STATUS)
+        if self.harness:
+            return self._root_on(execution_id, "status")["status"]
+        return _read_json(status, self.mount, self._missing(execution_id))
 
     def _control(self, execution_id: str, name: str) -> Path:
         if not protocol.EXECUTION_NAME_RE.fullmatch(execution_id):  # "..": the root's files
@@ -443,6 +487,14 @@ class _Local:
             return self.engine.execution_status(execution_id)
 
 
+def _access(owner: int | None, group: int | None, share: int | None,
+            control: str | None) -> dict[str, str | None]:
+    """The ``--owner``, ``--group``, ``--share`` and ``--control`` options of a command."""
+    return {"owner": None if owner is None else str(owner),
+            "group": None if group is None else str(group),
+            "share": None if share is None else f"{share:04o}", "control": control}
+
+
 def _policy_text(path: str | os.PathLike | None) -> str | None:
     """The text of the policy file at ``path`` (None: none given); RametError if unreadable."""
     if path is None:
@@ -494,8 +546,9 @@ class ExecutionPool:
     """
 
     def __init__(self, ramet: Ramet, snapshot: str, concurrency: int, *,
-                 name: str | None = None, ttl: float = DEFAULT_TTL,
-                 verify: str = "root") -> None:
+                 name: str | None = None, ttl: float = DEFAULT_TTL, verify: str = "root",
+                 owner: int | None = None, group: int | None = None, share: int | None = None,
+                 control: str | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         if not ttl > 0:
@@ -505,7 +558,8 @@ class ExecutionPool:
         self.verify = verify
         self.host = socket.gethostname()
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
-        reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name)
+        reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
+                                            **_access(owner, group, share, control))
         self.name: str = reply["pool"]
         self.base: str = reply["snapshot"]
         self._owned = name is None

@@ -9,6 +9,7 @@ through the ``invalidate`` callback, so this module stays free of FUSE.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Awaitable, Callable
 import trio
 
 from . import mounts, protocol
+from .authority import HARNESS, Access, Caller, R
 from .capture import capture, diff, preview
 from .errors import Busy, InvalidArgument, RametError
 from .faults import FAULTS
@@ -81,6 +83,10 @@ class Control:
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
+        # The harness's commands on one execution, whatever its --control.
+        self.root_handlers.update({name: functools.partial(self._root_on_execution, name)
+                                   for name in self.execution_handlers})
+        self.root_handlers.update({"diff": self._diff, "status": self._status})
 
     # -- running commands ----------------------------------------------------------------
 
@@ -102,31 +108,45 @@ class Control:
         return reply
 
     async def run_execution(self, ex: Execution, command: bytes) -> dict:
-        """Run one command on execution ``ex``; returns the reply, raises RametError (as
-        :meth:`run_root`)."""
+        """Run one command written to execution ``ex``'s own ``ctl``; returns the reply as the
+        execution sees it (:func:`execution_reply`), raises RametError (as :meth:`run_root`)."""
         text = command.decode(errors="replace")
         try:
             try:
                 name, args = protocol.parse_command(self._text(command),
                                                     protocol.EXECUTION_COMMANDS)
-                if ex.id in self.busy:
-                    raise Busy(f"execution {ex.id!r} is running another command")
-                self.busy.add(ex.id)
-                try:
-                    reply = await self.execution_handlers[name](ex, args)
-                finally:
-                    self.busy.discard(ex.id)
+                reply = await self._on_execution(ex, name, args)
             except Exception as exc:
-                error = self._as_rametfs(exc, text)
-                if not isinstance(exc, (RametError, protocol.ProtocolError)):
-                    self.overlay.fail(ex, str(error))
-                raise error from None
+                raise self._as_rametfs(exc, text) from None
         except RametError as exc:
             self.errors[ex.id] = self._failed(exc, text)
             self.last[ex.id] = self._error_reply(exc)
             raise
+        return execution_reply(reply)
+
+    async def _on_execution(self, ex: Execution, name: str, args: dict) -> dict:
+        """Run execution command ``name`` on ``ex``, from either scope: one at a time per
+        execution (else Busy, EBUSY); the reply, whole, becomes the execution's ``last``.  An
+        unexpected exception (a bug) marks ``ex`` failed (Overlay.fail)."""
+        if ex.id in self.busy:
+            raise Busy(f"execution {ex.id!r} is running another command")
+        self.busy.add(ex.id)
+        try:
+            reply = await self.execution_handlers[name](ex, args)
+        except (RametError, protocol.ProtocolError):
+            raise
+        except Exception as exc:
+            self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
+            raise
+        finally:
+            self.busy.discard(ex.id)
         self.last[ex.id] = reply
         return reply
+
+    async def _root_on_execution(self, name: str, args: dict) -> dict:
+        """Root ``<name> <execution-id> ...``: the execution command on that execution."""
+        ex = self.overlay.execution(args.pop("execution"))
+        return await self._on_execution(ex, name, args)
 
     @staticmethod
     def _text(command: bytes) -> str:
@@ -185,7 +205,7 @@ class Control:
         if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
             raise InvalidArgument(f"create: execution name {eid!r} must match "
                                   f"{protocol.EXECUTION_NAME_RE.pattern}")
-        ex = self.overlay.create_execution(snap, eid)
+        ex = self.overlay.create_execution(snap, eid, Access().given(args))
         path = os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)
         return {"ok": True, "execution": ex.id, "snapshot": snap.id, "path": path}
 
@@ -236,6 +256,15 @@ class Control:
     async def _preview(self, ex: Execution, args: dict) -> dict:
         return {"ok": True, "preview": preview(self.overlay, ex, _policy_text(args))}
 
+    async def _diff(self, args: dict) -> dict:
+        ex = self.overlay.execution(args["execution"])
+        return {"ok": True, "execution": ex.id,
+                "diff": [[letter, os.fsdecode(path)] for letter, path in diff(self.overlay, ex)]}
+
+    async def _status(self, args: dict) -> dict:
+        ex = self.overlay.execution(args["execution"])
+        return {"ok": True, "status": self.execution_json(ex)}
+
     # -- pools and leases ----------------------------------------------------------------
 
     async def _pool(self, args: dict) -> dict:
@@ -244,7 +273,7 @@ class Control:
         name = protocol.check_pool(args.get("name"), size)
         existed = name in self.pools.pools
         try:
-            pool, created = self.pools.open(name, snap, size)
+            pool, created = self.pools.open(name, snap, size, args)
         except RametError:
             if not existed and name in self.pools.pools:  # half made: no one could use it
                 await self._drop({"pool": name})
@@ -323,27 +352,48 @@ class Control:
 
     # -- what the files read -------------------------------------------------------------
 
-    def execution_json(self, ex: Execution) -> dict:
-        pool = self.pools.member_json(ex.id)
+    def execution_view(self, ex: Execution) -> dict:
+        """What ``ex``'s own ``.ramet/status`` shows: who it is, where it stands, its own
+        space, and its last reply as :func:`execution_reply` shows it; nothing of the harness
+        (lease holder, pid, host, pool, mount path) or of the rest of the store."""
         state = ("failed" if ex.failure is not None else
-                 "promoting" if ex.frozen is not None else pool["state"])
-        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head, **pool,
-                "state": state, "failure": ex.failure,
-                "created_ns": ex.created_ns,
+                 "promoting" if ex.frozen is not None else self.pools.member_json(ex.id)["state"])
+        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
+                "state": state, "created_ns": ex.created_ns,
                 "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
                 "max_bytes": ex.max_bytes, "max_inodes": ex.max_inodes,
-                "last": self.last.get(ex.id),
-                "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}
+                "last": execution_reply(self.last.get(ex.id))}
 
-    def root_status(self) -> bytes:
-        status = {"pid": os.getpid(), "data": str(self.overlay.store.root),
-                  "mount": self.mountpoint, "version": "0.1.0", "open_less": self.open_less,
-                  "snapshots_bind": self._snapshots_bind(),
-                  "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
-                  "executions": [self.execution_json(ex)
-                                 for ex in self.overlay.executions.values()],
-                  "pools": self.pools.to_json(),
-                  "last": self.root_last}
+    def execution_json(self, ex: Execution) -> dict:
+        """The root scope's record of ``ex``: its view, its pool fields, why it failed, its
+        whole last reply, its path and its access settings."""
+        return {**self.pools.member_json(ex.id), **self.execution_view(ex),
+                "failure": ex.failure, "last": self.last.get(ex.id),
+                "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
+                **ex.access.to_json()}
+
+    def root_status(self, caller: Caller = HARNESS) -> bytes:
+        """The root ``.ramet/status`` as ``caller`` may read it: whole for the harness; for
+        another uid only the executions whose ``r`` bit it has (as their own ``status`` shows
+        them) and their base and head snapshots, without store-wide figures or sources."""
+        common = {"mount": self.mountpoint, "version": "0.1.0", "open_less": self.open_less,
+                  "snapshots_bind": self._snapshots_bind()}
+        if caller.harness:
+            status = {"pid": os.getpid(), "data": str(self.overlay.store.root), **common,
+                      "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
+                      "executions": [self.execution_json(ex)
+                                     for ex in self.overlay.executions.values()],
+                      "pools": self.pools.to_json(),
+                      "last": self.root_last}
+        else:
+            visible = [ex for ex in self.overlay.executions.values()
+                       if ex.access.allows(caller, R)]
+            seen = {ex.base.id for ex in visible} | {ex.head for ex in visible}
+            status = {**common,
+                      "snapshots": [_local_stats(s.to_json(), "source")
+                                    for s in self.overlay.store.snapshots() if s.id in seen],
+                      "executions": [self.execution_view(ex) for ex in visible],
+                      "pools": []}
         return (json.dumps(status, indent=1) + "\n").encode()
 
     def _snapshots_bind(self) -> str:
@@ -355,7 +405,7 @@ class Control:
         return "read-only" if mounts.snapshots_bound(self.mountpoint) else "absent"
 
     def execution_status(self, ex: Execution) -> bytes:
-        return (json.dumps(self.execution_json(ex), indent=1) + "\n").encode()
+        return (json.dumps(self.execution_view(ex), indent=1) + "\n").encode()
 
     def diff_text(self, ex: Execution) -> bytes:
         return b"".join(f"{letter} ".encode() + path + b"\n"
@@ -399,6 +449,20 @@ class Control:
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
+
+
+def execution_reply(reply: dict | None) -> dict | None:
+    """``reply`` as an execution's own files show it: its ``stats`` without the figures that
+    depend on the rest of the store (:data:`protocol.STORE_WIDE_STATS`), so no reply reveals
+    content the execution cannot read (a deduplicated chunk counts as not new)."""
+    if not reply or "stats" not in reply:
+        return reply
+    return {**reply, "stats": _local_stats(reply["stats"])}
+
+
+def _local_stats(stats: dict, *drop: str) -> dict:
+    """``stats`` without :data:`protocol.STORE_WIDE_STATS` and the keys ``drop``."""
+    return {k: v for k, v in stats.items() if k not in protocol.STORE_WIDE_STATS + drop}
 
 
 def _policy_text(args: dict) -> bytes | None:

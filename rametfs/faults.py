@@ -44,18 +44,20 @@ class Faults:
         else:
             self.armed.pop(site, None)
 
-    def check(self, site: str, execution: str | None = None) -> None:
-        """Raise InjectedFault if ``site`` is armed for ``execution`` (or for any)."""
+    def check(self, site: str, *executions) -> None:
+        """Raise InjectedFault if ``site`` is armed for any execution, or for one of
+        ``executions`` (ids, or objects with an ``id``)."""
         if not self.armed:
             return
         armed = self.armed.get(site)
-        if armed is None or armed.execution not in (None, execution):
+        ids = [getattr(ex, "id", ex) for ex in executions]
+        if armed is None or (armed.execution is not None and armed.execution not in ids):
             return
         armed.count -= 1
         if armed.count <= 0:
             del self.armed[site]
         raise InjectedFault(f"fault injected at {site}"
-                            + (f" for execution {execution}" if execution else ""))
+                            + (f" for execution {armed.execution}" if armed.execution else ""))
 
 
 FAULTS = Faults()

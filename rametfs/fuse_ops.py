@@ -20,6 +20,14 @@ as the file handle.  Either way there is no per-open state: a file's upper data 
 cached (``Overlay.upper_fds``), dirty inode records are stored by the daemon every second
 (``daemon._store_dirty_records``) and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
 
+Who may do what (rametfs.authority; docs/architecture.md, "Authority"): ``snapshots/`` and
+``executions/`` are 0711, so only the harness lists them; ``executions/<id>`` is answered at
+entry timeout 0 (in lookups and listings), so every path walk through that name comes here
+with its caller, who needs the execution's ``x`` bit (EACCES); an execution's ``.ramet/``
+and its files carry its owner's uid and group and the modes its share bits and ``--control``
+give, so the kernel refuses other uids itself (``--control read``: the daemon refuses writes
+too, for root); ``--control none`` has no ``.ramet``.
+
 Control files are looked up at entry timeout 0, and every content a control file shows is an
 inode of its own whose bytes never change, so the page cache cannot mix two of them; ``ctl``,
 ``promote`` and ``fsmonitor`` get a new inode at every lookup, whose content becomes the reply
@@ -42,6 +50,7 @@ import pyfuse3
 import trio
 
 from . import protocol
+from .authority import DAEMON_GID, DAEMON_UID, HARNESS, Caller, X
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
@@ -60,7 +69,10 @@ LISTINGS = 64  # directory listings kept between the readdir calls that page thr
 LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
 GENERATIONS = 64  # inodes kept per control file: older ones read as ESTALE
 RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (Operations._reclaim)
-CONTROL_MODES = {protocol.CTL: 0o666, protocol.PROMOTE: 0o666, protocol.FSMONITOR: 0o777}
+# The root .ramet/ files: ctl and error are the harness's; status is the harness's whole, and
+# as much as the caller may see for another uid (Control.root_status).
+ROOT_MODES = {protocol.CTL: 0o600, protocol.STATUS: 0o444, protocol.ERROR: 0o400}
+HARNESS_STATUS_MODE = stat.S_IFREG | 0o400
 WRITTEN = (protocol.CTL, protocol.PROMOTE, protocol.FSMONITOR)  # control files written to
 
 
@@ -71,7 +83,9 @@ class ControlSlot:
 
     mode: int
     kind: str  # a name of protocol.ROOT_CONTROL_FILES or EXECUTION_CONTROL_FILES
-    execution: str | None  # None: the root scope
+    execution: Execution | None  # None: the root scope
+    uid: int = DAEMON_UID  # of its inodes: an execution's owner and group
+    gid: int = DAEMON_GID
     gens: list[int] = field(default_factory=list)
     reply: bytes = b""  # a ctl file: the reply of the last command written to it
 
@@ -84,13 +98,15 @@ class Virtual:
     ino: int
     mode: int
     kind: str  # "dir" or a control file kind
-    execution: str | None = None  # None: the root scope
+    execution: Execution | None = None  # None: the root scope
     children: dict[bytes, int] = field(default_factory=dict)
     files: dict[bytes, ControlSlot] = field(default_factory=dict)  # a .ramet/ directory's
     slot: ControlSlot | None = None
     lookups: int = 0  # of a generation: the kernel's lookup count, down to 0 by forgets
     content: bytes = b""  # what a read returns
     mtime_ns: int = field(default_factory=time.time_ns)  # changes with content or listing
+    uid: int = DAEMON_UID
+    gid: int = DAEMON_GID
 
     def changed(self, content: bytes | None = None) -> None:
         if content is None or content != self.content:
@@ -100,16 +116,16 @@ class Virtual:
 
 def _errors(fn):
     """Guard a handler: RametError and OSError become ``FUSEError(errno)``; any other
-    exception is a bug, logged with its traceback, answered EIO, and the execution whose
-    inode the request named (its first argument) is marked failed (``Overlay.fail``), so
-    nothing else stops.  ``forget`` has no reply: there the error is only logged."""
+    exception is a bug, logged with its traceback, answered EIO, and the executions whose
+    inodes the request named are marked failed (``Overlay.fail``), so nothing else stops.
+    ``forget`` has no reply: there the error is only logged."""
     name = fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(self, *args):
         try:
             if FAULTS.armed:
-                FAULTS.check(f"handler:{name}", self._culprit(args))
+                FAULTS.check(f"handler:{name}", *self._culprits(args))
             return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
@@ -118,10 +134,10 @@ def _errors(fn):
         except OSError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         except Exception as exc:
-            culprit = self._culprit(args)
-            log.exception("internal error in %s (execution %s)", name, culprit or "none")
-            ex = self.overlay.executions.get(culprit) if culprit else None
-            if ex is not None:
+            culprits = self._culprits(args)
+            log.exception("internal error in %s (execution %s)", name,
+                          ", ".join(ex.id for ex in culprits) or "none")
+            for ex in culprits:
                 self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
             if name != "forget":
                 raise pyfuse3.FUSEError(errno.EIO) from None
@@ -140,17 +156,17 @@ class Operations(pyfuse3.Operations):
         self.overlay = overlay
         self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS,
                                faults=faults)
-        self.uid, self.gid = os.getuid(), os.getgid()
         self.virtual: dict[int, Virtual] = {}
         self._add_virtual(Virtual(ROOT, stat.S_IFDIR | 0o755, "dir",
                                   children={**TOP, CONTROL_NAME: CONTROL}))
-        self._add_virtual(Virtual(SNAPSHOTS, stat.S_IFDIR | 0o755, "dir"))
-        self._add_virtual(Virtual(EXECUTIONS, stat.S_IFDIR | 0o755, "dir"))
+        # Only the harness lists snapshots/ and executions/ (the kernel caches one listing
+        # for every caller); anyone may look a name up, which an execution checks.
+        self._add_virtual(Virtual(SNAPSHOTS, stat.S_IFDIR | 0o711, "dir"))
+        self._add_virtual(Virtual(EXECUTIONS, stat.S_IFDIR | 0o711, "dir"))
         self._add_virtual(Virtual(CONTROL, stat.S_IFDIR | 0o755, "dir", files={
-            name.encode(): ControlSlot(stat.S_IFREG | (0o600 if name == protocol.CTL else 0o444),
-                                       name, None)
+            name.encode(): ControlSlot(stat.S_IFREG | ROOT_MODES[name], name, None)
             for name in protocol.ROOT_CONTROL_FILES}))
-        self.exec_control: dict[str, int] = {}  # execution id -> its .ramet dir ino
+        self.exec_control: dict[int, int] = {}  # execution root ino -> its .ramet dir ino
         self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
         self.listing_entries = 0  # entries of every kept listing
         # snapshot inode whose pages are being dropped -> a WRITE came since the drop began
@@ -160,19 +176,21 @@ class Operations(pyfuse3.Operations):
     def _add_virtual(self, v: Virtual) -> None:
         self.virtual[v.ino] = v
 
-    def _culprit(self, args: tuple) -> str | None:
-        """The id of the execution a request's arguments name: its first inode (``forget``:
-        the first of its list) or control file; None for none."""
-        ino = args[0] if args else None
-        if isinstance(ino, list):  # forget: [(ino, count), ...]
-            ino = ino[0][0] if ino else None
-        if not isinstance(ino, int):
-            return None
-        v = self.virtual.get(ino)
-        if v is not None:
-            return v.execution
-        node = self.overlay.nodes.get(ino)
-        return node.view.id if node is not None and isinstance(node.view, Execution) else None
+    def _culprits(self, args: tuple) -> list[Execution]:
+        """The executions a request's arguments name: the one of its first inode (a node or
+        a control file), or for ``forget`` those of every inode of its list."""
+        first = args[0] if args else None
+        inos = [ino for ino, _ in first] if isinstance(first, list) else [first]
+        found: dict[str, Execution] = {}
+        for ino in inos:
+            if not isinstance(ino, int):
+                continue
+            v = self.virtual.get(ino)
+            node = self.overlay.nodes.get(ino) if v is None else None
+            ex = v.execution if v is not None else node.view if node is not None else None
+            if isinstance(ex, Execution) and ex.id in self.overlay.executions:
+                found[ex.id] = ex
+        return list(found.values())
 
     async def _invalidate(self, entries: list[tuple[int, bytes]]) -> None:
         # The kernel calls block until related requests finish: run them in a thread while
@@ -213,20 +231,26 @@ class Operations(pyfuse3.Operations):
         # Directories are cached like the rest (a command tells the kernel when the listing
         # of snapshots/ or executions/ changes); control files are looked up every time.
         is_dir = v.kind == "dir"
-        a = Attrs(v.ino, v.mode, 2 if is_dir else 1, self.uid, self.gid, 0, len(v.content), 0,
+        a = Attrs(v.ino, v.mode, 2 if is_dir else 1, v.uid, v.gid, 0, len(v.content), 0,
                   v.mtime_ns, v.mtime_ns)
         return self._entry(a, CACHE_TIMEOUT if is_dir else 0)
 
-    def _control_file(self, slot: ControlSlot) -> Virtual:
-        """The inode to hand out for ``slot`` now: the newest one if its content is still
-        current, else a new one; always a new one for a file that takes commands."""
-        content = slot.reply if slot.kind == protocol.CTL else self._control_content(slot)
+    def _control_file(self, slot: ControlSlot, caller: Caller = HARNESS) -> Virtual:
+        """The inode to hand out for ``slot`` to ``caller`` now: the newest one if its
+        content and mode are still current, else a new one; always a new one for a file that
+        takes commands.  The root status the harness reads is 0400, so another uid can never
+        read it, even through a dentry it shares."""
+        content = slot.reply if slot.kind == protocol.CTL else self._control_content(slot,
+                                                                                      caller)
+        mode = slot.mode
+        if slot.execution is None and slot.kind == protocol.STATUS and caller.harness:
+            mode = HARNESS_STATUS_MODE
         if slot.kind not in WRITTEN and slot.gens:
             newest = self.virtual[slot.gens[-1]]
-            if newest.content == content:
+            if newest.content == content and newest.mode == mode:
                 return newest
-        v = Virtual(self.overlay._alloc_ino(), slot.mode, slot.kind, slot.execution,
-                    slot=slot, content=content)
+        v = Virtual(self.overlay._alloc_ino(), mode, slot.kind, slot.execution,
+                    slot=slot, content=content, uid=slot.uid, gid=slot.gid)
         self._add_virtual(v)
         slot.gens.append(v.ino)
         if len(slot.gens) > GENERATIONS:
@@ -243,16 +267,35 @@ class Operations(pyfuse3.Operations):
         return self._node_attrs(self.overlay.node(ino))
 
     def _exec_control_dir(self, ex: Execution) -> Virtual:
-        ino = self.exec_control.get(ex.id)
+        """``ex``'s ``.ramet/``, owned by its owner and group with the modes its access gives
+        (``Access.mode``), so the kernel refuses what its share mode does not grant."""
+        ino = self.exec_control.get(ex.root_ino)  # a new execution of a released name: a new one
         if ino is None or ino not in self.virtual:
-            d = Virtual(self.overlay._alloc_ino(), stat.S_IFDIR | 0o755, "dir", ex.id, files={
-                name.encode(): ControlSlot(stat.S_IFREG | CONTROL_MODES.get(name, 0o444), name,
-                                           ex.id)
-                for name in protocol.EXECUTION_CONTROL_FILES})
+            a = ex.access
+            d = Virtual(self.overlay._alloc_ino(), a.mode("dir"), "dir", ex, files={
+                name.encode(): ControlSlot(a.mode(name), name, ex, a.owner, a.group)
+                for name in protocol.EXECUTION_CONTROL_FILES}, uid=a.owner, gid=a.group)
             self._add_virtual(d)
-            self.exec_control[ex.id] = d.ino
+            self.exec_control[ex.root_ino] = d.ino
             ino = d.ino
         return self.virtual[ino]
+
+    def _execution_of(self, v: ControlSlot | Virtual) -> Execution:
+        """The execution of control file ``v``; NotFound (ENOENT) once released, even when
+        an execution was made since under its name (that is another one)."""
+        ex = v.execution
+        if self.overlay.executions.get(ex.id) is not ex:
+            raise NotFound(f"execution {ex.id!r} was released")
+        return ex
+
+    def _writable(self, v: Virtual) -> bool:
+        """Whether control file ``v`` takes writes: ``ctl``, ``promote`` and ``fsmonitor``
+        (a query), but an execution's ``ctl`` and ``promote`` only under ``--control full``."""
+        if v.kind not in WRITTEN:
+            return False
+        if v.execution is None or v.kind == protocol.FSMONITOR:
+            return True
+        return self._execution_of(v).access.control == protocol.CONTROL_FULL
 
     async def _hold(self, node: Node) -> None:
         """Wait while a promote captures this node's execution (a consistent point)."""
@@ -264,14 +307,24 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def lookup(self, parent_inode, name, ctx=None):
+        caller = HARNESS if ctx is None else Caller(ctx.uid, ctx.gid, ctx.pid)
         try:
-            ino = self._lookup_ino(parent_inode, name)
+            ino = self._lookup_ino(parent_inode, name, caller)
         except NotFound:
             if parent_inode in self.virtual:
                 raise  # snapshots/ and executions/ gain entries the kernel does not see
             return self._negative_entry(parent_inode, name)
         self._looked_up(ino)
-        return self._attrs(ino)
+        return self._entry_in(parent_inode, ino)
+
+    def _entry_in(self, parent_inode: int, ino: int) -> pyfuse3.EntryAttributes:
+        """The entry of ``ino`` in directory ``parent_inode``, for a lookup or a listing:
+        one in ``executions/`` is never cached (entry timeout 0), so every path walk through
+        it asks again, as its caller."""
+        entry = self._attrs(ino)
+        if parent_inode == EXECUTIONS:
+            entry.entry_timeout = 0
+        return entry
 
     def _negative_entry(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
         """A cached "no such name" (inode 0): git looks for a .gitignore in every directory.
@@ -290,21 +343,26 @@ class Operations(pyfuse3.Operations):
         if v is not None and v.slot is not None:
             v.lookups += 1
 
-    def _lookup_ino(self, parent: int, name: bytes) -> int:
+    def _lookup_ino(self, parent: int, name: bytes, caller: Caller) -> int:
         v = self.virtual.get(parent)
         if v is not None:
             if parent == SNAPSHOTS:
                 return self.overlay.snapshot_view(name.decode("ascii", "replace")).root_ino
             if parent == EXECUTIONS:
-                return self.overlay.execution(name.decode("utf-8", "replace")).root_ino
+                ex = self.overlay.execution(name.decode("utf-8", "replace"))
+                if not ex.access.allows(caller, X):
+                    raise pyfuse3.FUSEError(errno.EACCES)
+                return ex.root_ino
             if name in v.files:
-                return self._control_file(v.files[name]).ino
+                return self._control_file(v.files[name], caller).ino
             if name not in v.children:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return v.children[name]
         if name == CONTROL_NAME:
             node = self.overlay.node(parent)
             if isinstance(node.view, Execution) and node.ino == node.view.root_ino:
+                if node.view.access.control == protocol.CONTROL_NONE:
+                    raise NotFound(f"{protocol.CONTROL_DIR} is hidden (--control none)")
                 return self._exec_control_dir(node.view).ino
         return self.overlay.lookup(parent, name).ino
 
@@ -316,7 +374,8 @@ class Operations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         v = self.virtual.get(inode)
         if v is not None:
-            if v.kind in (protocol.CTL, protocol.PROMOTE) and fields.update_size:
+            if v.kind in (protocol.CTL, protocol.PROMOTE) and fields.update_size \
+                    and self._writable(v):
                 return self._virtual_attrs(v)  # the O_TRUNC of `echo cmd > ctl`
             # A size is a write (like sysfs, EACCES); modes, owners and times are EPERM.
             raise pyfuse3.FUSEError(errno.EACCES if fields.update_size else errno.EPERM)
@@ -428,7 +487,7 @@ class Operations(pyfuse3.Operations):
         self.listings.move_to_end(fh)
         for i in range(start_id, len(listing)):
             name, ino = listing[i]
-            if not pyfuse3.readdir_reply(token, name, self._attrs(ino), i + 1):
+            if not pyfuse3.readdir_reply(token, name, self._entry_in(fh, ino), i + 1):
                 break
             self._looked_up(ino)
 
@@ -446,7 +505,7 @@ class Operations(pyfuse3.Operations):
             if v is not None:
                 if v.kind == "dir":
                     raise pyfuse3.FUSEError(errno.EISDIR)
-                if flags & (os.O_WRONLY | os.O_RDWR) and v.kind not in WRITTEN:
+                if flags & (os.O_WRONLY | os.O_RDWR) and not self._writable(v):
                     raise pyfuse3.FUSEError(errno.EACCES)
                 return pyfuse3.FileInfo(fh=inode, direct_io=True)
             node = self.overlay.node(inode)
@@ -612,14 +671,14 @@ class Operations(pyfuse3.Operations):
 
     # -- control files -------------------------------------------------------------------
 
-    def _control_content(self, v: ControlSlot | Virtual) -> bytes:
-        """What a control file other than ``ctl`` shows now."""
+    def _control_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS) -> bytes:
+        """What a control file other than ``ctl`` shows ``caller`` now."""
         c = self.control
         if v.execution is None:
             if v.kind == protocol.STATUS:
-                return c.root_status()
+                return c.root_status(caller)
             return c.root_error.encode()
-        ex = self.overlay.execution(v.execution)
+        ex = self._execution_of(v)
         return {protocol.STATUS: c.execution_status,
                 protocol.DIFF: c.diff_text,
                 protocol.PREVIEW: c.preview_text,
@@ -628,12 +687,14 @@ class Operations(pyfuse3.Operations):
                 protocol.ERROR: lambda e: c.errors.get(e.id, "").encode()}[v.kind](ex)
 
     async def _control_write(self, v: Virtual, buf: bytes) -> int:
-        if v.kind not in WRITTEN:  # a read-only control file opened for writing (open-less)
+        # A read-only control file opened for writing (open-less), or one --control read
+        # keeps from writes (root passes the file modes).
+        if not self._writable(v):
             raise pyfuse3.FUSEError(errno.EACCES)
         if v.kind == protocol.FSMONITOR:
             if len(buf) > protocol.MAX_COMMAND_BYTES:
                 raise pyfuse3.FUSEError(errno.E2BIG)
-            v.changed(self.control.fsmonitor_answer(self.overlay.execution(v.execution), buf))
+            v.changed(self.control.fsmonitor_answer(self._execution_of(v), buf))
             return len(buf)
         # One write is one command: a quoted argument may hold a newline.
         line = b"promote" if v.kind == protocol.PROMOTE else buf
@@ -641,7 +702,7 @@ class Operations(pyfuse3.Operations):
             if v.execution is None:
                 reply = await self.control.run_root(line)
             else:
-                reply = await self.control.run_execution(self.overlay.execution(v.execution), line)
+                reply = await self.control.run_execution(self._execution_of(v), line)
         except RametError as exc:
             reply = {"ok": False, "errno": exc.errno, "error": str(exc)}
         for listing in (SNAPSHOTS, EXECUTIONS):  # a command may add or remove entries

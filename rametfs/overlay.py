@@ -41,6 +41,7 @@ from typing import Callable, Hashable, Iterable, Iterator
 import msgpack
 import trio
 
+from .authority import Access
 from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
 from .precreate import Precreated
 from .protocol import CONTROL_DIR
@@ -152,19 +153,21 @@ class Execution(View):
 
     ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
     upper layer; ``frozen`` is set while a promote captures it (mutations wait on it);
-    ``failure`` says why an internal error stopped it, until its next reset.
+    ``access`` who may use it and what its control files do (rametfs.authority), fixed at
+    create; ``failure`` says why an internal error stopped it, until its next reset.
     """
 
     read_only = False
 
     def __init__(self, eid: str, base: Snapshot, head: str, layer: int, root_ino: int,
-                 created_ns: int):
+                 created_ns: int, access: Access):
         super().__init__(root_ino)
         self.id = eid
         self.base = base
         self.head = head
         self.layer = layer
         self.created_ns = created_ns
+        self.access = access
         self.frozen: trio.Event | None = None
         # Why an internal error marked this execution failed (Overlay.fail); None: it is not.
         self.failure: str | None = None
@@ -185,7 +188,8 @@ class Execution(View):
 
     def record(self) -> bytes:
         return msgpack.packb({"base": self.base.id, "head": self.head, "layer": self.layer,
-                              "root_ino": self.root_ino, "created_ns": self.created_ns})
+                              "root_ino": self.root_ino, "created_ns": self.created_ns,
+                              **self.access.to_record()})
 
 
 class Node:
@@ -461,7 +465,8 @@ class Overlay:
 
     def _load_execution(self, eid: str, rec: dict) -> Execution:
         base = self.store.snapshot(rec["base"])
-        ex = Execution(eid, base, rec["head"], rec["layer"], rec["root_ino"], rec["created_ns"])
+        ex = Execution(eid, base, rec["head"], rec["layer"], rec["root_ino"], rec["created_ns"],
+                       Access.from_record(rec))
         with self.store.read() as txn:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
         upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
@@ -479,14 +484,15 @@ class Overlay:
         txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
         self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
 
-    def create_execution(self, snap: Snapshot, eid: str) -> Execution:
-        """A new execution of ``snap`` named ``eid``: one record, O(1) in the tree size.
+    def create_execution(self, snap: Snapshot, eid: str, access: Access = Access()) -> Execution:
+        """A new execution of ``snap`` named ``eid`` with ``access``: one record, O(1) in the
+        tree size.
 
         Raises RametError(EEXIST) when ``eid`` is taken.
         """
         if eid in self.executions:
             raise RametError(f"execution {eid!r} already exists", errno.EEXIST)
-        ex = Execution(eid, snap, snap.id, 0, self._alloc_ino(), time.time_ns())
+        ex = Execution(eid, snap, snap.id, 0, self._alloc_ino(), time.time_ns(), access)
         with self.store.write() as txn:
             self._new_layer(txn, ex)
             self._persist_counters(txn)
@@ -738,8 +744,8 @@ class Overlay:
         """Raise RametError (EIO) when an internal error marked ``ex`` failed (:meth:`fail`):
         it takes no change and no capture until its reset."""
         if ex.failure is not None:
-            raise RametError(f"execution {ex.id} failed ({ex.failure}); reset it to go on",
-                             errno.EIO)
+            raise RametError(f"execution {ex.id} failed: an internal error hit it (the "
+                             f"harness's status says which); reset it to go on", errno.EIO)
 
     @staticmethod
     def fail(ex: Execution, reason: str) -> None:

@@ -12,9 +12,9 @@ execution is in one state:
 
 Ready members are handed out last-returned first.  This module keeps the records and the
 in-memory state on the trio thread (every method is synchronous); resetting and verifying is
-the caller's job (rametfs.control).  ``acquire`` never waits: writes to one control file are
-serialised by the kernel, so a waiting command would hold up every other root command (the
-return that would free an execution included); the wrapper polls instead.  Records live in
+the caller's job (rametfs.control).  ``acquire`` never waits: a command holds the descriptor
+it was written to, and the kernel serialises writes to one inode, so a waiting command would
+hold up whatever else is written there; the wrapper polls instead.  Records live in
 the ``pools`` and ``leases`` databases (rametfs.store.format, rametfs.store.leases).
 """
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import trio
 
 from . import protocol
+from .authority import Access
 from .errors import Busy, InvalidArgument, NotFound, RametError
 from .overlay import Overlay
 from .store import Snapshot
@@ -39,17 +40,19 @@ __all__ = ["LEASED", "QUARANTINED", "READY", "Lease", "Member", "Pool", "Pools"]
 @dataclass
 class Pool:
     """A pool: ``members`` in creation order, ``ready`` the hand-out stack (last returned on
-    top)."""
+    top); ``access`` the settings every member is created with."""
 
     name: str
     base: Snapshot
     size: int
     created_ns: int
+    access: Access
     members: list[str] = field(default_factory=list)
     ready: list[str] = field(default_factory=list)
 
     def record(self) -> bytes:
-        return PoolRecord(self.base.id, self.size, self.created_ns).pack()
+        return PoolRecord(self.base.id, self.size, self.created_ns,
+                          self.access.to_record()).pack()
 
 
 class Pools:
@@ -70,7 +73,7 @@ class Pools:
             for key, value in txn.cursor(db=self.store.db["pools"]):
                 rec, name = PoolRecord.unpack(value), key.decode()
                 self.pools[name] = Pool(name, self.store.snapshot(rec.base), rec.size,
-                                        rec.created_ns)
+                                        rec.created_ns, Access.from_record(rec.access))
             for key, value in txn.cursor(db=self.store.db["leases"]):
                 member = Member.unpack(key.decode(), value)
                 pool = self.pools.get(member.pool)
@@ -97,21 +100,28 @@ class Pools:
             raise NotFound(f"no pool {name!r}")
         return pool
 
-    def open(self, name: str | None, snap: Snapshot, size: int) -> tuple[Pool, bool]:
+    def open(self, name: str | None, snap: Snapshot, size: int,
+             options: dict[str, str]) -> tuple[Pool, bool]:
         """Create pool ``name`` (generated when None) of ``size`` executions of ``snap``, or
-        reattach to the pool of that name, growing it to ``size`` members.
+        reattach to the pool of that name, growing it to ``size`` members.  ``options`` are
+        the access options given (``Access.given``): a new pool's members get them over the
+        defaults; a pool reattached to must have them.
 
         Returns ``(pool, created)``.  Raises ProtocolError (EINVAL) for a bad name or size
-        (``protocol.check_pool``), RametError (EEXIST) when the pool exists with another base.
+        (``protocol.check_pool``), InvalidArgument (EINVAL) for a bad option, RametError
+        (EEXIST) when the pool exists with another base or other access settings.
         """
         name = protocol.check_pool(name, size)
         pool = self.pools.get(name)
         created = pool is None
         if pool is None:
-            pool = Pool(name, snap, size, time.time_ns())
+            pool = Pool(name, snap, size, time.time_ns(), Access().given(options))
         elif pool.base.id != snap.id:
             raise RametError(f"pool {name!r} exists with base {pool.base.id}, not {snap.id}",
                              errno.EEXIST)
+        elif pool.access.given(options) != pool.access:
+            raise RametError(f"pool {name!r} exists with {pool.access.describe()}, not "
+                             f"{pool.access.given(options).describe()}", errno.EEXIST)
         pool.size = max(pool.size, size)
         with self.store.write() as txn:
             txn.put(name.encode(), pool.record(), db=self.store.db["pools"])
@@ -126,7 +136,7 @@ class Pools:
     def _add_member(self, pool: Pool) -> Member:
         """A new ready execution in ``pool``: one execution record and one member record."""
         eid = protocol.member_name(pool.name)
-        self.overlay.create_execution(pool.base, eid)
+        self.overlay.create_execution(pool.base, eid, pool.access)
         member = Member(eid, pool.name, returned_ns=time.time_ns())
         self._save(member)
         self.members[eid] = member
@@ -257,8 +267,9 @@ class Pools:
     # -- status --------------------------------------------------------------------------
 
     def _json(self, pool: Pool) -> dict:
-        return pool_json(pool.name, PoolRecord(pool.base.id, pool.size, pool.created_ns),
-                         [self.members[eid] for eid in pool.members])
+        return {**pool_json(pool.name, PoolRecord(pool.base.id, pool.size, pool.created_ns),
+                            [self.members[eid] for eid in pool.members]),
+                **pool.access.to_json()}
 
     def _counts(self, pool: Pool) -> dict[str, int]:
         return {state: self._json(pool)[state] for state in (READY, LEASED, QUARANTINED)}

@@ -6,14 +6,15 @@ without pulling in FUSE, LMDB or trio.
 
 Layout (paths relative to the mountpoint)::
 
-    .ramet/ctl                       root control file (mode 0600)
+    .ramet/ctl                       root control file (mode 0600: the harness's)
     .ramet/status                    JSON: snapshots, executions, pools, last root reply
-    .ramet/error                     text: message of the last failed root command
-    snapshots/<snapshot-id>/         read-only tree
-    executions/<execution-id>/       writable copy-on-write view
+    .ramet/error                     text: message of the last failed root command (0400)
+    snapshots/<snapshot-id>/         read-only tree (snapshots/ is 0711)
+    executions/<execution-id>/       writable copy-on-write view (executions/ is 0711)
     executions/<id>/.ramet/ctl       this execution's control file
     executions/<id>/.ramet/promote   write anything to promote; read: last promoted id
-    executions/<id>/.ramet/status    JSON: id, base, head, state, last reply
+    executions/<id>/.ramet/status    JSON: execution, id, base, head, state, created_ns,
+                                     upper_bytes, last reply
     executions/<id>/.ramet/diff      ``A|M|D <path>`` lines, like ``git status --porcelain``
     executions/<id>/.ramet/preview   JSON: what a promote would keep, by class (docs/policy.md)
     executions/<id>/.ramet/error     text: message of the last failed command here
@@ -24,7 +25,7 @@ A command is one line written to a ``ctl`` file, split like a POSIX shell does (
 arguments with spaces are quoted.  The ``write()`` returns once the command is done: the
 written length on success, else -1 with a precise errno (:data:`EINVAL` malformed,
 :data:`ENOENT` unknown id or path, :data:`EBUSY` busy, :data:`ENOSPC` no room, :data:`EIO`
-store failure).  After the write, reading the same open file descriptor from offset 0 gives
+store failure, :data:`EACCES` not allowed: see "Who may do what").  After the write, reading the same open file descriptor from offset 0 gives
 the reply as one JSON object followed by a newline: ``{"ok": true, ...}`` or
 ``{"ok": false, "errno": 22, "error": "..."}``; ``echo CMD > ctl; cat ctl`` in a shell reads
 the reply of the last command written to that ``ctl`` file.
@@ -32,7 +33,8 @@ the reply of the last command written to that ``ctl`` file.
 Root commands and their replies::
 
     snapshot <abs-path> [--label L] [--message M]  -> {"ok", "snapshot", "stats"}
-    create <snapshot-id> [--name N]                -> {"ok", "execution", "path"}
+    create <snapshot-id> [--name N] [--owner UID] [--group GID] [--share MODE]
+           [--control full|read|none]              -> {"ok", "execution", "path"}
     release <execution-id>                         -> {"ok", "execution"}
     snapshot-git <abs-repo> [--rev REV] [--gitdir yes|no] [--label L] [--message M]
                                                    -> {"ok", "snapshot", "stats"}
@@ -42,10 +44,17 @@ from its objects, without a checkout; ``--gitdir yes`` takes the repository's ``
 directory along (local commits, branches, stash, index).  Its errors: ENOENT no repository
 or no such commit, EINVAL not a repository, EOPNOTSUPP git support not installed.
 
+``create`` makes an execution owned by ``--owner`` (default: the daemon's uid) and
+``--group`` (default: the daemon's gid), shared by ``--share`` (default 0700) and with
+``--control`` (default ``full``) over its own control files; see "Who may do what".  A value
+out of range is EINVAL.  The settings are kept in the execution's record, through resets,
+pool returns and restarts.
+
 Pool and lease commands (rametfs.pools; ``--size``, ``--holder`` and ``--ttl`` are required;
 times in seconds, decimals allowed; lease times in the replies are wall-clock ns)::
 
-    pool <snapshot-id> --size N [--name P]    -> {"ok", "pool", "snapshot", "size", "created",
+    pool <snapshot-id> --size N [--name P] [--owner UID] [--group GID] [--share MODE]
+         [--control full|read|none]           -> {"ok", "pool", "snapshot", "size", "created",
                                                   "executions"}
     acquire <pool> --holder H --ttl S [--pid PID] [--host HOST]
                                               -> {"ok", "execution", "path", "pool",
@@ -57,7 +66,9 @@ times in seconds, decimals allowed; lease times in the replies are wall-clock ns
     drop <pool>                               -> {"ok", "pool", "executions"}
 
 ``pool`` creates a pool of N warm executions of a snapshot, or reattaches to the pool named
-P (growing it to N; EEXIST when it has another base).  ``acquire`` leases the ready execution
+P (growing it to N; EEXIST when it has another base, or when an ``--owner``, ``--group``,
+``--share`` or ``--control`` given differs from the pool's).  Every member gets the pool's
+settings (those of ``create``; absent options of a new pool take ``create``'s defaults).  ``acquire`` leases the ready execution
 returned last to holder H (a token the client chooses; PID and HOST are recorded for people)
 for S seconds: EBUSY when none is ready, ENOENT unknown pool.  It answers at once: the kernel
 serialises the writes to one ``ctl`` file, so a command that waited would hold up every other
@@ -89,6 +100,44 @@ Execution commands::
 ``{"mode", "equal", "root", "base_root", "verify_ms", "differences"}``, ``differences`` a
 list of ``[letter, path]`` like ``diff``.  A ready pool member that is not equal is
 quarantined.
+
+The root ``ctl`` takes each of these with the execution's id first, and two more, so the
+harness acts on an execution whatever its ``--control``::
+
+    promote <execution-id> [--label L] [--message M] [--policy TOML]
+    checkpoint <execution-id> [--label L] [--message M] [--policy TOML]
+    reset <execution-id>
+    verify <execution-id> [--mode root|deep]
+    preview <execution-id> [--policy TOML]
+    diff <execution-id>                 -> {"ok", "execution", "diff": [[letter, path], ...]}
+    status <execution-id>               -> {"ok", "status": {...}} (the root status's record)
+
+Their replies are those above, with the store-wide figures an execution's own files leave out
+(below).  ``diff`` paths are the names' bytes decoded as UTF-8 with surrogate escapes.  Root
+and execution commands on one execution exclude each other (EBUSY) as execution commands do;
+``diff`` and ``status`` answer while one runs.
+
+Who may do what (rametfs.authority; docs/security.md).  The root ``ctl`` (0600) is the
+harness's: the daemon's uid, or root.  An execution belongs to its owner: its ``share`` bits
+are applied like a directory's (the owner's class, the group's for a member of its group,
+else the others'): ``x`` to enter ``executions/<id>/`` (EACCES, checked at every lookup of
+that name), ``r`` to read its ``.ramet/`` files and be listed in the root status, ``w`` to
+write its ``ctl`` and ``promote`` (EACCES from the file modes the kernel checks); the owner
+and the harness may do all three.  ``snapshots/`` and ``executions/`` are 0711: only the
+harness lists them, anyone may look up a name (a snapshot id is 64 hex digits).
+``--control`` is what the execution's own files allow, whoever writes them: ``full`` every
+execution command; ``read`` the files read as ever (``fsmonitor`` answers too) and a write to
+``ctl`` or ``promote`` is EACCES (at the open, or at the write for root); ``none``: ``.ramet``
+does not exist (ENOENT) and cannot be made (EEXIST).  A control file acts on the execution it
+was opened in: once that is released, ENOENT, even when another execution has its name.
+
+What an execution's own files show never depends on content outside it: its ``ctl`` replies
+and the ``last`` of its ``status`` leave out :data:`STORE_WIDE_STATS` (deduplication against
+the whole store, and the capture time that follows it); its ``status`` leaves out the lease,
+pool and mount path.  The root status read by a uid other than the harness's lists only the
+executions whose ``r`` bit it has (as their ``status`` shows them), the snapshots that are
+their base or head (without those figures and without ``source``), no pools, no ``pid``,
+``data`` or ``last``.
 
 ``--policy`` carries a persistence policy's text itself (the client reads the file), so the
 daemon never opens a path a sandbox names.  Without it, promote and preview apply the
@@ -131,13 +180,21 @@ ENOENT = _errno.ENOENT
 EBUSY = _errno.EBUSY
 ENOSPC = _errno.ENOSPC
 EIO = _errno.EIO
+EACCES = _errno.EACCES
+
+CONTROL_FULL, CONTROL_READ, CONTROL_NONE = "full", "read", "none"
+CONTROLS = (CONTROL_FULL, CONTROL_READ, CONTROL_NONE)  # values of --control
+ACCESS_OPTIONS = frozenset({"owner", "group", "share", "control"})  # of create and pool
+# Stats of a snapshot that depend on what else the store holds: left out of what an
+# execution's own files show, and of the root status a uid other than the harness reads.
+STORE_WIDE_STATS = ("new_chunks", "new_chunk_bytes", "cached_files", "capture_ms")
 
 # name -> (positional argument names, allowed options)
 ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "snapshot": (("path",), frozenset({"label", "message"})),
-    "create": (("snapshot",), frozenset({"name"})),
+    "create": (("snapshot",), frozenset({"name"}) | ACCESS_OPTIONS),
     "release": (("execution",), frozenset()),
-    "pool": (("snapshot",), frozenset({"size", "name"})),
+    "pool": (("snapshot",), frozenset({"size", "name"}) | ACCESS_OPTIONS),
     "acquire": (("pool",), frozenset({"holder", "ttl", "pid", "host"})),
     "renew": (("execution",), frozenset({"holder", "ttl"})),
     "return": (("execution",), frozenset({"holder", "verify"})),
@@ -153,6 +210,13 @@ EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "verify": ((), frozenset({"mode"})),
     "preview": ((), frozenset({"policy"})),
 }
+# The root ctl's commands on one execution: the execution's own, its id first, and diff and
+# status, which the execution reads from files.
+ROOT_EXECUTION_COMMANDS = frozenset(EXECUTION_COMMANDS) | {"diff", "status"}
+ROOT_COMMANDS.update({name: (("execution",), options)
+                      for name, (_, options) in EXECUTION_COMMANDS.items()})
+ROOT_COMMANDS.update({"diff": (("execution",), frozenset()),
+                      "status": (("execution",), frozenset())})
 # options a command cannot do without (either table)
 REQUIRED_OPTIONS: dict[str, frozenset[str]] = {
     "pool": frozenset({"size"}),

@@ -43,7 +43,7 @@ DAY_NS = 86400 * 10**9
     ("reset", (), {}, "reset\n", {}),
 ])
 def test_format_then_parse_round_trips(name, positional, options, line, args):
-    table = ROOT_COMMANDS if name in ROOT_COMMANDS else EXECUTION_COMMANDS
+    table = EXECUTION_COMMANDS if name in EXECUTION_COMMANDS else ROOT_COMMANDS
     assert protocol.format_command(name, *positional, **options) == line
     assert protocol.parse_command(line, table) == (name, args)
 
@@ -52,11 +52,12 @@ def test_format_then_parse_round_trips(name, positional, options, line, args):
     ("", ROOT_COMMANDS, "empty command"),
     ("  \n", EXECUTION_COMMANDS, "empty command"),
     ("frobnicate x", ROOT_COMMANDS,
-     "unknown command 'frobnicate'; expected one of acquire, create, drop, pool, release, "
-     "renew, return, snapshot, snapshot-git"),
-    ("promote", ROOT_COMMANDS,
-     "unknown command 'promote'; expected one of acquire, create, drop, pool, release, "
-     "renew, return, snapshot, snapshot-git"),
+     "unknown command 'frobnicate'; expected one of acquire, checkpoint, create, diff, drop, "
+     "fault, pool, preview, promote, release, renew, reset, return, snapshot, snapshot-git, "
+     "status, verify"),
+    ("promote", ROOT_COMMANDS, "promote: expected <execution>, got 0 argument(s)"),
+    ("status", EXECUTION_COMMANDS,
+     "unknown command 'status'; expected one of checkpoint, preview, promote, reset, verify"),
     ("create", ROOT_COMMANDS, "create: expected <snapshot>, got 0 argument(s)"),
     ("create a b", ROOT_COMMANDS, "create: expected <snapshot>, got 2 argument(s)"),
     ("reset now", EXECUTION_COMMANDS, "reset: expected no arguments, got 1 argument(s)"),

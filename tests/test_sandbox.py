@@ -43,8 +43,9 @@ def base(ramet, tmp_path_factory):
 
 @pytest.fixture
 def pair(ramet, base):
-    """Two executions of the base; the second holds a file the first must not see."""
-    first, second = ramet.create(base), ramet.create(base)
+    """Two executions of the base; the second holds a file the first must not see.  The
+    first belongs to the sandbox's uid, so its own control files answer it."""
+    first, second = ramet.create(base, owner=NOBODY), ramet.create(base)
     (second.path / "secret").write_text("sibling\n")
     yield first, second
     for ex in (first, second):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .. import policy as _policy
 from .. import protocol
+from ..authority import Access
 from ..errors import Busy, InvalidArgument, NotFound, RametError
 from ..longpath import cached, short
 from ..store import Entry, Store, import_git, import_tree
@@ -111,12 +112,16 @@ class Fallback:
         snap = import_git(self.store, repo, rev, with_git_dir, label, message)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
-    def create(self, snapshot: str, name: str | None = None) -> dict:
-        """Materialise ``snapshot`` (id or unique prefix) as a new execution.
+    def create(self, snapshot: str, name: str | None = None, **access: str) -> dict:
+        """Materialise ``snapshot`` (id or unique prefix) as a new execution; ``access`` the
+        ``owner``, ``group``, ``share`` and ``control`` options, recorded and shown in its
+        status (the data directory, 0700, keeps every other uid out, and the tree has no
+        control files, so neither changes what a sandbox may do; docs/fallback.md).
 
-        Raises NotFound (ENOENT) unknown snapshot, InvalidArgument (EINVAL) bad name,
-        RametError (EEXIST) name taken, OSError (ENOSPC ...) while writing the tree.
+        Raises NotFound (ENOENT) unknown snapshot, InvalidArgument (EINVAL) bad name or
+        setting, RametError (EEXIST) name taken, OSError (ENOSPC ...) while writing the tree.
         """
+        settings = Access().given(access)
         snap = self.store.snapshot(snapshot)
         eid = name or secrets.token_hex(6)
         if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
@@ -132,7 +137,8 @@ class Fallback:
                 started = time.monotonic_ns()
                 records, stats = sync.sync(self.store, os.fsencode(path), snap, {},
                                            self.copy_method)
-                meta = manifest.Meta(eid, snap.id, snap.id, time.time_ns(), None, records)
+                meta = manifest.Meta(eid, snap.id, snap.id, time.time_ns(), None, records,
+                                     settings.to_record())
                 manifest.save(self._meta_path(eid), meta)
         except BaseException:
             sync.remove_tree(os.fsencode(path))
@@ -256,7 +262,8 @@ class Fallback:
     def execution_status(self, eid: str) -> dict:
         """``{"execution", "id", "base", "head", "state", "pool", "lease",
         "quarantine_reason", "created_ns", "upper_bytes", "last", "path", "mode",
-        "copy_method"}`` (``upper_bytes`` is None: not tracked)."""
+        "copy_method", "owner", "group", "share", "control"}`` (``upper_bytes`` is None:
+        not tracked)."""
         self._check_name(eid)
         try:
             return self._json(manifest.load(self._meta_path(eid), records=False))
@@ -353,7 +360,7 @@ class Fallback:
                 **self.pools.member_json(meta.id), "created_ns": meta.created_ns,
                 "upper_bytes": None,
                 "last": meta.last, "path": str(self.path(meta.id)), "mode": "fallback",
-                "copy_method": self.copy_method}
+                "copy_method": self.copy_method, **Access.from_record(meta.access).to_json()}
 
     def _load(self, eid: str) -> manifest.Meta:
         try:

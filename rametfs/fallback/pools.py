@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import protocol
+from ..authority import Access
 from ..errors import Busy, NotFound, RametError
 from ..store.leases import (LEASED, NOT_POOLED, QUARANTINED, READY, Lease, Member, PoolRecord,
                             pool_json, quarantine_reason)
@@ -36,25 +37,31 @@ class Pools:
 
     # -- commands (arguments as the protocol gives them: strings) --------------------------
 
-    def open(self, snapshot: str, size: str, name: str | None = None) -> dict:
+    def open(self, snapshot: str, size: str, name: str | None = None, **access: str) -> dict:
         """Create pool ``name`` of ``size`` executions of ``snapshot``, or reattach to it
-        (growing it to ``size``).  Errors: ENOENT snapshot, EINVAL, EEXIST other base."""
+        (growing it to ``size``); ``access`` the members' settings, as the daemon's ``pool``
+        takes them.  Errors: ENOENT snapshot, EINVAL, EEXIST other base or settings."""
         count = protocol.parse_count(size, "--size")
         name = protocol.check_pool(name, count)
         snap = self.store.snapshot(snapshot)
         with self.store.write() as txn:
             raw = txn.get(name.encode(), db=self.pools_db)
             created = raw is None
-            pool = PoolRecord(snap.id, count, time.time_ns()) if created else PoolRecord.unpack(raw)
+            pool = PoolRecord(snap.id, count, time.time_ns(), Access().given(access).to_record()
+                              ) if created else PoolRecord.unpack(raw)
             if pool.base != snap.id:
                 raise RametError(f"pool {name!r} exists with base {pool.base}, not {snap.id}",
                                  errno.EEXIST)
+            settings = Access.from_record(pool.access)
+            if settings.given(access) != settings:
+                raise RametError(f"pool {name!r} exists with {settings.describe()}, not "
+                                 f"{settings.given(access).describe()}", errno.EEXIST)
             pool.size = max(pool.size, count)
             txn.put(name.encode(), pool.pack(), db=self.pools_db)
             missing = pool.size - _serving(self._members(txn, name))
         try:
             for _ in range(missing):
-                self._add_member(name, snap.id)
+                self._add_member(name, snap.id, pool.access)
         except BaseException:
             if created:  # half made: no one could use it
                 self.drop(name)
@@ -182,7 +189,8 @@ class Pools:
         """Every pool (rametfs.store.leases.pool_json), by name."""
         with self.store.read() as txn:
             pools = [(k.decode(), PoolRecord.unpack(v)) for k, v in txn.cursor(db=self.pools_db)]
-            return [pool_json(name, pool, self._members(txn, name)) for name, pool in pools]
+            return [{**pool_json(name, pool, self._members(txn, name)),
+                     **Access.from_record(pool.access).to_json()} for name, pool in pools]
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -208,11 +216,11 @@ class Pools:
             pool = self._pool(txn, member.pool)
             missing = pool.size - _serving(self._members(txn, member.pool))
         for _ in range(missing):
-            self._add_member(member.pool, pool.base)
+            self._add_member(member.pool, pool.base, pool.access)
 
-    def _add_member(self, pool: str, base: str) -> None:
+    def _add_member(self, pool: str, base: str, access: dict) -> None:
         eid = protocol.member_name(pool)
-        self.engine.create(base, eid)
+        self.engine.create(base, eid, **Access.from_record(access).options())
         with self.store.write() as txn:
             self._put(txn, Member(eid, pool, returned_ns=time.time_ns()))
 

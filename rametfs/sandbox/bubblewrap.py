@@ -6,8 +6,14 @@ holding read-only binds of the host's top-level directories, a private ``/tmp`` 
 UTS and (by default) network namespaces: only a loopback interface of its own.  The rametfs
 mountpoint and the data directory are covered by empty tmpfs mounts, so the other executions,
 the snapshots, the root ``.ramet/ctl`` and the store are out of reach; the one execution is
-bound at ``/workspace``, the only writable path that outlives the command.  Its own
-``/workspace/.ramet/ctl`` still answers, so the sandbox can promote or reset itself.
+bound at ``/workspace``, the only writable path that outlives the command.  What its own
+``/workspace/.ramet/`` lets the sandbox do is the harness's choice when it creates the
+execution (``Ramet.create(base, owner=uid, control="full"|"read"|"none")``,
+docs/security.md): with the sandbox's uid as owner and ``control="full"`` it may promote or
+reset itself; the harness acts through the root ``ctl`` whatever it chose.  Nothing is
+mounted inside ``/workspace``: the kernel detaches a mount inside an execution whenever it
+drops the execution's cached names (a reset, a release, a lookup another uid is refused), so
+``hide`` takes host paths only and ``control="none"`` is how ``.ramet`` is hidden.
 
 The command runs as ``uid``:``gid`` (default 65534, nobody) with no capabilities and
 ``no_new_privs``: bwrap runs as root, keeps only CAP_SETUID and CAP_SETGID, and ``setpriv``
@@ -45,8 +51,9 @@ class Bubblewrap:
 
     ``uid``/``gid``: who the command runs as (not 0).  ``network``: keep the host's network
     (default False: a network namespace with loopback only).  ``env``: extra environment
-    variables.  ``hide``: more host paths to cover with an empty tmpfs.  ``bwrap``: the
-    program.  Raises ValueError for uid or gid 0.
+    variables.  ``hide``: more host paths (absolute, not in ``/workspace``) to cover with
+    an empty tmpfs.  ``bwrap``: the program.  Raises ValueError for uid or gid 0, and for a
+    ``hide`` path that is relative or in ``/workspace``.
     """
 
     def __init__(self, uid: int = NOBODY, gid: int = NOBODY, *, network: bool = False,
@@ -56,7 +63,13 @@ class Bubblewrap:
             raise ValueError("the sandbox must not run as root: give a uid and gid other than 0")
         self.uid, self.gid, self.network = uid, gid, network
         self.env = {"PATH": PATH, "HOME": "/tmp", "LANG": "C.UTF-8", **(env or {})}
-        self.hide = [os.fspath(p) for p in hide]
+        self.hide = [os.path.normpath(os.fspath(p)) for p in hide]
+        for path in self.hide:
+            if not os.path.isabs(path) or os.path.commonpath([path, WORKSPACE]) == WORKSPACE:
+                raise ValueError(f"hide takes absolute host paths outside {WORKSPACE}, not "
+                                 f"{path!r}: a mount inside an execution does not last (the "
+                                 "kernel detaches it when it drops the execution's names); "
+                                 "create the execution with control='none' to hide .ramet")
         self.bwrap = bwrap
         self._data_dirs: dict[Path, str] = {}  # mountpoint -> its daemon's data directory
 

@@ -7,7 +7,7 @@ same to every process and across restarts.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import msgpack
 
@@ -31,12 +31,14 @@ class Lease:
 
 @dataclass
 class PoolRecord:
-    """A pool: its base snapshot id (hex), how many executions it keeps for hand-out, and
-    when it was made (ns)."""
+    """A pool: its base snapshot id (hex), how many executions it keeps for hand-out, when it
+    was made (ns), and the access settings its members get (``rametfs.authority.Access``
+    as a record: owner, group, share, control; empty in a record from before them)."""
 
     base: str
     size: int
     created_ns: int
+    access: dict = field(default_factory=dict)
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))

@@ -1,0 +1,176 @@
+"""Who may do what with an execution: its owner, group and share mode, and what its own
+control files may do (``--control``).  docs/security.md, "Authority", is the model in full.
+
+An execution is owned like a directory: an ``owner`` (uid), a ``group`` (gid) and ``share``,
+its permission bits (default 0700).  The bits of the caller's class (as POSIX chooses it: the
+owner's for the owner, else the group's for a member of the group, else the others') say what
+the caller may do through the mount:
+
+* ``x``: enter the tree ``executions/<id>/`` (inside, its files' own modes apply);
+* ``r``: see it in the root status, read its ``.ramet/`` files;
+* ``w``: write its ``.ramet/ctl`` and ``.ramet/promote`` (when ``control`` is ``full``).
+
+The *harness* (uid 0, or the daemon's own uid: who can write the root ``ctl``, mode 0600) may
+do anything, as root may with a directory.  ``control`` is what the execution's own control
+files allow, whoever writes them: ``full`` (every execution command), ``read`` (the files read;
+a write to ``ctl`` or ``promote`` is EACCES) or ``none`` (no ``.ramet``: ENOENT).  The
+harness acts on any execution through the root ``ctl`` whatever its ``control``.
+
+Standard library only: the daemon and fallback mode share it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import stat
+from dataclasses import dataclass
+
+from . import protocol
+from .errors import InvalidArgument
+
+R, W, X = 4, 2, 1  # the permission bits of one class
+DEFAULT_SHARE = 0o700
+DAEMON_UID, DAEMON_GID = os.getuid(), os.getgid()
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a FUSE request: its fs uid and gid, and its thread id in the daemon's pid
+    namespace (for its supplementary groups, read only for a caller that is neither the
+    harness nor the owner)."""
+
+    uid: int
+    gid: int
+    pid: int = 0
+
+    @property
+    def harness(self) -> bool:
+        return self.uid in (0, DAEMON_UID)
+
+    @functools.cached_property
+    def groups(self) -> frozenset[int]:
+        """The primary group and the supplementary ones of ``/proc/<pid>/status`` (the
+        requester waits in its system call, so the pid is still its own); only the primary
+        group when that file cannot be read."""
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                line = next((line for line in f if line.startswith("Groups:")), "Groups:")
+        except OSError:
+            line = "Groups:"
+        return frozenset([self.gid, *map(int, line.split()[1:])])
+
+
+HARNESS = Caller(DAEMON_UID, DAEMON_GID)
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may use an execution, and what its control files do (see the module docstring).
+
+    ``share`` holds permission bits only (0 to 0o777) and always grants the owner ``rwx``.
+    """
+
+    owner: int = DAEMON_UID
+    group: int = DAEMON_GID
+    share: int = DEFAULT_SHARE
+    control: str = protocol.CONTROL_FULL
+
+    def bits(self, caller: Caller) -> int:
+        """The permission bits that apply to ``caller``: 7 for the harness and the owner."""
+        if caller.harness or caller.uid == self.owner:
+            return 7
+        if self.group in caller.groups:
+            return self.share >> 3 & 7
+        return self.share & 7
+
+    def allows(self, caller: Caller, bits: int) -> bool:
+        return self.bits(caller) & bits == bits
+
+    def mode(self, kind: str) -> int:
+        """``st_mode`` of the execution's ``.ramet`` directory (``kind`` ``"dir"``) or of its
+        control file ``kind``, so the kernel (``default_permissions``) refuses what the share
+        mode does not grant: per class, the directory ``r-x`` where the class has them; a
+        file read where the class has ``r``; ``ctl`` and ``promote`` also written where the
+        class has ``w`` and ``control`` is ``full``; ``fsmonitor`` (a query git runs and
+        writes to) ``rwx`` where the class has ``r``."""
+        out = 0
+        for shift in (6, 3, 0):
+            c = self.share >> shift & 7
+            if kind == "dir":
+                bits = c & (R | X)
+            elif not c & R:
+                bits = 0
+            elif kind == protocol.FSMONITOR:
+                bits = R | W | X
+            elif kind in (protocol.CTL, protocol.PROMOTE) and c & W \
+                    and self.control == protocol.CONTROL_FULL:
+                bits = R | W
+            else:
+                bits = R
+            out |= bits << shift
+        return (stat.S_IFDIR if kind == "dir" else stat.S_IFREG) | out
+
+    def to_record(self) -> dict:
+        return {"owner": self.owner, "group": self.group, "share": self.share,
+                "control": self.control}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> Access:
+        """From a stored record; a record from before these settings existed reads as the
+        defaults (owned by the daemon's uid, 0700, control ``full``)."""
+        return cls(rec.get("owner", DAEMON_UID), rec.get("group", DAEMON_GID),
+                   rec.get("share", DEFAULT_SHARE), rec.get("control", protocol.CONTROL_FULL))
+
+    def describe(self) -> str:
+        """``owner 0, group 0, share 0700, control full``: for messages."""
+        return ", ".join(f"{key} {value}" for key, value in self.to_json().items())
+
+    def to_json(self) -> dict:
+        """``{"owner", "group", "share", "control"}``, ``share`` as octal text (``"0750"``)."""
+        return {"owner": self.owner, "group": self.group, "share": f"{self.share:04o}",
+                "control": self.control}
+
+    def options(self) -> dict[str, str]:
+        """As a command's options: the inverse of :meth:`given`."""
+        return {"owner": str(self.owner), "group": str(self.group),
+                "share": f"{self.share:04o}", "control": self.control}
+
+    def given(self, args: dict[str, str]) -> Access:
+        """This with the ``--owner``, ``--group``, ``--share`` and ``--control`` options of a
+        command applied; InvalidArgument (EINVAL) for a bad value."""
+        return Access(_id(args, "owner", self.owner), _id(args, "group", self.group),
+                      _share(args.get("share"), self.share),
+                      _control(args.get("control"), self.control))
+
+
+def _id(args: dict[str, str], option: str, default: int) -> int:
+    text = args.get(option)
+    if text is None:
+        return default
+    # (uid_t) -1 means "no change" to chown(2): never an owner
+    if not (text.isascii() and text.isdigit()) or int(text) >= 2**32 - 1:
+        raise InvalidArgument(f"--{option} must be a numeric id below 4294967295, not {text!r}")
+    return int(text)
+
+
+def _share(text: str | None, default: int) -> int:
+    if text is None:
+        return default
+    try:
+        value = int(text, 8)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 0o777 or value & 0o700 != 0o700:
+        raise InvalidArgument(f"--share must be octal permission bits that give the owner rwx "
+                              f"(0700 to 0777), not {text!r}")
+    return value
+
+
+def _control(text: str | None, default: str) -> str:
+    if text is None:
+        return default
+    if text not in protocol.CONTROLS:
+        raise InvalidArgument(f"--control must be one of {', '.join(protocol.CONTROLS)}, "
+                              f"not {text!r}")
+    return text
