@@ -176,12 +176,17 @@ class Ramet:
             label=label, message=message)
         return reply["snapshot"]
 
-    def create(self, snapshot: str, name: str | None = None) -> Execution:
+    def create(self, snapshot: str, name: str | None = None,
+               policy: str | os.PathLike | None = None) -> Execution:
         """Create a writable execution of ``snapshot`` (id or unique prefix).
 
-        Errors: ENOENT unknown snapshot, EINVAL bad name, EEXIST name taken.
+        ``policy`` is stored with it and applied by its promotes and previews (unless one
+        is given to them): a TOML file, ``"tree"`` (the tree's own ``ramet.toml``; trust
+        the agent's policy) or ``"none"`` (docs/policy.md).  Errors: ENOENT unknown
+        snapshot, EINVAL bad name or malformed policy, EEXIST name taken.
         """
-        reply = self._backend.root_command("create", snapshot, name=name)
+        reply = self._backend.root_command("create", snapshot, name=name,
+                                           policy=_policy_text(policy))
         return Execution(self, reply["execution"])
 
     def release(self, execution: str | Execution) -> None:
@@ -199,18 +204,27 @@ class Ramet:
         recipes the snapshot recorded: per recipe, check the inputs against their recorded
         BLAKE3 hashes, run the command, run the readiness check (docs/policy.md).
 
-        ``runtime`` is the adapter that runs each command, ``run(execution, argv,
-        timeout)`` (default: a subprocess in the execution's directory; see
-        :mod:`rametfs.restore`); ``on_step`` is called with each step as it ends.
-        Raises :class:`RestoreError` naming the recipe when an input changed or a command
-        or check failed (the execution is kept), RametError (ENOENT) for an unknown snapshot.
+        ``runtime`` runs each command (rametfs.restore.runtime_for): default the sandbox
+        recorded with the snapshot (the one that ran the execution it was promoted from);
+        ``"bubblewrap"``, ``"docker"``, ``"host"`` (no sandbox: only for recipes you trust),
+        a rametfs.sandbox runtime such as ``Bubblewrap()``, or its ``run``.  ``on_step`` is
+        called with each step as it ends.  Raises :class:`RestoreError` naming the recipe
+        when an input changed or a command or check failed (the execution is kept),
+        RametError ENOENT for an unknown snapshot, EINVAL when the snapshot has recipes,
+        records no sandbox and ``runtime`` is None (nothing is left behind).
         """
         from rametfs import restore  # only here: it hashes with BLAKE3
         reply = self._backend.root_command("create", snapshot, name=name)
         execution = Execution(self, reply["execution"])
         record = next(s for s in self.snapshots() if s["id"] == reply["snapshot"])
-        steps = restore.rebuild(execution, record.get("recipes", []),
-                                runtime or restore.run_subprocess, on_step)
+        recipes = record.get("recipes", [])
+        try:
+            run = restore.runtime_for(runtime, record.get("runtime"), record["id"]) \
+                if recipes or runtime is not None else None
+        except RametError:
+            self.release(execution)
+            raise
+        steps = restore.rebuild(execution, recipes, run, on_step)
         if steps and not steps[-1].ok:
             failed = steps[-1]
             raise RestoreError(failed.errno, f"restore of {reply['snapshot'][:12]} into "
@@ -219,17 +233,20 @@ class Ramet:
         return Restored(reply["snapshot"], execution, steps)
 
     def execution_pool(self, snapshot: str, concurrency: int = 4, *, name: str | None = None,
-                       ttl: float = DEFAULT_TTL, verify: str = "root") -> ExecutionPool:
+                       ttl: float = DEFAULT_TTL, verify: str = "root",
+                       policy: str | os.PathLike | None = None) -> ExecutionPool:
         """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
 
         The daemon (fallback mode: the data directory) keeps the pool and a lease per
         acquired execution (:class:`ExecutionPool`); ``name`` reattaches to (or creates) a
         named pool that outlives this process, ``ttl`` is the lease time in seconds,
-        ``verify`` the check after each reset (``"root"`` or ``"deep"``).  Errors: ENOENT
-        unknown snapshot, EEXIST a pool of that name has another base, EINVAL bad name or
-        size.
+        ``verify`` the check after each reset (``"root"`` or ``"deep"``), ``policy`` the
+        persistence policy every member is created with (as :meth:`create` takes it).
+        Errors: ENOENT unknown snapshot, EEXIST a pool of that name has another base or
+        policy, EINVAL bad name, size or policy.
         """
-        return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify)
+        return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify,
+                             policy=policy)
 
     def pools(self) -> list[dict]:
         """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
@@ -277,9 +294,10 @@ class Execution:
                 policy: str | os.PathLike | None = None) -> str:
         """Save the current tree as a new snapshot and carry on from it; return its id.
 
-        The persistence policy applied is the TOML file ``policy``, else the tree's own
-        ``ramet.toml`` if any (docs/policy.md).  Errors: EINVAL for a malformed policy (the
-        message names the line) or one the tree breaks (every offending path named).
+        The persistence policy applied is ``policy`` (a TOML file, ``"tree"``: the tree's
+        own ``ramet.toml``, or ``"none"``), else the one stored with the execution at
+        create (docs/policy.md).  Errors: EINVAL for a malformed policy (the message names
+        the line) or one the tree breaks (every offending path named).
         """
         reply = self.ramet._backend.command(self.id, "promote", label=label, message=message,
                                             policy=_policy_text(policy))
@@ -288,7 +306,7 @@ class Execution:
     def checkpoint(self, label: str | None = None, message: str | None = None,
                    policy: str | os.PathLike | None = None) -> str:
         """Save the current tree as a new snapshot without moving the base; return its id.
-        Everything is kept unless a ``policy`` file is given."""
+        Everything is kept unless a ``policy`` is given (as :meth:`promote` takes it)."""
         reply = self.ramet._backend.command(self.id, "checkpoint", label=label,
                                             message=message, policy=_policy_text(policy))
         return reply["snapshot"]
@@ -297,7 +315,8 @@ class Execution:
         """What a promote would keep, changing nothing: ``{"ok", "policy", "paths",
         "totals", "recipes", "problems"}`` (docs/policy.md); ``paths`` lists each path with
         its ``"class"`` and ``"bytes"``, ``totals`` the paths, files and bytes per class.
-        Under the TOML file ``policy``, else the tree's ``ramet.toml``, else none."""
+        Under ``policy`` (as :meth:`promote` takes it), else the execution's stored policy,
+        else none."""
         return self.ramet._backend.command(self.id, "preview",
                                            policy=_policy_text(policy))["preview"]
 
@@ -305,9 +324,19 @@ class Execution:
         """Drop every change since the base; return the base snapshot id."""
         return self.ramet._backend.command(self.id, "reset")["snapshot"]
 
+    def record_runtime(self, name: str, uid: int, gid: int, image: str | None = None) -> None:
+        """Record that sandbox ``name`` (``"bubblewrap"`` or ``"docker"``, with ``image``)
+        runs this execution's commands as ``uid``:``gid``; the rametfs.sandbox adapters call
+        it before each command.  A promote keeps it with the recipes it stores, and
+        :meth:`Ramet.restore` runs them there by default.  A root command: only the harness
+        can record it.  Errors: EINVAL a bad sandbox, ENOENT unknown execution."""
+        self.ramet._backend.root_command("runtime", self.id, name, uid=str(uid), gid=str(gid),
+                                         image=image)
+
     def diff(self) -> list[tuple[str, str]]:
         """What changed against the base: sorted ``(status, path)`` pairs, status one of
-        ``"A"``, ``"M"``, ``"D"``, path relative to :attr:`path`."""
+        ``"A"``, ``"M"``, ``"D"``, path relative to :attr:`path` (a name that is not UTF-8
+        is decoded as ``os.fsdecode`` does: ``os.fsencode`` gives its bytes back)."""
         return self.ramet._backend.diff(self.id)
 
     def verify(self, deep: bool = False) -> list[tuple[str, str]]:
@@ -363,7 +392,14 @@ class _Mount:
 
     def diff(self, execution_id: str) -> list[tuple[str, str]]:
         text = self._read(execution_id, protocol.DIFF)
-        return [tuple(line.split(" ", 1)) for line in text.splitlines() if line]
+        out = []
+        for line in text.split("\n")[:-1]:  # one line per change, each ending in "\n"
+            letter, _, quoted = line.partition(" ")
+            try:
+                out.append((letter, os.fsdecode(protocol.unquote_path(quoted))))
+            except protocol.ProtocolError as exc:
+                raise RametError(errno.EIO, f"{execution_id}/.ramet/diff: {exc}") from None
+        return out
 
     def verify(self, execution_id: str, deep: bool) -> list[tuple[str, str]]:
         reply = self.command(execution_id, "verify", mode="deep" if deep else "root")
@@ -401,7 +437,8 @@ class _Local:
         self.data = self.engine.data
         self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
                               "release": self.engine.release,
-                              "snapshot-git": self.engine.snapshot_git}
+                              "snapshot-git": self.engine.snapshot_git,
+                              "runtime": self.engine.runtime}
         pools = self.engine.pools
         self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
                                    "renew": pools.renew, "return": pools.return_,
@@ -444,9 +481,11 @@ class _Local:
 
 
 def _policy_text(path: str | os.PathLike | None) -> str | None:
-    """The text of the policy file at ``path`` (None: none given); RametError if unreadable."""
-    if path is None:
-        return None
+    """The ``--policy`` value for ``path``: the text of the policy file there, or the word
+    ``"tree"`` or ``"none"`` given as a str (a file of that name: ``"./tree"``); None when
+    none is given.  RametError if the file is unreadable."""
+    if path is None or path in (protocol.POLICY_TREE, protocol.POLICY_NONE):
+        return path
     try:
         return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -495,7 +534,7 @@ class ExecutionPool:
 
     def __init__(self, ramet: Ramet, snapshot: str, concurrency: int, *,
                  name: str | None = None, ttl: float = DEFAULT_TTL,
-                 verify: str = "root") -> None:
+                 verify: str = "root", policy: str | os.PathLike | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         if not ttl > 0:
@@ -505,7 +544,8 @@ class ExecutionPool:
         self.verify = verify
         self.host = socket.gethostname()
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
-        reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name)
+        reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
+                                            policy=_policy_text(policy))
         self.name: str = reply["pool"]
         self.base: str = reply["snapshot"]
         self._owned = name is None

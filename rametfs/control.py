@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from . import mounts, protocol
+from . import mounts, policy, protocol
 from .capture import capture, diff, preview
 from .errors import Busy, InvalidArgument, RametError
 from .overlay import Execution, Overlay
@@ -74,7 +74,8 @@ class Control:
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
-            "renew": self._renew, "return": self._return, "drop": self._drop}
+            "renew": self._renew, "return": self._return, "drop": self._drop,
+            "runtime": self._runtime}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -165,9 +166,17 @@ class Control:
         if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
             raise InvalidArgument(f"create: execution name {eid!r} must match "
                                   f"{protocol.EXECUTION_NAME_RE.pattern}")
-        ex = self.overlay.create_execution(snap, eid)
+        ex = self.overlay.create_execution(
+            snap, eid, policy.stored(args.get("policy"), policy.CREATE))
         path = os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)
         return {"ok": True, "execution": ex.id, "snapshot": snap.id, "path": path}
+
+    async def _runtime(self, args: dict) -> dict:
+        ex = self.overlay.execution(args["execution"])
+        runtime = protocol.parse_runtime(args)
+        if ex.runtime != runtime:  # the adapters send it before every command they run
+            self.overlay.set_runtime(ex, runtime)
+        return {"ok": True, "execution": ex.id, "runtime": runtime}
 
     async def _release(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
@@ -182,14 +191,14 @@ class Control:
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             _policy_text(args), tree_policy=True)
+                             policy.choose(args.get("policy"), ex.policy))
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             _policy_text(args))
+                             policy.choose(args.get("policy"), None))
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
@@ -206,7 +215,8 @@ class Control:
             table.pop(eid, None)
 
     async def _preview(self, ex: Execution, args: dict) -> dict:
-        return {"ok": True, "preview": preview(self.overlay, ex, _policy_text(args))}
+        return {"ok": True, "preview": preview(self.overlay, ex,
+                                               policy.choose(args.get("policy"), ex.policy))}
 
     # -- pools and leases ----------------------------------------------------------------
 
@@ -216,7 +226,8 @@ class Control:
         name = protocol.check_pool(args.get("name"), size)
         existed = name in self.pools.pools
         try:
-            pool, created = self.pools.open(name, snap, size)
+            pool, created = self.pools.open(name, snap, size,
+                                            policy.stored(args.get("policy"), policy.POOL))
         except RametError:
             if not existed and name in self.pools.pools:  # half made: no one could use it
                 await self._drop({"pool": name})
@@ -299,7 +310,8 @@ class Control:
         pool = self.pools.member_json(ex.id)
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head, **pool,
                 "state": "promoting" if ex.frozen is not None else pool["state"],
-                "created_ns": ex.created_ns,
+                "created_ns": ex.created_ns, "policy": policy.shown(ex.policy),
+                "runtime": ex.runtime,
                 "upper_bytes": self.overlay.upper_bytes(ex), "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)}
 
@@ -326,14 +338,18 @@ class Control:
         return (json.dumps(self.execution_json(ex), indent=1) + "\n").encode()
 
     def diff_text(self, ex: Execution) -> bytes:
-        return b"".join(f"{letter} ".encode() + path + b"\n"
-                        for letter, path in diff(self.overlay, ex))
+        """``.ramet/diff``: ``<letter> <path>`` lines, each path quoted as ``git status
+        --porcelain`` quotes it (rametfs.protocol.quote_path)."""
+        return "".join(f"{letter} {protocol.quote_path(path)}\n"
+                       for letter, path in diff(self.overlay, ex)).encode()
 
     def preview_text(self, ex: Execution) -> bytes:
-        """``.ramet/preview``: the preview under the execution's ``ramet.toml``, as JSON.
-        A malformed policy fails the open (EINVAL) with its message in ``.ramet/error``."""
+        """``.ramet/preview``: the preview under the policy the harness stored with the
+        execution (none if it stored none), as JSON; the tree's ``ramet.toml`` only if that
+        policy is ``tree``.  A malformed policy fails the open (EINVAL) with its message in
+        ``.ramet/error``."""
         try:
-            report = preview(self.overlay, ex)
+            report = preview(self.overlay, ex, policy.Setting.from_record(ex.policy))
         except RametError as exc:
             self.errors[ex.id] = self._failed(exc, protocol.PREVIEW)
             raise
@@ -367,9 +383,3 @@ class Control:
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
-
-
-def _policy_text(args: dict) -> bytes | None:
-    """The ``--policy`` text of a command, as bytes (None when not given)."""
-    text = args.get("policy")
-    return None if text is None else text.encode()

@@ -31,7 +31,7 @@ from .errors import Busy, InvalidArgument, NotFound, RametError
 from .overlay import Overlay
 from .store import Snapshot
 from .store.leases import (LEASED, NOT_POOLED, QUARANTINED, READY, Lease, Member, PoolRecord,
-                           pool_json)
+                           check_policy, pool_json)
 
 __all__ = ["LEASED", "QUARANTINED", "READY", "Lease", "Member", "Pool", "Pools"]
 
@@ -45,11 +45,12 @@ class Pool:
     base: Snapshot
     size: int
     created_ns: int
+    policy: dict | None = None  # the persistence policy its members are created with
     members: list[str] = field(default_factory=list)
     ready: list[str] = field(default_factory=list)
 
-    def record(self) -> bytes:
-        return PoolRecord(self.base.id, self.size, self.created_ns).pack()
+    def record(self) -> PoolRecord:
+        return PoolRecord(self.base.id, self.size, self.created_ns, self.policy)
 
 
 class Pools:
@@ -70,7 +71,7 @@ class Pools:
             for key, value in txn.cursor(db=self.store.db["pools"]):
                 rec, name = PoolRecord.unpack(value), key.decode()
                 self.pools[name] = Pool(name, self.store.snapshot(rec.base), rec.size,
-                                        rec.created_ns)
+                                        rec.created_ns, rec.policy)
             for key, value in txn.cursor(db=self.store.db["leases"]):
                 member = Member.unpack(key.decode(), value)
                 pool = self.pools.get(member.pool)
@@ -97,24 +98,29 @@ class Pools:
             raise NotFound(f"no pool {name!r}")
         return pool
 
-    def open(self, name: str | None, snap: Snapshot, size: int) -> tuple[Pool, bool]:
-        """Create pool ``name`` (generated when None) of ``size`` executions of ``snap``, or
-        reattach to the pool of that name, growing it to ``size`` members.
+    def open(self, name: str | None, snap: Snapshot, size: int,
+             policy: dict | None = None) -> tuple[Pool, bool]:
+        """Create pool ``name`` (generated when None) of ``size`` executions of ``snap``,
+        whose members are created with ``policy`` (a policy record), or reattach to the pool
+        of that name, growing it to ``size`` members.
 
         Returns ``(pool, created)``.  Raises ProtocolError (EINVAL) for a bad name or size
-        (``protocol.check_pool``), RametError (EEXIST) when the pool exists with another base.
+        (``protocol.check_pool``), RametError (EEXIST) when the pool exists with another
+        base, or ``policy`` is given and is not the pool's.
         """
         name = protocol.check_pool(name, size)
         pool = self.pools.get(name)
         created = pool is None
         if pool is None:
-            pool = Pool(name, snap, size, time.time_ns())
+            pool = Pool(name, snap, size, time.time_ns(), policy)
         elif pool.base.id != snap.id:
             raise RametError(f"pool {name!r} exists with base {pool.base.id}, not {snap.id}",
                              errno.EEXIST)
+        else:
+            check_policy(name, pool.record(), policy)
         pool.size = max(pool.size, size)
         with self.store.write() as txn:
-            txn.put(name.encode(), pool.record(), db=self.store.db["pools"])
+            txn.put(name.encode(), pool.record().pack(), db=self.store.db["pools"])
         self.pools[name] = pool
         while self._serving(pool) < pool.size:
             self._add_member(pool)
@@ -126,7 +132,7 @@ class Pools:
     def _add_member(self, pool: Pool) -> Member:
         """A new ready execution in ``pool``: one execution record and one member record."""
         eid = protocol.member_name(pool.name)
-        self.overlay.create_execution(pool.base, eid)
+        self.overlay.create_execution(pool.base, eid, pool.policy)
         member = Member(eid, pool.name, returned_ns=time.time_ns())
         self._save(member)
         self.members[eid] = member
@@ -244,7 +250,7 @@ class Pools:
             txn.delete(eid.encode(), db=self.store.db["leases"])
             if member.state != QUARANTINED:
                 pool.size -= 1
-                txn.put(pool.name.encode(), pool.record(), db=self.store.db["pools"])
+                txn.put(pool.name.encode(), pool.record().pack(), db=self.store.db["pools"])
         pool.members.remove(eid)
         if eid in pool.ready:
             pool.ready.remove(eid)
@@ -257,8 +263,7 @@ class Pools:
     # -- status --------------------------------------------------------------------------
 
     def _json(self, pool: Pool) -> dict:
-        return pool_json(pool.name, PoolRecord(pool.base.id, pool.size, pool.created_ns),
-                         [self.members[eid] for eid in pool.members])
+        return pool_json(pool.name, pool.record(), [self.members[eid] for eid in pool.members])
 
     def _counts(self, pool: Pool) -> dict[str, int]:
         return {state: self._json(pool)[state] for state in (READY, LEASED, QUARANTINED)}

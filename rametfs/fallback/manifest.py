@@ -2,8 +2,10 @@
 
 ``<data>/fallback/meta/<id>`` is a msgpack stream (docs/fallback.md):
 
-1. a header map ``{"format": 1, "id", "base", "head", "created_ns", "last"}``: snapshot ids as
-   hex, ``created_ns`` in ns, ``last`` the reply of the last command (or nil);
+1. a header map ``{"format": 1, "id", "base", "head", "created_ns", "last"[, "policy"]
+   [, "runtime"]}``: snapshot ids as hex, ``created_ns`` in ns, ``last`` the reply of the
+   last command (or nil), ``policy`` and ``runtime`` as in the daemon's execution record
+   (docs/format.md; absent: none);
 2. one list per path of the execution's tree as rametfs last wrote or read it, parents before
    children: ``[path, entry, ino, ctime_ns]``.  ``path`` is bytes relative to the execution
    root (``b""`` for the root); ``entry`` the tree entry the path stands for, as a snapshot
@@ -51,7 +53,8 @@ class Record:
 
 @dataclass
 class Meta:
-    """One execution: ids as hex, ``created_ns`` in ns, ``records`` by relative path."""
+    """One execution: ids as hex, ``created_ns`` in ns, ``records`` by relative path;
+    ``policy`` and ``runtime`` the harness's settings (rametfs.overlay.Execution's)."""
 
     id: str
     base: str
@@ -59,6 +62,8 @@ class Meta:
     created_ns: int
     last: dict | None = None
     records: dict[bytes, Record] = field(default_factory=dict)
+    policy: dict | None = None
+    runtime: dict | None = None
 
 
 def save(path: str | os.PathLike, meta: Meta) -> None:
@@ -68,9 +73,11 @@ def save(path: str | os.PathLike, meta: Meta) -> None:
     packer = msgpack.Packer(use_bin_type=True)
     try:
         with open(tmp, "wb") as f:
-            f.write(packer.pack({"format": FORMAT, "id": meta.id, "base": meta.base,
-                                 "head": meta.head, "created_ns": meta.created_ns,
-                                 "last": meta.last}))
+            header = {"format": FORMAT, "id": meta.id, "base": meta.base, "head": meta.head,
+                      "created_ns": meta.created_ns, "last": meta.last}
+            header.update((key, value) for key, value in (("policy", meta.policy),
+                                                          ("runtime", meta.runtime)) if value)
+            f.write(packer.pack(header))
             for rel, r in meta.records.items():
                 f.write(packer.pack([rel, r.entry.pack(), r.ino, r.ctime_ns]))
             f.flush()
@@ -93,7 +100,8 @@ def load(path: str | os.PathLike, records: bool = True) -> Meta:
             head = next(unpacker)
             if head.get("format") != FORMAT:
                 raise ValueError(f"format {head.get('format')!r}, expected {FORMAT}")
-            meta = Meta(head["id"], head["base"], head["head"], head["created_ns"], head["last"])
+            meta = Meta(head["id"], head["base"], head["head"], head["created_ns"], head["last"],
+                        policy=head.get("policy"), runtime=head.get("runtime"))
             if records:
                 for rel, entry, ino, ctime_ns in unpacker:
                     meta.records[rel] = Record(Entry.unpack(entry), ino, ctime_ns)
