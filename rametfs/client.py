@@ -266,10 +266,13 @@ class Ramet:
 
     def executions(self) -> list[dict]:
         """Every execution record: ``{"id", "base", "head", "created_ns", "upper_bytes",
-        "state", "pool", "lease", "quarantine_reason"}`` (``upper_bytes`` is None in
-        fallback mode); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
-        "acquired_ns"}`` or None; ``"state"`` is ``"ready"``, ``"leased"``,
-        ``"quarantined"`` or (FUSE mode) ``"promoting"``."""
+        "state", "pool", "lease", "quarantine_reason", "policy", "runtime"}``
+        (``upper_bytes`` is None in fallback mode); ``"lease"`` is ``{"holder", "pid",
+        "host", "expires_ns", "acquired_ns"}`` or None; ``"state"`` is ``"ready"``,
+        ``"leased"``, ``"quarantined"`` or (FUSE mode) ``"promoting"``; ``"policy"`` where
+        its stored policy came from (``"create --policy"``, ``"pool --policy"``,
+        ``"ramet.toml"``) or None; ``"runtime"`` the sandbox recorded for it
+        (:meth:`Execution.record_runtime`) or None."""
         return self.status()["executions"]
 
 
@@ -353,8 +356,9 @@ class Execution:
 
     def status(self) -> dict:
         """``{"execution", "base", "head", "state", "pool", "lease", "quarantine_reason",
-        "created_ns", "upper_bytes", "last"}`` (see :meth:`Ramet.executions`); ``"last"``
-        is the reply of its last command, with the promote's ``"stats"``."""
+        "policy", "runtime", "created_ns", "upper_bytes", "last"}`` (see
+        :meth:`Ramet.executions`); ``"last"`` is the reply of its last command, with the
+        promote's ``"stats"``."""
         return self.ramet._backend.execution_status(self.id)
 
 

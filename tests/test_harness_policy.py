@@ -178,6 +178,8 @@ def test_a_policy_stored_at_create_applies_and_the_agent_cannot_change_it(ramet,
     ramet.release(trusting)
 
 
+@pytest.mark.allow_log(r"WARNING rametfs\.control: execution harness-policy-fuse-\w+ "
+                       r"quarantined: root verification")
 def test_pool_members_are_created_with_the_pools_policy(ramet, base, tmp_path):
     harness, other = tmp_path / "harness.toml", tmp_path / "other.toml"
     harness.write_text(HARNESS_POLICY)
@@ -202,6 +204,13 @@ def test_pool_members_are_created_with_the_pools_policy(ramet, base, tmp_path):
         with pytest.raises(RametError) as info:
             ramet.execution_pool(base, 1, policy=tmp_path / "none-such")
         assert info.value.errno == errno.ENOENT
+        ready = next(e["id"] for e in ramet.executions()
+                     if e["pool"] == name and e["state"] == "ready")
+        (ramet.execution(ready).path / "x\nM a.txt").write_text("planted\n")
+        ramet.execution(ready).verify()
+        reason = ramet.execution(ready).status()["quarantine_reason"]  # fallback: "M /" too
+        assert reason.startswith("root verification: differs from its base (")
+        assert reason.endswith('A "x\\nM a.txt")') and "\n" not in reason
     finally:
         pool.drop()
 

@@ -274,8 +274,8 @@ class Fallback:
 
     def execution_status(self, eid: str) -> dict:
         """``{"execution", "id", "base", "head", "state", "pool", "lease",
-        "quarantine_reason", "created_ns", "upper_bytes", "last", "path", "mode",
-        "copy_method"}`` (``upper_bytes`` is None: not tracked)."""
+        "quarantine_reason", "created_ns", "policy", "runtime", "upper_bytes", "last",
+        "path", "mode", "copy_method"}`` (``upper_bytes`` is None: not tracked)."""
         self._check_name(eid)
         try:
             return self._json(manifest.load(self._meta_path(eid), records=False))
