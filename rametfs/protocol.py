@@ -347,6 +347,7 @@ _C_ESCAPES = {7: "a", 8: "b", 9: "t", 10: "n", 11: "v", 12: "f", 13: "r", 34: '"
 _QUOTED_BYTE = {b: f"\\{_C_ESCAPES.get(b) or format(b, '03o')}".encode()
                 for b in (*range(0x20), 34, 92, *range(0x7F, 0x100))}
 _MUST_QUOTE = re.compile(rb'[\x00-\x1f"\\\x7f-\xff]')
+_QUOTE_IF = re.compile(rb'[\x00-\x20"\\\x7f-\xff]')  # those, or a space
 _QUOTED = re.compile(r'"((?:[ !#-\[\]-~]|\\[abtnvfr"\\]|\\[0-3][0-7]{2})*)"')
 _ESCAPE = re.compile(r"\\(?:([abtnvfr\"\\])|([0-3][0-7]{2}))")
 _UNESCAPED = {v: chr(k) for k, v in _C_ESCAPES.items()}
@@ -358,10 +359,9 @@ def quote_path(path: bytes) -> str:
     byte >= 0x80 or a space; then in double quotes, with ``\\a \\b \\t \\n \\v \\f \\r \\" \\\\``
     and 3-digit octal for the other bytes of those.  ASCII only, so a line holds one name
     and can be parsed back exactly (:func:`unquote_path`)."""
-    quoted, count = _MUST_QUOTE.subn(lambda m: _QUOTED_BYTE[m.group()[0]], path)
-    if count == 0 and b" " not in path:
+    if _QUOTE_IF.search(path) is None:  # the common case, in C: about 0.3 us a name
         return path.decode("ascii")
-    return f'"{quoted.decode("ascii")}"'
+    return f'"{_MUST_QUOTE.sub(lambda m: _QUOTED_BYTE[m.group()[0]], path).decode("ascii")}"'
 
 
 def unquote_path(text: str) -> bytes:
@@ -369,7 +369,7 @@ def unquote_path(text: str) -> bytes:
     text it cannot have printed."""
     found = _QUOTED.fullmatch(text)
     if found is None:
-        if not text.isascii() or _MUST_QUOTE.search(text.encode()) or " " in text:
+        if not text.isascii() or _QUOTE_IF.search(text.encode()):
             raise ProtocolError(f"not a name as rametfs quotes it: {text!r}")
         return text.encode("ascii")
     return _ESCAPE.sub(lambda m: _UNESCAPED[m.group(1)] if m.group(1) else
