@@ -166,17 +166,16 @@ class Capture:
         self.inputs: dict[str, tuple] = {}  # input path -> what to hash (_input_spec)
         self.digests: dict[str, str] = {}
 
-    def plan(self, text: bytes | None = None, tree_policy: bool = False) -> Entry | _DirPlan:
+    def plan(self, chosen: policy.Setting | None = None) -> Entry | _DirPlan:
         """Walk the copied-up part of the execution; must run without an await in between.
 
-        The policy is ``text`` (given with the command), else with ``tree_policy`` the
-        execution's own ``ramet.toml``, else none.  Raises InvalidArgument (EINVAL) for a
-        malformed policy, or one this state breaks (a changed shared path, an input missing
-        or not kept), naming every offending path.
+        The policy is the one the harness ``chosen`` (None: none; see :func:`load_policy`).
+        Raises InvalidArgument (EINVAL) for a malformed policy, or one this state breaks (a
+        changed shared path, an input missing or not kept), naming every offending path.
         """
         self.overlay.flush_view(self.ex)
         self.descend_links = _has_upper_links(self.overlay, self.ex)
-        self.policy = load_policy(self.overlay, self.ex, text, tree_policy)
+        self.policy = load_policy(self.overlay, self.ex, chosen)
         if self.policy is not None:
             self._classify()
         top = self._dir_plan(self.overlay.node(self.ex.root_ino), "")
@@ -331,26 +330,26 @@ class Capture:
             stats.update(store.tree_totals(txn, root.ref))
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
             return store.put_snapshot(txn, root, parents, label, message,
-                                      f"execution:{self.ex.id}", stats, recipes)
+                                      f"execution:{self.ex.id}", stats, recipes,
+                                      self.ex.runtime)
 
 
 async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
-                  policy_text: bytes | None = None, tree_policy: bool = False) -> Snapshot:
+                  chosen: policy.Setting | None = None) -> Snapshot:
     """Turn the current state of ``ex`` into a new snapshot whose parent is ``ex.head``.
 
-    The policy applied is ``policy_text``, else with ``tree_policy`` the execution's
-    ``ramet.toml``, else none (everything is kept).  Mutations of ``ex`` wait while this runs
-    (a consistent point in time).  Raises InvalidArgument (EINVAL: the policy, see
-    ``Capture.plan``), NoSpace (ENOSPC), IntegrityError (EIO) or, for an execution marked
-    failed, RametError (EIO); nothing is listed unless the
-    whole snapshot is stored.
+    The policy applied is the one the harness ``chosen`` (None: none, everything is kept).
+    Mutations of ``ex`` wait while this runs (a consistent point in time).  Raises
+    InvalidArgument (EINVAL: the policy, see ``Capture.plan``), NoSpace (ENOSPC),
+    IntegrityError (EIO) or, for an execution marked failed, RametError (EIO); nothing is
+    listed unless the whole snapshot is stored.
     """
     started = time.monotonic_ns()
     overlay.check_not_failed(ex)
     ex.frozen = trio.Event()
     try:
         cap = Capture(overlay, ex)
-        plan = cap.plan(policy_text, tree_policy)
+        plan = cap.plan(chosen)
         await cap.hash()
         await cap.digest_inputs()
         snap = cap.commit(plan, [ex.head], label, message, started)
@@ -510,19 +509,20 @@ def _base_at(overlay: Overlay, ex: Execution, path: str) -> Entry:
     return entry
 
 
-def load_policy(overlay: Overlay, ex: Execution, text: bytes | None,
-                tree_policy: bool) -> policy.Policy | None:
-    """The policy given as ``text``, else (``tree_policy``) the execution's ``ramet.toml``,
-    else None.  Raises InvalidArgument (EINVAL) naming the line of a malformed one."""
-    if text is not None:
-        return policy.load(text, "--policy")
-    if not tree_policy:
+def load_policy(overlay: Overlay, ex: Execution,
+                chosen: policy.Setting | None) -> policy.Policy | None:
+    """The policy ``chosen``: its text parsed, or (text None, ``--policy tree``) the
+    execution's ``ramet.toml``, which is then none when absent; None for none.  Raises
+    InvalidArgument (EINVAL) naming the line of a malformed one, or for a ``ramet.toml``
+    that is not a regular file of at most rametfs.policy.MAX_POLICY_BYTES."""
+    if chosen is None:
         return None
+    if chosen.text is not None:
+        return policy.load(chosen.text.encode(), chosen.source)
     node = _lookup_path(overlay, ex, policy.POLICY_FILE)
     if node is None:
         return None
-    if not stat.S_ISREG(node.mode):
-        raise InvalidArgument(f"{policy.POLICY_FILE} is not a regular file")
+    policy.check_tree_file(node.mode, node.size)
     return policy.load(b"".join(_read_pages(overlay.store, _node_job(overlay, ex, node))),
                        policy.POLICY_FILE)
 
@@ -576,11 +576,11 @@ def _spec_digest(store: Store, spec: tuple) -> str:
     return one(kind, what) if kind in ("f", "l") else blake3.blake3(b"").hexdigest()
 
 
-def preview(overlay: Overlay, ex: Execution, text: bytes | None = None) -> dict:
-    """What a promote of ``ex`` would keep (rametfs.policy.preview_report), under the policy
-    ``text`` or else the execution's ``ramet.toml``; changes nothing.  Raises
-    InvalidArgument (EINVAL) for a malformed policy."""
-    pol = load_policy(overlay, ex, text, True)
+def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None) -> dict:
+    """What a promote of ``ex`` under the policy ``chosen`` would keep
+    (rametfs.policy.preview_report); changes nothing.  Raises InvalidArgument (EINVAL) for
+    a malformed policy."""
+    pol = load_policy(overlay, ex, chosen)
     classified = policy.classify_tree(pol, _ViewTree(overlay), overlay.node(ex.root_ino))
     problems = _problems(overlay, ex, pol, classified) if pol is not None else []
     return policy.preview_report(pol, classified, problems)

@@ -29,6 +29,7 @@ from rametfs import __version__, mounts, protocol
 from rametfs.policy import CLASSES
 from rametfs.client import (DATA_ENV, MODE_ENV, MODES, MOUNT_ENV, NotMountedError, Ramet,
                             RametError, RestoreError, resolve_mode)
+from rametfs.protocol import quote_path
 
 EXIT_CODES = {
     errno.ENOENT: 3,
@@ -54,7 +55,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except RametError as exc:
-            click.echo(f"rametfs: {exc}", err=True)
+            click.echo(f"rametfs: {printable(str(exc), lines=True)}", err=True)
             raise click.exceptions.Exit(exit_code(exc.errno)) from None
 
 
@@ -98,11 +99,26 @@ def ramet_options(command):
     return with_ramet
 
 
-label_option = click.option("--label", help="A short name for the snapshot.")
-policy_option = click.option("--policy", type=click.Path(dir_okay=False, exists=True),
-                             help="A persistence policy file (TOML; default: the tree's "
-                                  "ramet.toml).")
-message_option = click.option("--message", help="A longer description of the snapshot.")
+label_option = click.option("--label", help="A short name for the snapshot "
+                            f"(at most {protocol.MAX_LABEL_BYTES} bytes).")
+
+
+def _policy_value(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``tree``, ``none``, or the path of a policy file that exists (else a usage error)."""
+    if value is None or value in (protocol.POLICY_TREE, protocol.POLICY_NONE):
+        return value
+    return click.Path(dir_okay=False, exists=True).convert(value, param, ctx)
+
+
+def policy_option(default: str):
+    return click.option(
+        "--policy", metavar="FILE|tree|none", callback=_policy_value,
+        help=f"The persistence policy: a TOML file, tree (the tree's own ramet.toml) or none "
+             f"(keep everything; a file of that name: ./none).  Default: {default}.")
+
+
+message_option = click.option("--message", help="A longer description of the snapshot "
+                              f"(at most {protocol.MAX_MESSAGE_BYTES} bytes).")
 
 
 # ----- daemon lifecycle -----------------------------------------------------------------------
@@ -329,16 +345,18 @@ def _octal(ctx: click.Context, param: click.Parameter, text: str | None) -> int 
 @click.option("--control", type=click.Choice(protocol.CONTROLS),
               help="What its own .ramet files allow: full (default), read (no writes) or "
                    "none (no .ramet).")
+@policy_option("none")
 @ramet_options
 def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, group: int | None,
-           share: int | None, control: str | None) -> None:
+           share: int | None, control: str | None, policy: str | None) -> None:
     """Create an execution of SNAPSHOT; print its id.
 
-    SNAPSHOT is an id or a unique prefix of one.  The harness acts on it through the root
-    control file whatever its --control.
+    SNAPSHOT is an id or a unique prefix of one.  --policy is stored with the execution:
+    its promotes and previews apply it unless given another.  The harness acts on it
+    through the root control file whatever its --control.
     """
-    click.echo(ramet.create(snapshot, name=name, owner=owner, group=group, share=share,
-                            control=control).id)
+    click.echo(ramet.create(snapshot, name=name, policy=policy, owner=owner, group=group,
+                            share=share, control=control).id)
 
 
 
@@ -346,14 +364,15 @@ def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, gro
 @click.argument("execution")
 @label_option
 @message_option
-@policy_option
+@policy_option("the policy stored with the execution at create, else none")
 @ramet_options
 def promote(ramet: Ramet, execution: str, label: str | None, message: str | None,
             policy: str | None) -> None:
     """Snapshot EXECUTION and carry on from it; print the id.
 
-    A policy (--policy, else the tree's ramet.toml) leaves out ephemeral paths, stores
-    rebuildable ones as recipes and checks shared ones against the base.
+    A policy (--policy, else the one stored at create) leaves out ephemeral paths, stores
+    rebuildable ones as recipes and checks shared ones against the base.  The tree's own
+    ramet.toml applies only with --policy tree.
     """
     click.echo(ramet.execution(execution).promote(label=label, message=message, policy=policy))
 
@@ -362,7 +381,7 @@ def promote(ramet: Ramet, execution: str, label: str | None, message: str | None
 @click.argument("execution")
 @label_option
 @message_option
-@policy_option
+@policy_option("none")
 @ramet_options
 def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | None,
                policy: str | None) -> None:
@@ -373,7 +392,7 @@ def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | N
 
 @main.command()
 @click.argument("execution")
-@policy_option
+@policy_option("as promote")
 @click.option("--json", "as_json", is_flag=True, help="Print the preview as JSON.")
 @ramet_options
 def preview(ramet: Ramet, execution: str, policy: str | None, as_json: bool) -> None:
@@ -387,13 +406,14 @@ def preview(ramet: Ramet, execution: str, policy: str | None, as_json: bool) -> 
     else:
         for item in report["paths"]:
             recipe = f"  (recipe {item['recipe']})" if "recipe" in item else ""
-            click.echo(f"{item['class']:<11} {item['bytes']:>12} {item['path']}{recipe}")
+            click.echo(f"{item['class']:<11} {item['bytes']:>12} "
+                       f"{quote_path(os.fsencode(item['path']))}{recipe}")
         click.echo()
         click.echo(format_table(("CLASS", "PATHS", "FILES", "BYTES"), [
             (cls, str(t["paths"]), str(t["files"]), human_bytes(t["bytes"]))
             for cls, t in ((c, report["totals"][c]) for c in CLASSES)]))
         for problem in report["problems"]:
-            click.echo(f"rametfs: would stop the promote: {problem}", err=True)
+            click.echo(f"rametfs: would stop the promote: {printable(problem)}", err=True)
     if report["problems"]:
         raise click.exceptions.Exit(exit_code(errno.EINVAL))
 
@@ -401,16 +421,28 @@ def preview(ramet: Ramet, execution: str, policy: str | None, as_json: bool) -> 
 @main.command()
 @click.argument("snapshot")
 @click.option("--name", help="Execution id to use (default: generated).")
+@click.option("--runtime", type=click.Choice(["bubblewrap", "docker", "host"]),
+              help="Where the recipes run (default: the sandbox the snapshot recorded; "
+                   "host runs them unsandboxed, as this user).")
+@click.option("--image", help="With --runtime docker: the image (default: the recorded one).")
 @ramet_options
-def restore(ramet: Ramet, snapshot: str, name: str | None) -> None:
+def restore(ramet: Ramet, snapshot: str, name: str | None, runtime: str | None,
+            image: str | None) -> None:
     """Create an execution of SNAPSHOT and rebuild its recipes; print the execution id.
 
     Each step (inputs checked, command, readiness check) is reported on stderr as it ends.
-    On failure the execution is kept for inspection.
+    On failure the execution is kept for inspection.  Without --runtime, a snapshot whose
+    recipes record no sandbox is refused (exit 4).
     """
+    if image is not None:
+        if runtime != "docker":
+            raise click.UsageError("--image needs --runtime docker.")
+        from rametfs.sandbox import Docker  # only here: the sandboxes are harness side
+        runtime = Docker(image)
     try:
-        restored = ramet.restore(snapshot, name=name,
-                                 on_step=lambda step: click.echo(str(step), err=True))
+        restored = ramet.restore(
+            snapshot, runtime=runtime, name=name,
+            on_step=lambda step: click.echo(printable(str(step), lines=True), err=True))
     except RestoreError as exc:
         click.echo(exc.execution.id)
         raise
@@ -443,18 +475,30 @@ def verify(ramet: Ramet, execution: str, deep: bool) -> None:
     it differs (a ready pool execution that differs is quarantined)."""
     differences = ramet.execution(execution).verify(deep=deep)
     for status, path in differences:
-        click.echo(f"{status} {path}")
+        click.echo(f"{status} {quote_path(os.fsencode(path))}")
     if differences:
         raise click.exceptions.Exit(EXIT_OTHER)
 
 
 @main.command()
 @click.argument("execution")
+@click.option("-z", "nul", is_flag=True,
+              help="End each line with NUL, and print the path's bytes unquoted.")
 @ramet_options
-def diff(ramet: Ramet, execution: str) -> None:
-    """Print what changed in EXECUTION: A, M or D, then the path."""
-    for status, path in ramet.execution(execution).diff():
-        click.echo(f"{status} {path}")
+def diff(ramet: Ramet, execution: str, nul: bool) -> None:
+    """Print what changed in EXECUTION: A, M or D, then the path, one per line.
+
+    A path is quoted as git status --porcelain quotes it (in double quotes, with C escapes
+    and octal bytes, when it holds a space, a quote, a backslash, a control character or a
+    byte >= 0x80); with -z, as git's -z, it is not and each record ends with NUL.
+    """
+    changes = ramet.execution(execution).diff()
+    if nul:
+        click.echo(b"".join(f"{status} ".encode() + os.fsencode(path) + b"\0"
+                            for status, path in changes), nl=False)
+        return
+    for status, path in changes:
+        click.echo(f"{status} {quote_path(os.fsencode(path))}")
 
 
 @main.command()
@@ -487,7 +531,7 @@ def list_(ramet: Ramet, as_json: bool) -> None:
         click.echo()
     click.echo(format_table(
         ("SNAPSHOT", "LABEL", "FILES", "BYTES", "AGE"),
-        [(s["id"][:12], s["label"] or "", str(s.get("files", "-")),
+        [(s["id"][:12], printable(s["label"] or ""), str(s.get("files", "-")),
           human_bytes(s["bytes"]) if "bytes" in s else "-",
           human_age(now - s["created_ns"])) for s in state["snapshots"]]))
     click.echo()
@@ -519,7 +563,8 @@ def log(ramet: Ramet, snapshot: str) -> None:
     now = time.time_ns()
     for s in ancestry(ramet.snapshots(), snapshot):
         click.echo(" ".join(filter(None, (s["id"], human_age(now - s["created_ns"]),
-                                          s["label"], s["message"]))))
+                                          printable(s["label"] or ""),
+                                          printable(s["message"] or "")))))
 
 
 # ----- helpers ---------------------------------------------------------------------------
@@ -549,8 +594,20 @@ def lease_cells(lease: dict | None, now_ns: int) -> tuple[str, str]:
     if lease is None:
         return "-", "-"
     left = lease["expires_ns"] - now_ns
-    return (f"{lease['holder']} (pid {lease['pid']}@{lease['host']})",
+    return (printable(f"{lease['holder']} (pid {lease['pid']}@{lease['host']})"),
             f"in {human_age(left)}" if left > 0 else "expired")
+
+
+def printable(text: str, lines: bool = False) -> str:
+    """``text`` safe to print to a terminal: every character ``str.isprintable`` rejects
+    (control and format characters such as ESC or U+202E, separators but the space, lone
+    surrogates) and every backslash as its Python escape (``\\x1b``, ``\\n``, ``\\u202e``,
+    ``\\\\``), so no label can move the cursor or pass for another.  ``lines`` (messages):
+    newlines and tabs are kept, backslashes left as they are."""
+    def safe(c: str) -> bool:
+        return (c in "\n\t" or c.isprintable()) if lines else (c.isprintable() and c != "\\")
+
+    return "".join(c if safe(c) else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def format_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

@@ -179,21 +179,27 @@ class Ramet:
             label=label, message=message)
         return reply["snapshot"]
 
-    def create(self, snapshot: str, name: str | None = None, *, owner: int | None = None,
+    def create(self, snapshot: str, name: str | None = None,
+               policy: str | os.PathLike | None = None, *, owner: int | None = None,
                group: int | None = None, share: int | None = None,
                control: str | None = None) -> Execution:
         """Create a writable execution of ``snapshot`` (id or unique prefix).
 
-        ``owner``/``group``: the uid and gid it belongs to (default: the daemon's);
-        ``share``: its permission bits, like a directory's (default ``0o700``: the owner
-        alone; the owner always has ``rwx``); ``control``: what its own control files allow
-        (``"full"``, the default; ``"read"``: no writes; ``"none"``: no ``.ramet``).  See
-        docs/security.md.  In fallback mode they are recorded and shown in the status; the
-        data directory (0700) keeps other uids out and executions have no control files.
+        ``policy`` is stored with it and applied by its promotes and previews (unless one
+        is given to them): a TOML file, ``"tree"`` (the tree's own ``ramet.toml``; trust
+        the agent's policy) or ``"none"`` (docs/policy.md).  ``owner``/``group``: the uid
+        and gid it belongs to (default: the daemon's); ``share``: its permission bits, like
+        a directory's (default ``0o700``: the owner alone; the owner always has ``rwx``);
+        ``control``: what its own control files allow (``"full"``, the default; ``"read"``:
+        no writes; ``"none"``: no ``.ramet``).  See docs/security.md.  In fallback mode they
+        are recorded and shown in the status; the data directory (0700) keeps other uids out
+        and executions have no control files.
 
-        Errors: ENOENT unknown snapshot, EINVAL bad name or setting, EEXIST name taken.
+        Errors: ENOENT unknown snapshot, EINVAL bad name, setting or malformed policy,
+        EEXIST name taken.
         """
         reply = self._backend.root_command("create", snapshot, name=name,
+                                           policy=_policy_text(policy),
                                            **_access(owner, group, share, control))
         return Execution(self, reply["execution"])
 
@@ -212,18 +218,27 @@ class Ramet:
         recipes the snapshot recorded: per recipe, check the inputs against their recorded
         BLAKE3 hashes, run the command, run the readiness check (docs/policy.md).
 
-        ``runtime`` is the adapter that runs each command, ``run(execution, argv,
-        timeout)`` (default: a subprocess in the execution's directory; see
-        :mod:`rametfs.restore`); ``on_step`` is called with each step as it ends.
-        Raises :class:`RestoreError` naming the recipe when an input changed or a command
-        or check failed (the execution is kept), RametError (ENOENT) for an unknown snapshot.
+        ``runtime`` runs each command (rametfs.restore.runtime_for): default the sandbox
+        recorded with the snapshot (the one that ran the execution it was promoted from);
+        ``"bubblewrap"``, ``"docker"``, ``"host"`` (no sandbox: only for recipes you trust),
+        a rametfs.sandbox runtime such as ``Bubblewrap()``, or its ``run``.  ``on_step`` is
+        called with each step as it ends.  Raises :class:`RestoreError` naming the recipe
+        when an input changed or a command or check failed (the execution is kept),
+        RametError ENOENT for an unknown snapshot, EINVAL when the snapshot has recipes,
+        records no sandbox and ``runtime`` is None (nothing is left behind).
         """
         from rametfs import restore  # only here: it hashes with BLAKE3
         reply = self._backend.root_command("create", snapshot, name=name)
         execution = Execution(self, reply["execution"])
         record = next(s for s in self.snapshots() if s["id"] == reply["snapshot"])
-        steps = restore.rebuild(execution, record.get("recipes", []),
-                                runtime or restore.run_subprocess, on_step)
+        recipes = record.get("recipes", [])
+        try:
+            run = restore.runtime_for(runtime, record.get("runtime"), record["id"]) \
+                if recipes or runtime is not None else None
+        except RametError:
+            self.release(execution)
+            raise
+        steps = restore.rebuild(execution, recipes, run, on_step)
         if steps and not steps[-1].ok:
             failed = steps[-1]
             raise RestoreError(failed.errno, f"restore of {reply['snapshot'][:12]} into "
@@ -232,7 +247,8 @@ class Ramet:
         return Restored(reply["snapshot"], execution, steps)
 
     def execution_pool(self, snapshot: str, concurrency: int = 4, *, name: str | None = None,
-                       ttl: float = DEFAULT_TTL, verify: str = "root", owner: int | None = None,
+                       ttl: float = DEFAULT_TTL, verify: str = "root",
+                       policy: str | os.PathLike | None = None, owner: int | None = None,
                        group: int | None = None, share: int | None = None,
                        control: str | None = None) -> ExecutionPool:
         """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
@@ -240,14 +256,16 @@ class Ramet:
         The daemon (fallback mode: the data directory) keeps the pool and a lease per
         acquired execution (:class:`ExecutionPool`); ``name`` reattaches to (or creates) a
         named pool that outlives this process, ``ttl`` is the lease time in seconds,
-        ``verify`` the check after each reset (``"root"`` or ``"deep"``); ``owner``,
-        ``group``, ``share`` and ``control`` are every member's, as :meth:`create` takes
-        them (a named pool reattached to keeps its own; those given must match it).  Errors:
-        ENOENT unknown snapshot, EEXIST a pool of that name has another base or other
-        settings, EINVAL bad name, size or setting.
+        ``verify`` the check after each reset (``"root"`` or ``"deep"``), ``policy`` the
+        persistence policy every member is created with (as :meth:`create` takes it);
+        ``owner``, ``group``, ``share`` and ``control`` are every member's, as
+        :meth:`create` takes them (a named pool reattached to keeps its own; those given must
+        match it).  Errors: ENOENT unknown snapshot, EEXIST a pool of that name has another
+        base, policy or settings, EINVAL bad name, size, policy or setting.
         """
         return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify,
-                             owner=owner, group=group, share=share, control=control)
+                             policy=policy, owner=owner, group=group, share=share,
+                             control=control)
 
     def pools(self) -> list[dict]:
         """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
@@ -267,14 +285,17 @@ class Ramet:
 
     def executions(self) -> list[dict]:
         """Every execution record: ``{"id", "base", "head", "created_ns", "upper_bytes",
-        "state", "pool", "lease", "quarantine_reason", "owner", "group", "share",
-        "control"}`` (``upper_bytes`` is None in fallback mode; ``share`` octal text,
-        ``"0700"``); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
+        "state", "pool", "lease", "quarantine_reason", "policy", "runtime", "owner", "group",
+        "share", "control"}`` (``upper_bytes`` is None in fallback mode; ``share`` octal
+        text, ``"0700"``); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
         "acquired_ns"}`` or None; ``"state"`` is ``"ready"``, ``"leased"``,
-        ``"quarantined"`` or (FUSE mode) ``"promoting"``.  A process other than the
-        harness sees only the executions shared with it, as their own status shows them
-        (``{"execution", "id", "base", "head", "state", "created_ns", "upper_bytes",
-        "last"}``)."""
+        ``"quarantined"`` or (FUSE mode) ``"promoting"`` or ``"failed"``; ``"policy"`` where
+        its stored policy came from (``"create --policy"``, ``"pool --policy"``,
+        ``"ramet.toml"``) or None; ``"runtime"`` the sandbox recorded for it
+        (:meth:`Execution.record_runtime`) or None.  A process other than the harness sees
+        only the executions shared with it, as their own status shows them (``{"execution",
+        "id", "base", "head", "state", "created_ns", "upper_bytes", "upper_inodes",
+        "max_bytes", "max_inodes", "last"}``)."""
         return self.status()["executions"]
 
 
@@ -299,9 +320,10 @@ class Execution:
                 policy: str | os.PathLike | None = None) -> str:
         """Save the current tree as a new snapshot and carry on from it; return its id.
 
-        The persistence policy applied is the TOML file ``policy``, else the tree's own
-        ``ramet.toml`` if any (docs/policy.md).  Errors: EINVAL for a malformed policy (the
-        message names the line) or one the tree breaks (every offending path named).
+        The persistence policy applied is ``policy`` (a TOML file, ``"tree"``: the tree's
+        own ``ramet.toml``, or ``"none"``), else the one stored with the execution at
+        create (docs/policy.md).  Errors: EINVAL for a malformed policy (the message names
+        the line) or one the tree breaks (every offending path named).
         """
         reply = self.ramet._backend.command(self.id, "promote", label=label, message=message,
                                             policy=_policy_text(policy))
@@ -310,7 +332,7 @@ class Execution:
     def checkpoint(self, label: str | None = None, message: str | None = None,
                    policy: str | os.PathLike | None = None) -> str:
         """Save the current tree as a new snapshot without moving the base; return its id.
-        Everything is kept unless a ``policy`` file is given."""
+        Everything is kept unless a ``policy`` is given (as :meth:`promote` takes it)."""
         reply = self.ramet._backend.command(self.id, "checkpoint", label=label,
                                             message=message, policy=_policy_text(policy))
         return reply["snapshot"]
@@ -319,7 +341,8 @@ class Execution:
         """What a promote would keep, changing nothing: ``{"ok", "policy", "paths",
         "totals", "recipes", "problems"}`` (docs/policy.md); ``paths`` lists each path with
         its ``"class"`` and ``"bytes"``, ``totals`` the paths, files and bytes per class.
-        Under the TOML file ``policy``, else the tree's ``ramet.toml``, else none."""
+        Under ``policy`` (as :meth:`promote` takes it), else the execution's stored policy,
+        else none."""
         return self.ramet._backend.command(self.id, "preview",
                                            policy=_policy_text(policy))["preview"]
 
@@ -327,9 +350,19 @@ class Execution:
         """Drop every change since the base; return the base snapshot id."""
         return self.ramet._backend.command(self.id, "reset")["snapshot"]
 
+    def record_runtime(self, name: str, uid: int, gid: int, image: str | None = None) -> None:
+        """Record that sandbox ``name`` (``"bubblewrap"`` or ``"docker"``, with ``image``)
+        runs this execution's commands as ``uid``:``gid``; the rametfs.sandbox adapters call
+        it before each command.  A promote keeps it with the recipes it stores, and
+        :meth:`Ramet.restore` runs them there by default.  A root command: only the harness
+        can record it.  Errors: EINVAL a bad sandbox, ENOENT unknown execution."""
+        self.ramet._backend.root_command("runtime", self.id, name, uid=str(uid), gid=str(gid),
+                                         image=image)
+
     def diff(self) -> list[tuple[str, str]]:
         """What changed against the base: sorted ``(status, path)`` pairs, status one of
-        ``"A"``, ``"M"``, ``"D"``, path relative to :attr:`path`."""
+        ``"A"``, ``"M"``, ``"D"``, path relative to :attr:`path` (a name that is not UTF-8
+        is decoded as ``os.fsdecode`` does: ``os.fsencode`` gives its bytes back)."""
         return self.ramet._backend.diff(self.id)
 
     def verify(self, deep: bool = False) -> list[tuple[str, str]]:
@@ -346,11 +379,12 @@ class Execution:
 
     def status(self) -> dict:
         """``{"execution", "base", "head", "state", "pool", "lease", "quarantine_reason",
-        "created_ns", "upper_bytes", "last", "path", "owner", "group", "share",
-        "control"}`` (see :meth:`Ramet.executions`); ``"last"`` is the reply of its last
-        command, with the promote's ``"stats"``.  A process other than the harness reads the
-        execution's own ``.ramet/status``: ``{"execution", "id", "base", "head", "state",
-        "created_ns", "upper_bytes", "last"}``, the last reply without store-wide figures."""
+        "policy", "runtime", "created_ns", "upper_bytes", "last", "path", "owner", "group",
+        "share", "control"}`` (see :meth:`Ramet.executions`); ``"last"`` is the reply of its
+        last command, with the promote's ``"stats"``.  A process other than the harness reads
+        the execution's own ``.ramet/status``: ``{"execution", "id", "base", "head",
+        "state", "created_ns", "upper_bytes", "upper_inodes", "max_bytes", "max_inodes",
+        "last"}``, the last reply without store-wide figures."""
         return self.ramet._backend.execution_status(self.id)
 
 
@@ -405,7 +439,14 @@ class _Mount:
             self._control(execution_id, protocol.DIFF)  # the name's check
             return [tuple(pair) for pair in self._root_on(execution_id, "diff")["diff"]]
         text = self._read(execution_id, protocol.DIFF)
-        return [tuple(line.split(" ", 1)) for line in text.splitlines() if line]
+        out = []
+        for line in text.split("\n")[:-1]:  # one line per change, each ending in "\n"
+            letter, _, quoted = line.partition(" ")
+            try:
+                out.append((letter, os.fsdecode(protocol.unquote_path(quoted))))
+            except protocol.ProtocolError as exc:
+                raise RametError(errno.EIO, f"{execution_id}/.ramet/diff: {exc}") from None
+        return out
 
     def verify(self, execution_id: str, deep: bool) -> list[tuple[str, str]]:
         reply = self.command(execution_id, "verify", mode="deep" if deep else "root")
@@ -445,7 +486,8 @@ class _Local:
         self.data = self.engine.data
         self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
                               "release": self.engine.release,
-                              "snapshot-git": self.engine.snapshot_git}
+                              "snapshot-git": self.engine.snapshot_git,
+                              "runtime": self.engine.runtime}
         pools = self.engine.pools
         self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
                                    "renew": pools.renew, "return": pools.return_,
@@ -496,9 +538,11 @@ def _access(owner: int | None, group: int | None, share: int | None,
 
 
 def _policy_text(path: str | os.PathLike | None) -> str | None:
-    """The text of the policy file at ``path`` (None: none given); RametError if unreadable."""
-    if path is None:
-        return None
+    """The ``--policy`` value for ``path``: the text of the policy file there, or the word
+    ``"tree"`` or ``"none"`` given as a str (a file of that name: ``"./tree"``); None when
+    none is given.  RametError if the file is unreadable."""
+    if path is None or path in (protocol.POLICY_TREE, protocol.POLICY_NONE):
+        return path
     try:
         return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -547,7 +591,8 @@ class ExecutionPool:
 
     def __init__(self, ramet: Ramet, snapshot: str, concurrency: int, *,
                  name: str | None = None, ttl: float = DEFAULT_TTL, verify: str = "root",
-                 owner: int | None = None, group: int | None = None, share: int | None = None,
+                 policy: str | os.PathLike | None = None, owner: int | None = None,
+                 group: int | None = None, share: int | None = None,
                  control: str | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
@@ -559,6 +604,7 @@ class ExecutionPool:
         self.host = socket.gethostname()
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
+                                            policy=_policy_text(policy),
                                             **_access(owner, group, share, control))
         self.name: str = reply["pool"]
         self.base: str = reply["snapshot"]

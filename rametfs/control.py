@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from . import mounts, protocol
+from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller, R
 from .capture import capture, diff, preview
 from .errors import Busy, InvalidArgument, RametError
@@ -79,7 +79,7 @@ class Control:
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
             "renew": self._renew, "return": self._return, "drop": self._drop,
-            "fault": self._fault}
+            "fault": self._fault, "runtime": self._runtime}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -205,9 +205,17 @@ class Control:
         if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
             raise InvalidArgument(f"create: execution name {eid!r} must match "
                                   f"{protocol.EXECUTION_NAME_RE.pattern}")
-        ex = self.overlay.create_execution(snap, eid, Access().given(args))
+        ex = self.overlay.create_execution(snap, eid, Access().given(args),
+                                           policy.stored(args.get("policy"), policy.CREATE))
         path = os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)
         return {"ok": True, "execution": ex.id, "snapshot": snap.id, "path": path}
+
+    async def _runtime(self, args: dict) -> dict:
+        ex = self.overlay.execution(args["execution"])
+        runtime = protocol.parse_runtime(args)
+        if ex.runtime != runtime:  # the adapters send it before every command they run
+            self.overlay.set_runtime(ex, runtime)
+        return {"ok": True, "execution": ex.id, "runtime": runtime}
 
     async def _release(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
@@ -230,14 +238,14 @@ class Control:
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             _policy_text(args), tree_policy=True)
+                             policy.choose(args.get("policy"), ex.policy))
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             _policy_text(args))
+                             policy.choose(args.get("policy"), None))
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
@@ -254,7 +262,8 @@ class Control:
             table.pop(eid, None)
 
     async def _preview(self, ex: Execution, args: dict) -> dict:
-        return {"ok": True, "preview": preview(self.overlay, ex, _policy_text(args))}
+        return {"ok": True, "preview": preview(self.overlay, ex,
+                                               policy.choose(args.get("policy"), ex.policy))}
 
     async def _diff(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
@@ -273,7 +282,8 @@ class Control:
         name = protocol.check_pool(args.get("name"), size)
         existed = name in self.pools.pools
         try:
-            pool, created = self.pools.open(name, snap, size, args)
+            pool, created = self.pools.open(name, snap, size, args,
+                                            policy.stored(args.get("policy"), policy.POOL))
         except RametError:
             if not existed and name in self.pools.pools:  # half made: no one could use it
                 await self._drop({"pool": name})
@@ -366,9 +376,11 @@ class Control:
 
     def execution_json(self, ex: Execution) -> dict:
         """The root scope's record of ``ex``: its view, its pool fields, why it failed, its
-        whole last reply, its path and its access settings."""
+        stored policy and recorded runtime, its whole last reply, its path and its access
+        settings."""
         return {**self.pools.member_json(ex.id), **self.execution_view(ex),
-                "failure": ex.failure, "last": self.last.get(ex.id),
+                "failure": ex.failure, "policy": policy.shown(ex.policy),
+                "runtime": ex.runtime, "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
                 **ex.access.to_json()}
 
@@ -408,14 +420,18 @@ class Control:
         return (json.dumps(self.execution_view(ex), indent=1) + "\n").encode()
 
     def diff_text(self, ex: Execution) -> bytes:
-        return b"".join(f"{letter} ".encode() + path + b"\n"
-                        for letter, path in diff(self.overlay, ex))
+        """``.ramet/diff``: ``<letter> <path>`` lines, each path quoted as ``git status
+        --porcelain`` quotes it (rametfs.protocol.quote_path)."""
+        return "".join(f"{letter} {protocol.quote_path(path)}\n"
+                       for letter, path in diff(self.overlay, ex)).encode()
 
     def preview_text(self, ex: Execution) -> bytes:
-        """``.ramet/preview``: the preview under the execution's ``ramet.toml``, as JSON.
-        A malformed policy fails the open (EINVAL) with its message in ``.ramet/error``."""
+        """``.ramet/preview``: the preview under the policy the harness stored with the
+        execution (none if it stored none), as JSON; the tree's ``ramet.toml`` only if that
+        policy is ``tree``.  A malformed policy fails the open (EINVAL) with its message in
+        ``.ramet/error``."""
         try:
-            report = preview(self.overlay, ex)
+            report = preview(self.overlay, ex, policy.Setting.from_record(ex.policy))
         except RametError as exc:
             self.errors[ex.id] = self._failed(exc, protocol.PREVIEW)
             raise
@@ -463,9 +479,3 @@ def execution_reply(reply: dict | None) -> dict | None:
 def _local_stats(stats: dict, *drop: str) -> dict:
     """``stats`` without :data:`protocol.STORE_WIDE_STATS` and the keys ``drop``."""
     return {k: v for k, v in stats.items() if k not in protocol.STORE_WIDE_STATS + drop}
-
-
-def _policy_text(args: dict) -> bytes | None:
-    """The ``--policy`` text of a command, as bytes (None when not given)."""
-    text = args.get("policy")
-    return None if text is None else text.encode()

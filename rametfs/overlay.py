@@ -154,7 +154,10 @@ class Execution(View):
     ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
     upper layer; ``frozen`` is set while a promote captures it (mutations wait on it);
     ``access`` who may use it and what its control files do (rametfs.authority), fixed at
-    create; ``failure`` says why an internal error stopped it, until its next reset.
+    create; ``failure`` says why an internal error stopped it, until its next reset;
+    ``policy`` is the persistence policy the harness stored with it (the record of a
+    rametfs.policy.Setting, or None); ``runtime`` the sandbox recorded as running it
+    (``{"name", "uid", "gid"[, "image"]}``, or None).
     """
 
     read_only = False
@@ -185,11 +188,16 @@ class Execution(View):
         # Names the kernel was told do not exist in the root (cached negative dentries),
         # which a reset must make it forget; below the root, dropping the root's names does.
         self.negative_root: set[bytes] = set()
+        self.policy: dict | None = None
+        self.runtime: dict | None = None
 
     def record(self) -> bytes:
-        return msgpack.packb({"base": self.base.id, "head": self.head, "layer": self.layer,
-                              "root_ino": self.root_ino, "created_ns": self.created_ns,
-                              **self.access.to_record()})
+        rec = {"base": self.base.id, "head": self.head, "layer": self.layer,
+               "root_ino": self.root_ino, "created_ns": self.created_ns,
+               **self.access.to_record()}
+        rec.update((key, value) for key, value in (("policy", self.policy),
+                                                   ("runtime", self.runtime)) if value)
+        return msgpack.packb(rec)
 
 
 class Node:
@@ -467,6 +475,7 @@ class Overlay:
         base = self.store.snapshot(rec["base"])
         ex = Execution(eid, base, rec["head"], rec["layer"], rec["root_ino"], rec["created_ns"],
                        Access.from_record(rec))
+        ex.policy, ex.runtime = rec.get("policy"), rec.get("runtime")
         with self.store.read() as txn:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
         upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
@@ -484,15 +493,17 @@ class Overlay:
         txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
         self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
 
-    def create_execution(self, snap: Snapshot, eid: str, access: Access = Access()) -> Execution:
+    def create_execution(self, snap: Snapshot, eid: str, access: Access = Access(),
+                         policy: dict | None = None) -> Execution:
         """A new execution of ``snap`` named ``eid`` with ``access``: one record, O(1) in the
-        tree size.
+        tree size; ``policy`` is stored with it (``Execution.policy``).
 
         Raises RametError(EEXIST) when ``eid`` is taken.
         """
         if eid in self.executions:
             raise RametError(f"execution {eid!r} already exists", errno.EEXIST)
         ex = Execution(eid, snap, snap.id, 0, self._alloc_ino(), time.time_ns(), access)
+        ex.policy = policy
         with self.store.write() as txn:
             self._new_layer(txn, ex)
             self._persist_counters(txn)
@@ -566,6 +577,14 @@ class Overlay:
 
     def set_head(self, ex: Execution, sid: str) -> None:
         ex.head = sid
+        self._save_record(ex)
+
+    def set_runtime(self, ex: Execution, runtime: dict) -> None:
+        """Record the sandbox that runs ``ex`` (``Execution.runtime``)."""
+        ex.runtime = runtime
+        self._save_record(ex)
+
+    def _save_record(self, ex: Execution) -> None:
         with self.store.write() as txn:
             txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
 

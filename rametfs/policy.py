@@ -37,6 +37,7 @@ import blake3
 from .errors import InvalidArgument
 from .longpath import cached, short
 from .treewalk import postorder, preorder
+from .protocol import POLICY_NONE, POLICY_TREE, quote_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,6 +50,7 @@ KEPT = (DURABLE, SHARED)
 POLICY_FILE = "ramet.toml"
 POLICY_VERSION = 1
 DEFAULT_TIMEOUT_S = 600.0
+MAX_POLICY_BYTES = 64 * 1024  # of a tree's ramet.toml; a given one fits in a 64 KiB command
 RECIPE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _WILDCARDS = frozenset("*?[")
 _READ_BYTES = 1 << 20
@@ -327,6 +329,84 @@ def _translate(part: str) -> str:
     return out
 
 
+# -- which policy applies --------------------------------------------------------------------
+
+COMMAND, CREATE, POOL = "command", "create", "pool"  # where the harness gave a policy
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The policy the harness chose: its TOML ``text``, or (``text`` None) the tree's own
+    ``ramet.toml``; ``given`` where it was given: ``"command"`` (with the promote, preview
+    or checkpoint), ``"create"`` or ``"pool"`` (stored with the execution).
+
+    Its record (the execution's ``policy`` field, docs/format.md) is ``{"from": given,
+    "text": text}``.
+    """
+
+    text: str | None
+    given: str = COMMAND
+
+    @property
+    def source(self) -> str:
+        """What messages and ``stats.policy`` call it: ``ramet.toml``, ``--policy``,
+        ``create --policy`` or ``pool --policy``."""
+        if self.text is None:
+            return POLICY_FILE
+        return "--policy" if self.given == COMMAND else f"{self.given} --policy"
+
+    def record(self) -> dict:
+        return {"from": self.given, "text": self.text}
+
+    @classmethod
+    def from_record(cls, record: dict | None) -> Setting | None:
+        return None if record is None else cls(record["text"], record["from"])
+
+
+def check_tree_file(mode: int, size: int) -> None:
+    """Raise InvalidArgument (EINVAL) unless the tree's ``ramet.toml`` (``st_mode``, bytes)
+    is a regular file of at most :data:`MAX_POLICY_BYTES`: a policy is read whole."""
+    if not stat.S_ISREG(mode):
+        raise InvalidArgument(f"{POLICY_FILE} is not a regular file")
+    if size > MAX_POLICY_BYTES:
+        raise InvalidArgument(f"{POLICY_FILE} is {size} bytes: a policy is at most "
+                              f"{MAX_POLICY_BYTES}")
+
+
+def setting(value: str, given: str = COMMAND) -> Setting | None:
+    """The policy a ``--policy`` value names: None for ``none`` (no policy: everything is
+    kept), the tree's ``ramet.toml`` for ``tree``, else the value as a policy's text."""
+    if value == POLICY_NONE:
+        return None
+    return Setting(None if value == POLICY_TREE else value, given)
+
+
+def stored(value: str | None, given: str) -> dict | None:
+    """The record to store for the ``--policy`` value given at ``create`` or ``pool``
+    (None: none), its text parsed now so that a malformed one is refused when given:
+    InvalidArgument (EINVAL) naming the line."""
+    chosen = None if value is None else setting(value, given)
+    if chosen is None:
+        return None
+    if chosen.text is not None:
+        load(chosen.text.encode(), chosen.source)
+    return chosen.record()
+
+
+def shown(record: dict | None) -> str | None:
+    """What an execution's status says of its stored policy: its source (``create
+    --policy``, ``pool --policy``, ``ramet.toml``) or None."""
+    chosen = Setting.from_record(record)
+    return None if chosen is None else chosen.source
+
+
+def choose(value: str | None, stored: dict | None) -> Setting | None:
+    """The policy a promote or preview applies: the ``--policy`` value given with the
+    command (:func:`setting`), else the one stored with the execution (its record), else
+    None.  Raises InvalidArgument (EINVAL) for a malformed value."""
+    return setting(value) if value is not None else Setting.from_record(stored)
+
+
 # -- preview ---------------------------------------------------------------------------------
 
 class Tree(Protocol):
@@ -485,26 +565,29 @@ def input_problems(policy: Policy, classified: Classified,
     for name in classified.outputs:
         for path in policy.recipes[name].inputs:
             is_dir = exists(path)
+            shown = quote_path(os.fsencode(path))
             if is_dir is None:
-                problems.append(f"recipe {name}: input {path} is missing")
+                problems.append(f"recipe {name}: input {shown} is missing")
                 continue
             cls, _recipe, top = policy.class_of(path, is_dir, memo)
             if cls not in KEPT:
-                problems.append(f"recipe {name}: input {path} is {cls} ({top}), so a promote "
-                                "would not keep it")
+                problems.append(f"recipe {name}: input {shown} is {cls} "
+                                f"({quote_path(os.fsencode(top))}), so a promote would not "
+                                "keep it")
     return problems
 
 
 def shared_problems(policy: Policy, changes: Iterable[tuple[str, bytes]]) -> list[str]:
     """The changed shared paths among ``changes`` (``(letter, path)`` pairs of a diff,
-    directories ending in ``/``), as ``"shared path changed: <letter> <path>"``."""
+    directories ending in ``/``), as ``"shared path changed: <letter> <path>"``, the path
+    quoted as ``.ramet/diff`` quotes it (rametfs.protocol.quote_path)."""
     out = []
     memo: dict = {}
     for letter, raw in changes:
         path = os.fsdecode(raw)
         cls, _recipe, _top = policy.class_of(path.rstrip("/"), path.endswith("/"), memo)
         if cls == SHARED:
-            out.append(f"shared path changed: {letter} {path}")
+            out.append(f"shared path changed: {letter} {quote_path(raw)}")
     return out
 
 

@@ -32,7 +32,7 @@ from .errors import Busy, InvalidArgument, NotFound, RametError
 from .overlay import Overlay
 from .store import Snapshot
 from .store.leases import (LEASED, NOT_POOLED, QUARANTINED, READY, Lease, Member, PoolRecord,
-                           pool_json)
+                           check_policy, pool_json)
 
 __all__ = ["LEASED", "QUARANTINED", "READY", "Lease", "Member", "Pool", "Pools"]
 
@@ -47,12 +47,13 @@ class Pool:
     size: int
     created_ns: int
     access: Access
+    policy: dict | None = None  # the persistence policy its members are created with
     members: list[str] = field(default_factory=list)
     ready: list[str] = field(default_factory=list)
 
-    def record(self) -> bytes:
-        return PoolRecord(self.base.id, self.size, self.created_ns,
-                          self.access.to_record()).pack()
+    def record(self) -> PoolRecord:
+        return PoolRecord(self.base.id, self.size, self.created_ns, self.access.to_record(),
+                          self.policy)
 
 
 class Pools:
@@ -73,7 +74,8 @@ class Pools:
             for key, value in txn.cursor(db=self.store.db["pools"]):
                 rec, name = PoolRecord.unpack(value), key.decode()
                 self.pools[name] = Pool(name, self.store.snapshot(rec.base), rec.size,
-                                        rec.created_ns, Access.from_record(rec.access))
+                                        rec.created_ns, Access.from_record(rec.access),
+                                        rec.policy)
             for key, value in txn.cursor(db=self.store.db["leases"]):
                 member = Member.unpack(key.decode(), value)
                 pool = self.pools.get(member.pool)
@@ -101,30 +103,34 @@ class Pools:
         return pool
 
     def open(self, name: str | None, snap: Snapshot, size: int,
-             options: dict[str, str]) -> tuple[Pool, bool]:
+             options: dict[str, str], policy: dict | None = None) -> tuple[Pool, bool]:
         """Create pool ``name`` (generated when None) of ``size`` executions of ``snap``, or
         reattach to the pool of that name, growing it to ``size`` members.  ``options`` are
         the access options given (``Access.given``): a new pool's members get them over the
-        defaults; a pool reattached to must have them.
+        defaults; a pool reattached to must have them.  Members are created with ``policy``
+        (a policy record).
 
         Returns ``(pool, created)``.  Raises ProtocolError (EINVAL) for a bad name or size
         (``protocol.check_pool``), InvalidArgument (EINVAL) for a bad option, RametError
-        (EEXIST) when the pool exists with another base or other access settings.
+        (EEXIST) when the pool exists with another base or other access settings, or
+        ``policy`` is given and is not the pool's.
         """
         name = protocol.check_pool(name, size)
         pool = self.pools.get(name)
         created = pool is None
         if pool is None:
-            pool = Pool(name, snap, size, time.time_ns(), Access().given(options))
+            pool = Pool(name, snap, size, time.time_ns(), Access().given(options), policy)
         elif pool.base.id != snap.id:
             raise RametError(f"pool {name!r} exists with base {pool.base.id}, not {snap.id}",
                              errno.EEXIST)
         elif pool.access.given(options) != pool.access:
             raise RametError(f"pool {name!r} exists with {pool.access.describe()}, not "
                              f"{pool.access.given(options).describe()}", errno.EEXIST)
+        else:
+            check_policy(name, pool.record(), policy)
         pool.size = max(pool.size, size)
         with self.store.write() as txn:
-            txn.put(name.encode(), pool.record(), db=self.store.db["pools"])
+            txn.put(name.encode(), pool.record().pack(), db=self.store.db["pools"])
         self.pools[name] = pool
         while self._serving(pool) < pool.size:
             self._add_member(pool)
@@ -136,7 +142,7 @@ class Pools:
     def _add_member(self, pool: Pool) -> Member:
         """A new ready execution in ``pool``: one execution record and one member record."""
         eid = protocol.member_name(pool.name)
-        self.overlay.create_execution(pool.base, eid, pool.access)
+        self.overlay.create_execution(pool.base, eid, pool.access, pool.policy)
         member = Member(eid, pool.name, returned_ns=time.time_ns())
         self._save(member)
         self.members[eid] = member
@@ -254,7 +260,7 @@ class Pools:
             txn.delete(eid.encode(), db=self.store.db["leases"])
             if member.state != QUARANTINED:
                 pool.size -= 1
-                txn.put(pool.name.encode(), pool.record(), db=self.store.db["pools"])
+                txn.put(pool.name.encode(), pool.record().pack(), db=self.store.db["pools"])
         pool.members.remove(eid)
         if eid in pool.ready:
             pool.ready.remove(eid)
@@ -267,8 +273,7 @@ class Pools:
     # -- status --------------------------------------------------------------------------
 
     def _json(self, pool: Pool) -> dict:
-        return {**pool_json(pool.name, PoolRecord(pool.base.id, pool.size, pool.created_ns),
-                            [self.members[eid] for eid in pool.members]),
+        return {**pool_json(pool.name, pool.record(), [self.members[eid] for eid in pool.members]),
                 **pool.access.to_json()}
 
     def _counts(self, pool: Pool) -> dict[str, int]:

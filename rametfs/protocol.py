@@ -16,6 +16,7 @@ Layout (paths relative to the mountpoint)::
     executions/<id>/.ramet/status    JSON: execution, id, base, head, state, created_ns,
                                      upper_bytes, last reply
     executions/<id>/.ramet/diff      ``A|M|D <path>`` lines, like ``git status --porcelain``
+                                     (names quoted as git quotes them: :func:`quote_path`)
     executions/<id>/.ramet/preview   JSON: what a promote would keep, by class (docs/policy.md)
     executions/<id>/.ramet/error     text: message of the last failed command here
     executions/<id>/.ramet/fsmonitor git's fsmonitor hook (protocol 2): run it, or write
@@ -34,10 +35,19 @@ Root commands and their replies::
 
     snapshot <abs-path> [--label L] [--message M]  -> {"ok", "snapshot", "stats"}
     create <snapshot-id> [--name N] [--owner UID] [--group GID] [--share MODE]
-           [--control full|read|none]              -> {"ok", "execution", "path"}
+           [--control full|read|none] [--policy P] -> {"ok", "execution", "path"}
     release <execution-id>                         -> {"ok", "execution"}
+    runtime <execution-id> bubblewrap|docker --uid U --gid G [--image I]
+                                                   -> {"ok", "execution", "runtime"}
     snapshot-git <abs-repo> [--rev REV] [--gitdir yes|no] [--label L] [--message M]
                                                    -> {"ok", "snapshot", "stats"}
+
+``create --policy`` stores a persistence policy with the execution (see ``--policy``
+below), which its promotes and previews apply; it survives reset and restart.  ``runtime``
+records which sandbox runs the execution's commands (the sandbox adapters send it): a
+promote keeps it in the snapshot record with the recipes, and a restore runs them there by
+default.  Labels are at most :data:`MAX_LABEL_BYTES` bytes and messages
+:data:`MAX_MESSAGE_BYTES` (EINVAL beyond, for every command that takes them).
 
 ``snapshot-git`` imports the tree of commit ``REV`` (default ``HEAD``) of a git repository
 from its objects, without a checkout; ``--gitdir yes`` takes the repository's ``.git``
@@ -54,7 +64,8 @@ Pool and lease commands (rametfs.pools; ``--size``, ``--holder`` and ``--ttl`` a
 times in seconds, decimals allowed; lease times in the replies are wall-clock ns)::
 
     pool <snapshot-id> --size N [--name P] [--owner UID] [--group GID] [--share MODE]
-         [--control full|read|none]           -> {"ok", "pool", "snapshot", "size", "created",
+         [--control full|read|none] [--policy POL]
+                                              -> {"ok", "pool", "snapshot", "size", "created",
                                                   "executions"}
     acquire <pool> --holder H --ttl S [--pid PID] [--host HOST]
                                               -> {"ok", "execution", "path", "pool",
@@ -66,9 +77,10 @@ times in seconds, decimals allowed; lease times in the replies are wall-clock ns
     drop <pool>                               -> {"ok", "pool", "executions"}
 
 ``pool`` creates a pool of N warm executions of a snapshot, or reattaches to the pool named
-P (growing it to N; EEXIST when it has another base, or when an ``--owner``, ``--group``,
-``--share`` or ``--control`` given differs from the pool's).  Every member gets the pool's
-settings (those of ``create``; absent options of a new pool take ``create``'s defaults).  ``acquire`` leases the ready execution
+P (growing it to N; EEXIST when it has another base, when an ``--owner``, ``--group``,
+``--share`` or ``--control`` given differs from the pool's, or when ``--policy`` names
+another policy).  Every member gets the pool's settings and policy (those of ``create``;
+absent options of a new pool take ``create``'s defaults).  ``acquire`` leases the ready execution
 returned last to holder H (a token the client chooses; PID and HOST are recorded for people)
 for S seconds: EBUSY when none is ready, ENOENT unknown pool.  It answers at once: the kernel
 serialises the writes to one ``ctl`` file, so a command that waited would hold up every other
@@ -140,8 +152,11 @@ their base or head (without those figures and without ``source``), no pools, no 
 ``data`` or ``last``.
 
 ``--policy`` carries a persistence policy's text itself (the client reads the file), so the
-daemon never opens a path a sandbox names.  Without it, promote and preview apply the
-execution's own ``ramet.toml`` if there is one; checkpoint applies none (docs/policy.md).
+daemon never opens a path a sandbox names, or one of two words, which no policy's text can be
+(neither is a TOML document): ``tree``, the execution's own ``ramet.toml``, and ``none``, no
+policy.  Without it, promote and preview apply the policy stored with the execution
+(``create --policy``, ``pool --policy``), else none; checkpoint applies none.  The tree's
+``ramet.toml`` is read only when ``tree`` is given (docs/policy.md).
 
 Snapshot ids are 64 hex digits (BLAKE3); any unique prefix of at least
 :data:`MIN_ID_PREFIX` digits is accepted where an id is expected.  Execution ids are
@@ -174,6 +189,8 @@ EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR, PREVIEW, FSMONITOR
 MIN_ID_PREFIX = 8
 EXECUTION_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_COMMAND_BYTES = 64 * 1024
+MAX_LABEL_BYTES = 256  # of a --label (UTF-8)
+MAX_MESSAGE_BYTES = 16 * 1024  # of a --message (UTF-8): room for a --policy in the same command
 
 EINVAL = _errno.EINVAL
 ENOENT = _errno.ENOENT
@@ -192,9 +209,10 @@ STORE_WIDE_STATS = ("new_chunks", "new_chunk_bytes", "cached_files", "capture_ms
 # name -> (positional argument names, allowed options)
 ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "snapshot": (("path",), frozenset({"label", "message"})),
-    "create": (("snapshot",), frozenset({"name"}) | ACCESS_OPTIONS),
+    "create": (("snapshot",), frozenset({"name", "policy"}) | ACCESS_OPTIONS),
     "release": (("execution",), frozenset()),
-    "pool": (("snapshot",), frozenset({"size", "name"}) | ACCESS_OPTIONS),
+    "runtime": (("execution", "name"), frozenset({"uid", "gid", "image"})),
+    "pool": (("snapshot",), frozenset({"size", "name", "policy"}) | ACCESS_OPTIONS),
     "acquire": (("pool",), frozenset({"holder", "ttl", "pid", "host"})),
     "renew": (("execution",), frozenset({"holder", "ttl"})),
     "return": (("execution",), frozenset({"holder", "verify"})),
@@ -223,8 +241,12 @@ REQUIRED_OPTIONS: dict[str, frozenset[str]] = {
     "acquire": frozenset({"holder", "ttl"}),
     "renew": frozenset({"holder", "ttl"}),
     "return": frozenset({"holder"}),
+    "runtime": frozenset({"uid", "gid"}),
 }
+POLICY_TREE, POLICY_NONE = "tree", "none"  # the words --policy takes besides a policy's text
 VERIFY_MODES = ("root", "deep")
+RUNTIMES = ("bubblewrap", "docker")  # sandboxes a ``runtime`` command records
+IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")  # a Docker image reference
 POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")  # member ids add 9 characters
 MAX_POOL_SIZE = 4096
 
@@ -278,8 +300,19 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
     missing = sorted(REQUIRED_OPTIONS.get(name, frozenset()) - args.keys())
     if missing:
         raise ProtocolError(f"{name}: missing {', '.join('--' + m for m in missing)}")
+    check_text(name, args.get("label"), args.get("message"))
     args.update(zip(positional, values))
     return name, args
+
+
+def check_text(command: str, label: str | None, message: str | None) -> None:
+    """Raise ProtocolError (EINVAL) for a label over :data:`MAX_LABEL_BYTES` or a message
+    over :data:`MAX_MESSAGE_BYTES` (UTF-8); None is not given."""
+    for option, value, limit in (("label", label, MAX_LABEL_BYTES),
+                                 ("message", message, MAX_MESSAGE_BYTES)):
+        size = 0 if value is None else len(value.encode(errors="surrogatepass"))
+        if size > limit:
+            raise ProtocolError(f"{command}: --{option} is at most {limit} bytes, not {size}")
 
 
 def yes_no(command: str, option: str, value: str | None) -> bool:
@@ -339,6 +372,29 @@ def parse_verify_mode(mode: str) -> str:
     return mode
 
 
+def parse_runtime(args: dict[str, str]) -> dict:
+    """The sandbox record of a ``runtime`` command (``name``, ``uid``, ``gid``, ``image``
+    arguments): ``{"name", "uid", "gid"}``, with ``"image"`` for docker.  ProtocolError
+    (EINVAL) for another name, a uid or gid that is not a whole number below 2**32 - 1 (or
+    0 for bubblewrap, which never runs as root), an image that is missing for docker, given
+    for bubblewrap, or not matching :data:`IMAGE_RE`."""
+    name, image = args["name"], args.get("image")
+    if name not in RUNTIMES:
+        raise ProtocolError(f"runtime: the sandbox is one of {', '.join(RUNTIMES)}, "
+                            f"not {name!r}")
+    ids = {key: parse_count(args[key], f"--{key}", minimum=0) for key in ("uid", "gid")}
+    for key, value in ids.items():
+        if value >= 2**32 - 1:
+            raise ProtocolError(f"runtime: --{key} must be below {2**32 - 1}, not {value}")
+        if value == 0 and name == "bubblewrap":
+            raise ProtocolError(f"runtime: bubblewrap never runs as root: --{key} 0")
+    if (image is None) != (name == "bubblewrap"):
+        raise ProtocolError("runtime: --image is needed for docker, and only for docker")
+    if image is not None and not IMAGE_RE.fullmatch(image):
+        raise ProtocolError(f"runtime: image {image!r} must match {IMAGE_RE.pattern}")
+    return {"name": name, **ids, **({"image": image} if image is not None else {})}
+
+
 def check_pool(name: str | None, size: int) -> str:
     """The pool name to use (``name``, or a new ``pool-<8 hex>``); ProtocolError for a name
     not matching :data:`POOL_NAME_RE` or a size outside 1..:data:`MAX_POOL_SIZE`."""
@@ -353,3 +409,38 @@ def check_pool(name: str | None, size: int) -> str:
 def member_name(pool: str) -> str:
     """A new execution id for a member of pool ``pool``: ``<pool>-<8 hex>``."""
     return f"{pool}-{secrets.token_hex(4)}"
+
+
+# -- quoting names as git does --------------------------------------------------------------
+
+_C_ESCAPES = {7: "a", 8: "b", 9: "t", 10: "n", 11: "v", 12: "f", 13: "r", 34: '"', 92: "\\"}
+_QUOTED_BYTE = {b: f"\\{_C_ESCAPES.get(b) or format(b, '03o')}".encode()
+                for b in (*range(0x20), 34, 92, *range(0x7F, 0x100))}
+_MUST_QUOTE = re.compile(rb'[\x00-\x1f"\\\x7f-\xff]')
+_QUOTE_IF = re.compile(rb'[\x00-\x20"\\\x7f-\xff]')  # those, or a space
+_QUOTED = re.compile(r'"((?:[ !#-\[\]-~]|\\[abtnvfr"\\]|\\[0-3][0-7]{2})*)"')
+_ESCAPE = re.compile(r"\\(?:([abtnvfr\"\\])|([0-3][0-7]{2}))")
+_UNESCAPED = {v: chr(k) for k, v in _C_ESCAPES.items()}
+
+
+def quote_path(path: bytes) -> str:
+    """``path`` as ``git status --porcelain`` prints it (git's ``quote_path``, quote.c, with
+    ``core.quotePath=true``): as is, unless it holds a control character, ``"``, ``\\``, a
+    byte >= 0x80 or a space; then in double quotes, with ``\\a \\b \\t \\n \\v \\f \\r \\" \\\\``
+    and 3-digit octal for the other bytes of those.  ASCII only, so a line holds one name
+    and can be parsed back exactly (:func:`unquote_path`)."""
+    if _QUOTE_IF.search(path) is None:  # the common case, in C: about 0.3 us a name
+        return path.decode("ascii")
+    return f'"{_MUST_QUOTE.sub(lambda m: _QUOTED_BYTE[m.group()[0]], path).decode("ascii")}"'
+
+
+def unquote_path(text: str) -> bytes:
+    """The bytes of a name :func:`quote_path` printed.  Raises ProtocolError (EINVAL) for
+    text it cannot have printed."""
+    found = _QUOTED.fullmatch(text)
+    if found is None:
+        if not text.isascii() or _QUOTE_IF.search(text.encode()):
+            raise ProtocolError(f"not a name as rametfs quotes it: {text!r}")
+        return text.encode("ascii")
+    return _ESCAPE.sub(lambda m: _UNESCAPED[m.group(1)] if m.group(1) else
+                       chr(int(m.group(2), 8)), found.group(1)).encode("latin-1")

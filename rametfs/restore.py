@@ -2,29 +2,33 @@
 
 For each recipe, in the order the policy listed them (docs/policy.md): check its inputs
 against the recorded BLAKE3 hashes, run its command, run its readiness check; the first
-failure stops the restore.  Commands run through a *runtime adapter*, a callable
-``run(execution, argv, timeout)`` that runs ``argv`` (a list of str) with the execution's
-directory as working directory and returns an object with ``returncode`` (and, if it has
-them, ``stdout``/``stderr``), like :class:`subprocess.CompletedProcess`, or raises
-:class:`subprocess.TimeoutExpired` after ``timeout`` seconds.  The default,
-:func:`run_subprocess`, is a plain subprocess; a sandbox adapter (bubblewrap, docker) runs
-the same argv inside its sandbox.
+failure stops the restore.  Commands run through a *runtime*, a callable ``run(execution,
+argv, timeout)`` (the ``run`` of a rametfs.sandbox runtime) that runs ``argv`` (a list of
+str) in the execution and returns a :class:`rametfs.sandbox.Result` (``exit_code``,
+``stdout``, ``stderr``, ``timed_out``).  Recipes may come from an agent (its own promote, its
+own ``ramet.toml`` promoted with ``--policy tree``), so they run in a sandbox unless the
+caller asks for the host: :func:`runtime_for` picks the sandbox the snapshot recorded, and
+refuses when it recorded none and the caller named none.
 
-Used by :meth:`rametfs.client.Ramet.restore`; needs only the standard library, BLAKE3 and
-rametfs.policy, so a harness process does not load the daemon's modules.
+Used by :meth:`rametfs.client.Ramet.restore`; needs only the standard library, BLAKE3,
+rametfs.policy and the harness side's rametfs.sandbox, so a harness process does not load
+the daemon's modules.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .client import RametError
 from .policy import path_digest
+from .protocol import RUNTIMES
+from .sandbox import Bubblewrap, Docker, Host, Result
 
+HOST = "host"
 OUTPUT_TAIL_BYTES = 2000
 
 
@@ -47,14 +51,43 @@ class Step:
                 f"({self.seconds:.2f} s): {self.detail}")
 
 
-Runtime = Callable[[object, list, float], object]
+Runtime = Callable[[object, list, float], Result]
 
 
-def run_subprocess(execution, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """The default runtime adapter: ``argv`` as a subprocess in ``execution.path``, no stdin,
-    output captured; raises subprocess.TimeoutExpired after ``timeout`` seconds."""
-    return subprocess.run(argv, cwd=execution.path, stdin=subprocess.DEVNULL,
-                          capture_output=True, timeout=timeout)
+def runtime_for(runtime, recorded: dict | None, snapshot: str) -> Runtime:
+    """The ``run`` callable for :meth:`rametfs.client.Ramet.restore`'s ``runtime``: None,
+    the sandbox ``recorded`` in the snapshot record (``{"name", "uid", "gid"[, "image"]}``,
+    docs/format.md); ``"bubblewrap"`` or ``"docker"``, that sandbox (as the recorded uid,
+    gid and image when the record names it, else as nobody; docker needs a recorded image);
+    ``"host"``, no sandbox (:class:`rametfs.sandbox.Host`); a runtime object (its ``run``);
+    or a callable ``run(execution, argv, timeout) -> Result``.
+
+    Raises RametError (EINVAL) when ``runtime`` is None and ``snapshot`` (its id, for the
+    message) records no sandbox, for an unknown name, and for docker without an image.
+    """
+    if runtime is None:
+        if recorded is None:
+            raise RametError(errno.EINVAL, f"snapshot {snapshot[:12]} records no sandbox to "
+                             "run its recipes in (no sandbox adapter ran the execution it was "
+                             "promoted from): give a runtime, one of bubblewrap, docker or "
+                             "host (host runs them unsandboxed, as this user)")
+        runtime = recorded["name"]
+    if not isinstance(runtime, str):
+        return getattr(runtime, "run", runtime)
+    if runtime == HOST:
+        return Host().run
+    if runtime not in RUNTIMES:
+        raise RametError(errno.EINVAL, f"unknown runtime {runtime!r}: expected one of "
+                         f"{', '.join((*RUNTIMES, HOST))}")
+    same = recorded if recorded is not None and recorded["name"] == runtime else {}
+    ids = {key: same[key] for key in ("uid", "gid") if key in same}
+    if runtime == "bubblewrap":
+        return Bubblewrap(**ids).run
+    if "image" not in same:
+        raise RametError(errno.EINVAL, f"snapshot {snapshot[:12]} records no docker image to "
+                         "run its recipes in: give one (rametfs restore --image, or a "
+                         "rametfs.sandbox.Docker runtime)")
+    return Docker(same["image"], **ids).run
 
 
 def rebuild(execution, recipes: list[dict], run: Runtime,
@@ -101,16 +134,16 @@ def _run(execution, recipe: dict, step: str, argv: list[str], run: Runtime) -> S
     started = time.monotonic()
     try:
         done = run(execution, list(argv), recipe["timeout"])
-    except subprocess.TimeoutExpired:
-        return Step(recipe["name"], step, False, time.monotonic() - started,
-                    f"{_show(argv)} timed out after {recipe['timeout']} s", errno.ETIMEDOUT)
-    except OSError as exc:
+    except OSError as exc:  # RametError too: the sandbox could not be set up
         return Step(recipe["name"], step, False, time.monotonic() - started,
                     f"{_show(argv)} did not start: {exc}", exc.errno or errno.EIO)
     seconds = time.monotonic() - started
-    if done.returncode != 0:
+    if done.timed_out:
         return Step(recipe["name"], step, False, seconds,
-                    f"{_show(argv)} exited {done.returncode}{_tail(done)}", errno.EIO)
+                    f"{_show(argv)} timed out after {recipe['timeout']} s", errno.ETIMEDOUT)
+    if done.exit_code != 0:
+        return Step(recipe["name"], step, False, seconds,
+                    f"{_show(argv)} exited {done.exit_code}{_tail(done)}", errno.EIO)
     return Step(recipe["name"], step, True, seconds, f"{_show(argv)} exited 0")
 
 
@@ -118,10 +151,7 @@ def _show(argv: list[str]) -> str:
     return argv[2] if argv[:2] == ["sh", "-c"] and len(argv) == 3 else " ".join(argv)
 
 
-def _tail(done) -> str:
-    out = b""
-    for stream in (getattr(done, "stdout", None), getattr(done, "stderr", None)):
-        if stream:
-            out += stream.encode() if isinstance(stream, str) else stream
+def _tail(done: Result) -> str:
+    out = (done.stdout + done.stderr).encode()
     text = out[-OUTPUT_TAIL_BYTES:].decode(errors="replace").strip()
     return f"; output ends with:\n{text}" if text else ""

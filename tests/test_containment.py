@@ -13,7 +13,6 @@ import ctypes
 import errno
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 

@@ -24,7 +24,7 @@ from conftest import cli_where, run
 from rametfs import Ramet, RametError, policy
 from rametfs.cli import main
 from rametfs.client import RestoreError
-from rametfs.restore import run_subprocess
+from rametfs.sandbox import Host
 
 POLICY = """\
 # what a promote keeps
@@ -163,7 +163,7 @@ def snapshot_files(ramet: Ramet, sid: str, tmp_path: Path) -> dict[str, str]:
 def test_preview_then_promote_applies_the_policy(ramet, project, tmp_path):
     write(project, {"docs/readme.md": "read me\n", "docs/notes.log": "noise\n"})  # unchanged
     base = ramet.snapshot(project)
-    ex = ramet.create(base)
+    ex = ramet.create(base, policy="tree")  # the harness trusts the tree's ramet.toml
     write(ex.path, {"src/c.py": "C = 3\n", "run.log": "log line\n", "tmp/scratch": "0123456789",
                     "x.tmp": "t", "build/bundle.py": "stale\n"})
     before = ex.diff()
@@ -210,7 +210,7 @@ def test_preview_then_promote_applies_the_policy(ramet, project, tmp_path):
 
     def runtime(execution, argv, timeout):  # an adapter: here it records and runs
         calls.append((execution.id, argv, timeout))
-        return run_subprocess(execution, argv, timeout)
+        return Host().run(execution, argv, timeout)
 
     restored = ramet.restore(sid, runtime=runtime)
     assert [(s.recipe, s.step, s.ok) for s in restored.steps] == [
@@ -233,9 +233,9 @@ def test_changed_shared_path_stops_the_promote(ramet, project, tmp_path):
     (ex.path / "src" / "a.py").write_text("A = 10\n")
     count = len(ramet.snapshots())
     problems = ["shared path changed: A data/new.csv", "shared path changed: M data/table.csv"]
-    assert ex.preview()["problems"] == problems
+    assert ex.preview(policy="tree")["problems"] == problems
     with pytest.raises(RametError) as info:
-        ex.promote()
+        ex.promote(policy="tree")
     assert info.value.errno == errno.EINVAL
     assert str(info.value) == "promote stopped by the policy (ramet.toml): " + "; ".join(
         problems)
@@ -259,7 +259,7 @@ def test_policy_given_at_promote_and_malformed_policies(ramet, project, tmp_path
     count = len(ramet.snapshots())
     for call in (ex.promote, ex.preview):
         with pytest.raises(RametError) as info:
-            call()
+            call(policy="tree")
         assert (info.value.errno, str(info.value)) == (
             errno.EINVAL, "ramet.toml, line 3: paths: expected a list of glob strings")
     assert len(ramet.snapshots()) == count
@@ -269,7 +269,7 @@ def test_policy_given_at_promote_and_malformed_policies(ramet, project, tmp_path
         'inputs = ["tmp/in", "conf"]\ncommand = "true"\n')
     write(ex.path, {"out/o": "", "tmp/in": ""})
     with pytest.raises(RametError) as info:
-        ex.promote()
+        ex.promote(policy="tree")
     assert str(info.value) == (
         "promote stopped by the policy (ramet.toml): recipe x: input tmp/in is ephemeral "
         "(tmp), so a promote would not keep it; recipe x: input conf is missing")
@@ -289,10 +289,10 @@ inputs = ["conf/second.cfg"]
 command = "mkdir -p two"
 """, "conf/second.cfg": "v1\n", "one/x": "1", "two/y": "2"})
     ex = ramet.create(ramet.snapshot(root))
-    sid = ex.promote()
+    sid = ex.promote(policy="tree")
     seen = []
     with pytest.raises(RestoreError) as info:
-        ramet.restore(sid, on_step=seen.append)
+        ramet.restore(sid, runtime="host", on_step=seen.append)
     err = info.value
     assert err.errno == errno.EIO
     assert [(s.recipe, s.step, s.ok) for s in err.steps] == [
@@ -305,16 +305,17 @@ command = "mkdir -p two"
     (ex.path / "ramet.toml").write_text(
         '[rebuildable.first]\npaths = ["one/"]\ncommand = "true"\n'
         'check = "echo not ready >&2; exit 3"\n')
-    sid = ex.promote()
+    sid = ex.promote(policy="tree")
     with pytest.raises(RestoreError) as info:
-        ramet.restore(sid)
+        ramet.restore(sid, runtime="host")
     assert [(s.recipe, s.step, s.ok) for s in info.value.steps][-1] == ("first", "check", False)
     assert str(info.value).endswith(
         "recipe first: check failed: echo not ready >&2; exit 3 exited 3; "
         "output ends with:\nnot ready")
     ramet.release(info.value.execution)
 
-    result = CliRunner().invoke(main, ["restore", *cli_where(ramet), sid, "--name", "inspect-me"])
+    result = CliRunner().invoke(main, ["restore", *cli_where(ramet), sid, "--name", "inspect-me",
+                                       "--runtime", "host"])
     assert result.exit_code == 1  # EIO
     assert result.stdout == "inspect-me\n"  # kept for inspection
     assert [line.split(" (")[0] for line in result.stderr.splitlines()] == [
@@ -326,9 +327,9 @@ command = "mkdir -p two"
 
     (ex.path / "ramet.toml").write_text(
         '[rebuildable.slow]\npaths = ["one/"]\ncommand = ["sleep", "30"]\ntimeout = 0.2\n')
-    sid = ex.promote()
+    sid = ex.promote(policy="tree")
     with pytest.raises(RestoreError) as info:
-        ramet.restore(sid)
+        ramet.restore(sid, runtime="host")
     assert (info.value.errno, str(info.value).split(": ", 1)[1]) == (
         errno.ETIMEDOUT, "recipe slow: command failed: sleep 30 timed out after 0.2 s")
     ramet.release(info.value.execution)
@@ -339,7 +340,7 @@ command = "mkdir -p two"
 
 def test_preview_file_and_cli(shared_daemon, project):
     d = shared_daemon
-    ex = d.create(d.snapshot(project))
+    ex = d.ctl(f"create {d.snapshot(project)} --policy tree")["execution"]
     path = d.exec_path(ex)
     (path / "run.log").write_text("log\n")
     text = (path / ".ramet" / "preview").read_text()
@@ -407,7 +408,7 @@ check = "test -f build/app.py"
     for wheel in wheelhouse.iterdir():
         (root / "wheels" / wheel.name).write_bytes(wheel.read_bytes())
     ramet = Ramet(shared_daemon.mnt)
-    ex = ramet.create(ramet.snapshot(root))
+    ex = ramet.create(ramet.snapshot(root), policy="tree")
     venv = [py, "-m", "venv", "--without-pip", ".venv"]
     run(*venv, cwd=ex.path)
     run(py, "-m", "pip", "--python", ".venv/bin/python", "install", "-q", "--no-index",
@@ -432,7 +433,8 @@ check = "test -f build/app.py"
     assert record["recipes"][0]["inputs"][0]["blake3"] == \
         blake3.blake3(b"tinypkg==1.0\n").hexdigest()
 
-    result = CliRunner().invoke(main, ["restore", "-m", str(shared_daemon.mnt), sid])
+    result = CliRunner().invoke(main, ["restore", "-m", str(shared_daemon.mnt), sid,
+                                       "--runtime", "host"])
     assert result.exit_code == 0, result.output
     restored = result.stdout.strip()
     steps = [line.split(" (")[0] for line in result.stderr.splitlines()]

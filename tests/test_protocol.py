@@ -53,8 +53,8 @@ def test_format_then_parse_round_trips(name, positional, options, line, args):
     ("  \n", EXECUTION_COMMANDS, "empty command"),
     ("frobnicate x", ROOT_COMMANDS,
      "unknown command 'frobnicate'; expected one of acquire, checkpoint, create, diff, drop, "
-     "fault, pool, preview, promote, release, renew, reset, return, snapshot, snapshot-git, "
-     "status, verify"),
+     "fault, pool, preview, promote, release, renew, reset, return, runtime, snapshot, "
+     "snapshot-git, status, verify"),
     ("promote", ROOT_COMMANDS, "promote: expected <execution>, got 0 argument(s)"),
     ("status", EXECUTION_COMMANDS,
      "unknown command 'status'; expected one of checkpoint, preview, promote, reset, verify"),
@@ -108,7 +108,7 @@ def fake_mount(tmp_path):
     (tmp_path / ".ramet" / "status").write_text(json.dumps(root))
     control = tmp_path / "executions" / "run-1" / ".ramet"
     control.mkdir(parents=True)
-    (control / "diff").write_text("A dir/new file\nD gone\nM src/main.py\n")
+    (control / "diff").write_text('A "dir/new file"\nD gone\nM src/main.py\n')
     (control / "status").write_text(json.dumps({"execution": "run-1", "base": ID_A}))
     return tmp_path
 
@@ -195,7 +195,7 @@ def test_cli_errors_map_errno_to_exit_code(fake_mount):
 def test_cli_diff_status_log_ls(fake_mount):
     mount = str(fake_mount)
     assert run("diff", "run-1", "-m", mount).stdout == \
-        "A dir/new file\nD gone\nM src/main.py\n"
+        'A "dir/new file"\nD gone\nM src/main.py\n'
     assert json.loads(run("status", "run-1", "-m", mount).stdout) == \
         {"execution": "run-1", "base": ID_A}
     assert run("log", "cccccccc", "-m", mount).stdout == (

@@ -98,6 +98,7 @@ class Fallback:
 
     def snapshot(self, source: str, label: str = "", message: str = "") -> dict:
         """Import the directory ``source`` (absolute) as a snapshot (``import_tree``)."""
+        protocol.check_text("snapshot", label, message)
         snap = import_tree(self.store, source, label, message)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
@@ -107,21 +108,27 @@ class Fallback:
         (``import_git``); ``gitdir`` ``"yes"`` takes its ``.git`` directory along."""
         try:
             with_git_dir = protocol.yes_no("snapshot-git", "gitdir", gitdir)
+            protocol.check_text("snapshot-git", label, message)
         except protocol.ProtocolError as exc:
             raise InvalidArgument(str(exc)) from None
         snap = import_git(self.store, repo, rev, with_git_dir, label, message)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
-    def create(self, snapshot: str, name: str | None = None, **access: str) -> dict:
-        """Materialise ``snapshot`` (id or unique prefix) as a new execution; ``access`` the
+    def create(self, snapshot: str, name: str | None = None, policy: str | None = None, *,
+               stored_policy: dict | None = None, **access: str) -> dict:
+        """Materialise ``snapshot`` (id or unique prefix) as a new execution, storing with it
+        the persistence policy ``policy`` (a ``--policy`` value: text, ``tree`` or
+        ``none``), or the policy record ``stored_policy`` (a pool's); ``access`` the
         ``owner``, ``group``, ``share`` and ``control`` options, recorded and shown in its
         status (the data directory, 0700, keeps every other uid out, and the tree has no
         control files, so neither changes what a sandbox may do; docs/fallback.md).
 
-        Raises NotFound (ENOENT) unknown snapshot, InvalidArgument (EINVAL) bad name or
-        setting, RametError (EEXIST) name taken, OSError (ENOSPC ...) while writing the tree.
+        Raises NotFound (ENOENT) unknown snapshot, InvalidArgument (EINVAL) bad name,
+        setting or malformed policy, RametError (EEXIST) name taken, OSError (ENOSPC ...)
+        while writing the tree.
         """
         settings = Access().given(access)
+        stored_policy = _policy.stored(policy, _policy.CREATE) or stored_policy
         snap = self.store.snapshot(snapshot)
         eid = name or secrets.token_hex(6)
         if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
@@ -138,7 +145,7 @@ class Fallback:
                 records, stats = sync.sync(self.store, os.fsencode(path), snap, {},
                                            self.copy_method)
                 meta = manifest.Meta(eid, snap.id, snap.id, time.time_ns(), None, records,
-                                     settings.to_record())
+                                     settings.to_record(), policy=stored_policy)
                 manifest.save(self._meta_path(eid), meta)
         except BaseException:
             sync.remove_tree(os.fsencode(path))
@@ -163,6 +170,19 @@ class Fallback:
             raise NotFound(self._missing(eid))
         return {"ok": True, "execution": eid}
 
+    def runtime(self, eid: str, name: str, uid: str, gid: str, image: str | None = None
+                ) -> dict:
+        """Record the sandbox that runs execution ``eid`` (protocol.parse_runtime: ProtocolError
+        EINVAL for a bad one); the manifest is rewritten only when it changes."""
+        runtime = protocol.parse_runtime({"name": name, "uid": uid, "gid": gid,
+                                          **({"image": image} if image is not None else {})})
+        with self._locked(eid):
+            if self._load(eid, records=False).runtime != runtime:
+                meta = self._load(eid)
+                meta.runtime = runtime
+                manifest.save(self._meta_path(eid), meta)
+        return {"ok": True, "execution": eid, "runtime": runtime}
+
     def status(self) -> dict:
         """``{"mode", "copy_method", "pid", "data", "mount", "version", "snapshots",
         "executions", "pools", "last"}`` like a daemon's root status (mount is None)."""
@@ -186,24 +206,25 @@ class Fallback:
                 policy: str | None = None) -> dict:
         """Snapshot the execution's tree (parent: its head) and make it the head.
 
-        The persistence policy is the text ``policy``, else the tree's ``ramet.toml`` if
-        any (rametfs.policy); InvalidArgument (EINVAL) when it is malformed or this state
-        breaks it (changed shared paths, recipe inputs missing or not kept).
+        The persistence policy is the ``--policy`` value ``policy`` (text, ``tree`` or
+        ``none``), else the one stored with the execution (rametfs.policy.choose);
+        InvalidArgument (EINVAL) when it is malformed or this state breaks it (changed shared
+        paths, recipe inputs missing or not kept).
         """
-        return self._capture(eid, label, message, True, policy, tree_policy=True)
+        return self._capture(eid, label, message, True, policy, stored=True)
 
     def checkpoint(self, eid: str, label: str = "", message: str = "",
                    policy: str | None = None) -> dict:
         """Snapshot the execution's tree without moving its head (policy: only ``policy``)."""
-        return self._capture(eid, label, message, False, policy, tree_policy=False)
+        return self._capture(eid, label, message, False, policy, stored=False)
 
     def preview(self, eid: str, policy: str | None = None) -> dict:
-        """What a promote would keep, by class (rametfs.policy.preview_report); under the
-        text ``policy``, else the tree's ``ramet.toml``.  Stores nothing."""
+        """What a promote would keep, by class (rametfs.policy.preview_report), under the
+        policy a promote would apply.  Stores nothing."""
         with self._locked(eid):
             meta = self._load(eid)
             root = os.fsencode(self.path(eid))
-            pol = _load_policy(root, policy, True)
+            pol = _load_policy(root, _policy.choose(policy, meta.policy))
             with cached():
                 classified = _policy.classify_tree(pol, _policy.FsTree(),
                                                    _policy.FsTree.root(root))
@@ -261,9 +282,9 @@ class Fallback:
 
     def execution_status(self, eid: str) -> dict:
         """``{"execution", "id", "base", "head", "state", "pool", "lease",
-        "quarantine_reason", "created_ns", "upper_bytes", "last", "path", "mode",
-        "copy_method", "owner", "group", "share", "control"}`` (``upper_bytes`` is None:
-        not tracked)."""
+        "quarantine_reason", "created_ns", "policy", "runtime", "upper_bytes", "last",
+        "path", "mode", "copy_method", "owner", "group", "share", "control"}``
+        (``upper_bytes`` is None: not tracked)."""
         self._check_name(eid)
         try:
             return self._json(manifest.load(self._meta_path(eid), records=False))
@@ -273,7 +294,8 @@ class Fallback:
     # -- helpers -------------------------------------------------------------------------
 
     def _capture(self, eid: str, label: str, message: str, move_head: bool,
-                 policy_text: str | None, tree_policy: bool) -> dict:
+                 policy: str | None, stored: bool) -> dict:
+        protocol.check_text("promote" if move_head else "checkpoint", label, message)
         with self._locked(eid):
             meta = self._load(eid)
             root = self.path(eid)
@@ -282,7 +304,7 @@ class Fallback:
                                       "a name rametfs reserves for its control files")
             started = time.monotonic_ns()
             rootb = os.fsencode(root)
-            pol = _load_policy(rootb, policy_text, tree_policy)
+            pol = _load_policy(rootb, _policy.choose(policy, meta.policy if stored else None))
             classified = _policy.Classified()
             if pol is not None:
                 with cached():
@@ -308,7 +330,8 @@ class Fallback:
                 stats.update(self.store.tree_totals(txn, root_entry.ref))
                 stats["capture_ms"] = _ms_since(started)
                 snap = self.store.put_snapshot(txn, root_entry, [meta.head], label, message,
-                                               f"execution:{eid}", stats, recipes)
+                                               f"execution:{eid}", stats, recipes,
+                                               meta.runtime)
             self.store.sync()
             meta.records = now.records
             meta.head = snap.id if move_head else meta.head
@@ -358,13 +381,14 @@ class Fallback:
     def _json(self, meta: manifest.Meta) -> dict:
         return {"execution": meta.id, "id": meta.id, "base": meta.base, "head": meta.head,
                 **self.pools.member_json(meta.id), "created_ns": meta.created_ns,
+                "policy": _policy.shown(meta.policy), "runtime": meta.runtime,
                 "upper_bytes": None,
                 "last": meta.last, "path": str(self.path(meta.id)), "mode": "fallback",
                 "copy_method": self.copy_method, **Access.from_record(meta.access).to_json()}
 
-    def _load(self, eid: str) -> manifest.Meta:
+    def _load(self, eid: str, records: bool = True) -> manifest.Meta:
         try:
-            return manifest.load(self._meta_path(eid))
+            return manifest.load(self._meta_path(eid), records)
         except FileNotFoundError:
             raise NotFound(self._missing(eid)) from None
 
@@ -405,17 +429,27 @@ def _ms_since(started_ns: int) -> float:
     return round((time.monotonic_ns() - started_ns) / 1e6, 3)
 
 
-def _load_policy(root: bytes, text: str | None, tree_policy: bool) -> _policy.Policy | None:
-    """The policy ``text``, else (``tree_policy``) the tree's ``ramet.toml``, else None."""
-    if text is not None:
-        return _policy.load(text.encode(), "--policy")
-    path = root + b"/" + _policy.POLICY_FILE.encode()
-    if not tree_policy or not os.path.lexists(path):
+def _load_policy(root: bytes, chosen: _policy.Setting | None) -> _policy.Policy | None:
+    """The policy ``chosen``: its text parsed, or (text None) the tree's ``ramet.toml``,
+    which is then none when absent; None for none (as rametfs.capture.load_policy).  The
+    file is opened without following a symlink or waiting on a FIFO the agent put there."""
+    if chosen is None:
         return None
-    if not os.path.isfile(path) or os.path.islink(path):
-        raise InvalidArgument(f"{_policy.POLICY_FILE} is not a regular file")
-    with open(path, "rb") as f:
-        return _policy.load(f.read(), _policy.POLICY_FILE)
+    if chosen.text is not None:
+        return _policy.load(chosen.text.encode(), chosen.source)
+    path = root + b"/" + _policy.POLICY_FILE.encode()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise InvalidArgument(f"{_policy.POLICY_FILE} is not a regular file") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        _policy.check_tree_file(st.st_mode, st.st_size)
+        return _policy.load(f.read(_policy.MAX_POLICY_BYTES), _policy.POLICY_FILE)
 
 
 def _exists(root: bytes):

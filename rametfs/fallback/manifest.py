@@ -2,10 +2,12 @@
 
 ``<data>/fallback/meta/<id>`` is a msgpack stream (docs/fallback.md):
 
-1. a header map ``{"format": 1, "id", "base", "head", "created_ns", "last", "access"}``:
-   snapshot ids as hex, ``created_ns`` in ns, ``last`` the reply of the last command (or nil),
-   ``access`` the settings it was created with (``rametfs.authority.Access`` as a record;
-   absent from a record written before them);
+1. a header map ``{"format": 1, "id", "base", "head", "created_ns", "last", "access"
+   [, "policy"][, "runtime"]}``: snapshot ids as hex, ``created_ns`` in ns, ``last`` the
+   reply of the last command (or nil), ``access`` the settings it was created with
+   (``rametfs.authority.Access`` as a record; absent from a record written before them),
+   ``policy`` and ``runtime`` as in the daemon's execution record (docs/format.md; absent:
+   none);
 2. one list per path of the execution's tree as rametfs last wrote or read it, parents before
    children: ``[path, entry, ino, ctime_ns]``.  ``path`` is bytes relative to the execution
    root (``b""`` for the root); ``entry`` the tree entry the path stands for, as a snapshot
@@ -54,7 +56,8 @@ class Record:
 @dataclass
 class Meta:
     """One execution: ids as hex, ``created_ns`` in ns, ``records`` by relative path,
-    ``access`` its settings as a record (empty: the defaults)."""
+    ``access`` its settings as a record (empty: the defaults); ``policy`` and ``runtime``
+    the harness's settings (rametfs.overlay.Execution's)."""
 
     id: str
     base: str
@@ -63,6 +66,8 @@ class Meta:
     last: dict | None = None
     records: dict[bytes, Record] = field(default_factory=dict)
     access: dict = field(default_factory=dict)
+    policy: dict | None = None
+    runtime: dict | None = None
 
 
 def save(path: str | os.PathLike, meta: Meta) -> None:
@@ -72,9 +77,11 @@ def save(path: str | os.PathLike, meta: Meta) -> None:
     packer = msgpack.Packer(use_bin_type=True)
     try:
         with open(tmp, "wb") as f:
-            f.write(packer.pack({"format": FORMAT, "id": meta.id, "base": meta.base,
-                                 "head": meta.head, "created_ns": meta.created_ns,
-                                 "last": meta.last, "access": meta.access}))
+            header = {"format": FORMAT, "id": meta.id, "base": meta.base, "head": meta.head,
+                      "created_ns": meta.created_ns, "last": meta.last, "access": meta.access}
+            header.update((key, value) for key, value in (("policy", meta.policy),
+                                                          ("runtime", meta.runtime)) if value)
+            f.write(packer.pack(header))
             for rel, r in meta.records.items():
                 f.write(packer.pack([rel, r.entry.pack(), r.ino, r.ctime_ns]))
             f.flush()
@@ -98,7 +105,8 @@ def load(path: str | os.PathLike, records: bool = True) -> Meta:
             if head.get("format") != FORMAT:
                 raise ValueError(f"format {head.get('format')!r}, expected {FORMAT}")
             meta = Meta(head["id"], head["base"], head["head"], head["created_ns"], head["last"],
-                        access=head.get("access", {}))
+                        access=head.get("access", {}), policy=head.get("policy"),
+                        runtime=head.get("runtime"))
             if records:
                 for rel, entry, ino, ctime_ns in unpacker:
                     meta.records[rel] = Record(Entry.unpack(entry), ino, ctime_ns)

@@ -16,11 +16,12 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
 from ..errors import Busy, NotFound, RametError
 from ..store.leases import (LEASED, NOT_POOLED, QUARANTINED, READY, Lease, Member, PoolRecord,
-                            pool_json, quarantine_reason)
+                            check_policy, pool_json, quarantine_reason)
 
 if TYPE_CHECKING:
     from .executions import Fallback
@@ -37,18 +38,22 @@ class Pools:
 
     # -- commands (arguments as the protocol gives them: strings) --------------------------
 
-    def open(self, snapshot: str, size: str, name: str | None = None, **access: str) -> dict:
-        """Create pool ``name`` of ``size`` executions of ``snapshot``, or reattach to it
-        (growing it to ``size``); ``access`` the members' settings, as the daemon's ``pool``
-        takes them.  Errors: ENOENT snapshot, EINVAL, EEXIST other base or settings."""
+    def open(self, snapshot: str, size: str, name: str | None = None,
+             policy: str | None = None, **access: str) -> dict:
+        """Create pool ``name`` of ``size`` executions of ``snapshot``, whose members are
+        created with the persistence policy ``policy`` (a ``--policy`` value), or reattach to
+        it (growing it to ``size``); ``access`` the members' settings, as the daemon's
+        ``pool`` takes them.  Errors: ENOENT snapshot, EINVAL, EEXIST other base, settings or
+        policy."""
         count = protocol.parse_count(size, "--size")
         name = protocol.check_pool(name, count)
+        stored = _policy.stored(policy, _policy.POOL)
         snap = self.store.snapshot(snapshot)
         with self.store.write() as txn:
             raw = txn.get(name.encode(), db=self.pools_db)
             created = raw is None
-            pool = PoolRecord(snap.id, count, time.time_ns(), Access().given(access).to_record()
-                              ) if created else PoolRecord.unpack(raw)
+            pool = PoolRecord(snap.id, count, time.time_ns(), Access().given(access).to_record(),
+                              stored) if created else PoolRecord.unpack(raw)
             if pool.base != snap.id:
                 raise RametError(f"pool {name!r} exists with base {pool.base}, not {snap.id}",
                                  errno.EEXIST)
@@ -56,12 +61,13 @@ class Pools:
             if settings.given(access) != settings:
                 raise RametError(f"pool {name!r} exists with {settings.describe()}, not "
                                  f"{settings.given(access).describe()}", errno.EEXIST)
+            check_policy(name, pool, stored)
             pool.size = max(pool.size, count)
             txn.put(name.encode(), pool.pack(), db=self.pools_db)
             missing = pool.size - _serving(self._members(txn, name))
         try:
             for _ in range(missing):
-                self._add_member(name, snap.id, pool.access)
+                self._add_member(name, pool)
         except BaseException:
             if created:  # half made: no one could use it
                 self.drop(name)
@@ -216,13 +222,14 @@ class Pools:
             pool = self._pool(txn, member.pool)
             missing = pool.size - _serving(self._members(txn, member.pool))
         for _ in range(missing):
-            self._add_member(member.pool, pool.base, pool.access)
+            self._add_member(member.pool, pool)
 
-    def _add_member(self, pool: str, base: str, access: dict) -> None:
-        eid = protocol.member_name(pool)
-        self.engine.create(base, eid, **Access.from_record(access).options())
+    def _add_member(self, name: str, pool: PoolRecord) -> None:
+        eid = protocol.member_name(name)
+        self.engine.create(pool.base, eid, stored_policy=pool.policy,
+                           **Access.from_record(pool.access).options())
         with self.store.write() as txn:
-            self._put(txn, Member(eid, pool, returned_ns=time.time_ns()))
+            self._put(txn, Member(eid, name, returned_ns=time.time_ns()))
 
     def _pool(self, txn, name: str) -> PoolRecord:
         raw = txn.get(name.encode(), db=self.pools_db)

@@ -3,8 +3,8 @@
 A runtime has one method, ``run(execution, argv, timeout) -> Result`` (:class:`Runtime`).
 Two adapters: :class:`Bubblewrap` (``bwrap``: read-only host, no network, a non-root uid,
 the rest of the mount hidden) and :class:`Docker` (``docker run -v <execution>:/workspace``;
-Podman takes the same command line).  Neither imports anything outside the standard library
-and the client wrapper::
+Podman takes the same command line); and :class:`Host`, no sandbox at all, for commands the
+caller trusts.  None imports anything outside the standard library and the client wrapper::
 
     from rametfs.sandbox import Bubblewrap
 
@@ -15,6 +15,6 @@ and the client wrapper::
 
 from rametfs.sandbox.bubblewrap import Bubblewrap
 from rametfs.sandbox.docker import Docker
-from rametfs.sandbox.runtime import WORKSPACE, Result, Runtime
+from rametfs.sandbox.runtime import WORKSPACE, Host, Result, Runtime
 
-__all__ = ["WORKSPACE", "Bubblewrap", "Docker", "Result", "Runtime"]
+__all__ = ["WORKSPACE", "Bubblewrap", "Docker", "Host", "Result", "Runtime"]

@@ -118,14 +118,17 @@ class Bubblewrap:
             timeout: float | None = None) -> Result:
         """Run ``argv`` in ``execution`` for at most ``timeout`` seconds (None: no limit).
 
-        Returns once every process of the sandbox has ended.  Raises RametError (EACCES) as
-        :meth:`command` does; a bwrap that fails to set up reports exit code 1 and its
-        message in ``stderr``.
+        Returns once every process of the sandbox has ended.  Records first on the
+        execution that bubblewrap, as this uid and gid, runs it
+        (:meth:`Execution.record_runtime`).  Raises RametError (EACCES) as :meth:`command`
+        does; a bwrap that fails to set up reports exit code 1 and its message in
+        ``stderr``.
         """
         status_read, status_write = os.pipe()
         try:
             try:
                 argv = self.command(execution, argv, status_fd=status_write)
+                execution.record_runtime("bubblewrap", self.uid, self.gid)
             except BaseException:
                 os.close(status_write)
                 raise

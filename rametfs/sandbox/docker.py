@@ -70,11 +70,14 @@ class Docker:
             timeout: float | None = None) -> Result:
         """Run ``argv`` in a new container on ``execution`` for at most ``timeout`` seconds.
 
-        Raises RametError (EACCES) when the execution's FUSE mount lacks ``allow_other`` and
-        the user is not root.  A container that cannot start reports Docker's exit code
-        (125: the daemon's error, 126/127: the command) and its message in ``stderr``.
+        Records first on the execution that docker, with this image, uid and gid, runs it
+        (:meth:`Execution.record_runtime`).  Raises RametError (EACCES) when the
+        execution's FUSE mount lacks ``allow_other`` and the user is not root.  A container
+        that cannot start reports Docker's exit code (125: the daemon's error, 126/127: the
+        command) and its message in ``stderr``.
         """
         require_allow_other(execution.ramet, self.uid)
+        execution.record_runtime("docker", self.uid, self.gid, self.image)
         name = f"rametfs-{execution.id}-{uuid.uuid4().hex[:8]}"
         return run_group(self.command(execution, argv, name), timeout,
                          lambda process: self._stop(process, name))

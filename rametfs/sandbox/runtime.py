@@ -1,13 +1,18 @@
-"""The runtime interface every sandbox adapter implements, and the process-group runner.
+"""The runtime interface every sandbox adapter implements, the process-group runner, and
+:class:`Host`, the runtime that is no sandbox.
 
 A runtime runs one command in one execution, with the execution at ``/workspace`` as its
-working directory, and returns a :class:`Result`.  On timeout the runtime kills everything the
-command started and waits until it is gone before :meth:`Runtime.run` returns, so no writer
-survives into a promote or a reset that the caller does next.
+working directory (:class:`Host`: the execution's own path), and returns a :class:`Result`.
+On timeout the runtime kills everything the command started and waits until it is gone
+before :meth:`Runtime.run` returns, so no writer survives into a promote or a reset that the
+caller does next.  The sandbox adapters also record on the execution which sandbox runs it
+(:meth:`rametfs.client.Execution.record_runtime`), so that a restore of a snapshot promoted
+from it runs the snapshot's recipes there too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -56,9 +61,30 @@ class Runtime(Protocol):
         up for this execution (not when the command fails: that is the result's exit code)."""
 
 
+class Host:
+    """No sandbox: ``argv`` runs as this process's user, in the execution's directory
+    (``execution.path``), with this process's environment.  Only for commands the caller
+    trusts: :meth:`rametfs.client.Ramet.restore` uses it only when asked
+    (``runtime="host"``).  On timeout the command's process group is killed."""
+
+    def run(self, execution: Execution, argv: Sequence[str],
+            timeout: float | None = None) -> Result:
+        """Run ``argv`` for at most ``timeout`` seconds (None: no limit); raises OSError
+        when it cannot start (no such program)."""
+        return run_group(argv, timeout, _kill_leader_group, cwd=execution.path)
+
+
+def _kill_leader_group(process: subprocess.Popen) -> None:
+    """SIGKILL the process group ``process`` leads (not yet reaped: its group id is its)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
 def run_group(argv: Sequence[str], timeout: float | None,
-              stop: Callable[[subprocess.Popen], None], pass_fds: Sequence[int] = ()) -> Result:
-    """Run ``argv`` as the leader of a new process group, stdin from /dev/null.
+              stop: Callable[[subprocess.Popen], None], pass_fds: Sequence[int] = (),
+              cwd: str | os.PathLike | None = None) -> Result:
+    """Run ``argv`` as the leader of a new process group, stdin from /dev/null, in ``cwd``
+    (None: this process's working directory).
 
     When ``timeout`` (seconds) passes, or this thread is interrupted, ``stop(process)`` is
     called to kill the sandbox and must return once its processes are gone (the adapter
@@ -70,7 +96,7 @@ def run_group(argv: Sequence[str], timeout: float | None,
     try:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, start_new_session=True,
-                                   pass_fds=tuple(pass_fds))
+                                   pass_fds=tuple(pass_fds), cwd=cwd)
     finally:
         for fd in pass_fds:
             os.close(fd)

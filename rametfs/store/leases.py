@@ -7,9 +7,14 @@ same to every process and across restarts.
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import asdict, dataclass, field
 
 import msgpack
+
+from ..errors import RametError
+from ..protocol import quote_path
 
 READY, LEASED, QUARANTINED = "ready", "leased", "quarantined"
 
@@ -32,13 +37,16 @@ class Lease:
 @dataclass
 class PoolRecord:
     """A pool: its base snapshot id (hex), how many executions it keeps for hand-out, when it
-    was made (ns), and the access settings its members get (``rametfs.authority.Access``
-    as a record: owner, group, share, control; empty in a record from before them)."""
+    was made (ns), the access settings its members get (``rametfs.authority.Access`` as a
+    record: owner, group, share, control; empty in a record from before them), and the
+    persistence policy its members are created with (the record of a
+    rametfs.policy.Setting, or None)."""
 
     base: str
     size: int
     created_ns: int
     access: dict = field(default_factory=dict)
+    policy: dict | None = None
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))
@@ -92,10 +100,20 @@ def pool_json(name: str, pool: PoolRecord, members: list[Member]) -> dict:
             "executions": [m.execution for m in members], **counts}
 
 
+def check_policy(name: str, pool: PoolRecord, policy: dict | None) -> None:
+    """Raise RametError (EEXIST) when ``policy`` (a policy record given to reattach to
+    ``pool``, named ``name``; None: not given) is not the pool's."""
+    if policy is not None and policy != pool.policy:
+        raise RametError(f"pool {name!r} exists with another persistence policy",
+                         errno.EEXIST)
+
+
 def quarantine_reason(verification: dict) -> str:
     """Why a verification (``{"mode", "differences": [[letter, path], ...], ...}``)
-    quarantines an execution, naming at most five differences."""
+    quarantines an execution, naming at most five differences (quoted as ``.ramet/diff``
+    quotes them)."""
     differences = verification["differences"]
-    shown = ", ".join(f"{letter} {path}" for letter, path in differences[:5])
+    shown = ", ".join(f"{letter} {quote_path(os.fsencode(path))}"
+                      for letter, path in differences[:5])
     more = f" and {len(differences) - 5} more" if len(differences) > 5 else ""
     return f"{verification['mode']} verification: differs from its base ({shown}{more})"

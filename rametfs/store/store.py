@@ -40,7 +40,8 @@ EMPTY_CONTENT = chunks.content_id(0, b"")
 @dataclass(frozen=True)
 class Snapshot:
     """A snapshot record; ``id`` is 64 hex digits, times in ns, stats a plain dict;
-    ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.policy)."""
+    ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.policy), and
+    ``runtime`` the sandbox recorded for the execution promoted (None: none)."""
 
     id: str
     root: Entry
@@ -51,11 +52,13 @@ class Snapshot:
     source: str
     stats: dict
     recipes: tuple[dict, ...] = ()
+    runtime: dict | None = None
 
     def to_json(self) -> dict:
         return {"id": self.id, "label": self.label, "message": self.message,
                 "parents": list(self.parents), "created_ns": self.created_ns,
-                "source": self.source, **self.stats, "recipes": list(self.recipes)}
+                "source": self.source, **self.stats, "recipes": list(self.recipes),
+                "runtime": self.runtime}
 
 
 class Store:
@@ -261,16 +264,20 @@ class Store:
 
     def put_snapshot(self, txn: lmdb.Transaction, root: Entry, parents: list[str], label: str,
                      message: str, source: str, stats: dict,
-                     recipes: list[dict] | None = None) -> Snapshot:
+                     recipes: list[dict] | None = None,
+                     runtime: dict | None = None) -> Snapshot:
         """Record a snapshot whose trees are stored (in ``txn`` or before); returns it.
 
         ``root`` is the entry of the top directory (its ``ref`` the root tree id);
-        ``recipes`` (docs/format.md) are stored only when there are some.
+        ``recipes`` (docs/format.md) are stored only when there are some, and with them
+        ``runtime``, the sandbox to run them in.
         """
         record = {"root": root.pack(), "parents": parents, "created_ns": time.time_ns(),
                   "label": label, "message": message, "source": source, "stats": stats}
         if recipes:
             record["recipes"] = recipes
+            if runtime:
+                record["runtime"] = runtime
         value = msgpack.packb(record, use_bin_type=True)
         sid = chunks.chunk_id(value)
         txn.put(sid, value, db=self.db["snapshots"])
@@ -280,7 +287,8 @@ class Store:
     def _snapshot(sid: bytes, value: bytes) -> Snapshot:
         r = msgpack.unpackb(value)
         return Snapshot(sid.hex(), Entry.unpack(r["root"]), tuple(r["parents"]), r["created_ns"], r["label"],
-                        r["message"], r["source"], r["stats"], tuple(r.get("recipes", ())))
+                        r["message"], r["source"], r["stats"], tuple(r.get("recipes", ())),
+                        r.get("runtime"))
 
     def snapshot(self, ref: str) -> Snapshot:
         """The snapshot with id, or unique id prefix (>= 8 hex digits), ``ref``.
