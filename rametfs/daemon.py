@@ -27,6 +27,7 @@ from .overlay import Overlay
 from .pools import LEASED
 from .precreate import Precreated, keep_filled
 from .store import Store
+from .store.cache import default_max_bytes
 from .verify import ROOT
 
 log = logging.getLogger(__name__)
@@ -149,8 +150,11 @@ async def _serve(overlay: Overlay, control: Control) -> None:
 
 
 def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
-               debug: bool = False) -> None:
+               debug: bool = False, cache_max_bytes: int | None = None) -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
+
+    ``cache_max_bytes``: the hydration cache's limit on disk (None: a quarter of the data
+    directory's file system, rametfs.store.cache).
 
     Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
     ``fusermount3 -u -z``).  Raises
@@ -161,13 +165,15 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     _check_mountpoint(mountpoint)
     lock = _lock_data_dir(data_dir)
     try:
-        _serve_store(data_dir, mountpoint, allow_other, debug)
+        _serve_store(data_dir, mountpoint, allow_other, debug,
+                     default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes)
     finally:
         os.close(lock)
 
 
-def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool) -> None:
-    store = Store(data_dir)
+def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
+                 cache_max_bytes: int) -> None:
+    store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
     overlay = Overlay(store)
     overlay.remove_orphans()
     overlay.precreated = Precreated(overlay.upper_root)
@@ -178,7 +184,8 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool)
     if debug:
         options.add("debug")
     pyfuse3.init(ops, mountpoint, options)
-    log.info("serving %s at %s (pid %d)", store.root, mountpoint, os.getpid())
+    log.info("serving %s at %s (pid %d); hydration cache %d of %d bytes", store.root,
+             mountpoint, os.getpid(), store.cache.bytes, cache_max_bytes)
     clean = False
     try:
         trio.run(_serve, overlay, ops.control)
