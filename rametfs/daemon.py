@@ -23,7 +23,7 @@ from .control import Control
 from .errors import RametError
 from .fuse_ops import Operations
 from .mounts import bind_snapshots_read_only
-from .overlay import Overlay
+from .overlay import MAX_FILE_SIZE, Overlay
 from .pools import LEASED
 from .precreate import Precreated, keep_filled
 from .store import Store
@@ -150,11 +150,13 @@ async def _serve(overlay: Overlay, control: Control) -> None:
 
 
 def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
-               debug: bool = False, cache_max_bytes: int | None = None) -> None:
+               debug: bool = False, max_file_size: int | None = None,
+               cache_max_bytes: int | None = None) -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
 
-    ``cache_max_bytes``: the hydration cache's limit on disk (None: a quarter of the data
-    directory's file system, rametfs.store.cache).
+    ``max_file_size``: the size in bytes past which a file may not grow (EFBIG; None:
+    ``overlay.MAX_FILE_SIZE``); ``cache_max_bytes``: the hydration cache's limit on disk
+    (None: a quarter of the data directory's file system, rametfs.store.cache).
 
     Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
     ``fusermount3 -u -z``).  Raises
@@ -166,15 +168,17 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     lock = _lock_data_dir(data_dir)
     try:
         _serve_store(data_dir, mountpoint, allow_other, debug,
+                     MAX_FILE_SIZE if max_file_size is None else max_file_size,
                      default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes)
     finally:
         os.close(lock)
 
 
 def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
-                 cache_max_bytes: int) -> None:
+                 max_file_size: int, cache_max_bytes: int) -> None:
     store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
     overlay = Overlay(store)
+    overlay.max_file_size = max_file_size
     overlay.remove_orphans()
     overlay.precreated = Precreated(overlay.upper_root)
     ops = Operations(overlay, mountpoint)
@@ -184,8 +188,9 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
     if debug:
         options.add("debug")
     pyfuse3.init(ops, mountpoint, options)
-    log.info("serving %s at %s (pid %d); hydration cache %d of %d bytes", store.root,
-             mountpoint, os.getpid(), store.cache.bytes, cache_max_bytes)
+    log.info("serving %s at %s (pid %d); files up to %d bytes; hydration cache %d of %d "
+             "bytes", store.root, mountpoint, os.getpid(), max_file_size, store.cache.bytes,
+             cache_max_bytes)
     clean = False
     try:
         trio.run(_serve, overlay, ops.control)

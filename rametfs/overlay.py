@@ -52,6 +52,7 @@ RELEASED = -1  # the layer of a released execution: every node of it is stale  #
 DIR_SIZE = 4096
 TREE_CACHE = 4096  # decoded base trees kept in memory
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
+MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
 
 
 @dataclass
@@ -365,6 +366,7 @@ class Overlay:
         self.reclaim: list[Reclaim] = []
         # By content id; the cache keeps a content while its descriptor is open here.
         self.base_fds = OpenFiles(closed=store.cache.release)
+        self.max_file_size = MAX_FILE_SIZE  # bytes; a larger size is EFBIG (the daemon's knob)
         self.upper_root = str(store.root / "upper")
         # Empty files for new upper data files; the daemon keeps it filled (rametfs.precreate).
         self.precreated: Precreated | None = None
@@ -1145,6 +1147,8 @@ class Overlay:
         is stored with the next flush (every second, fsync, promote), as a write's is: tar
         sets mode, owner and times on every file it makes."""
         self._writable(node)
+        if size is not None:
+            self._check_size(node, size)
         u = self.copy_up(node)
         if mode is not None:
             u.mode = stat.S_IFMT(u.mode) | (mode & 0o7777)
@@ -1332,8 +1336,15 @@ class Overlay:
 
     def write(self, node: Node, off: int, data: bytes) -> int:
         """Write ``data`` at ``off`` (bytes), copying up only the pages it touches; returns
-        the bytes written, fewer when the disk fills up (ENOSPC when none)."""
+        the bytes written, fewer when the disk fills up (ENOSPC when none) or when they
+        reach :attr:`max_file_size` (EFBIG when none fits), as ext4 does."""
         self._writable(node)
+        room = self.max_file_size - off
+        if room <= 0 and data:
+            raise fs_error(errno.EFBIG, f"write at byte {off}: a file holds at most "
+                                        f"{self.max_file_size} bytes")
+        if len(data) > room:
+            data = data[:room]
         u = self.copy_up(node)
         fd = self._upper_fd(node)
         end = off + len(data)
@@ -1371,8 +1382,16 @@ class Overlay:
         self._mark_dirty(node)
         return done - off
 
+    def _check_size(self, node: Node, size: int) -> None:
+        """EFBIG when ``size`` (bytes) grows ``node`` past :attr:`max_file_size`."""
+        if size > self.max_file_size and size > node.size:
+            raise fs_error(errno.EFBIG, f"size {size}: a file holds at most "
+                                        f"{self.max_file_size} bytes")
+
     def truncate(self, node: Node, size: int) -> None:
-        """Set the file size (bytes); bytes past a shrink read as zeros if it grows again."""
+        """Set the file size (bytes); bytes past a shrink read as zeros if it grows again.
+        Raises EFBIG past :attr:`max_file_size`."""
+        self._check_size(node, size)
         u = self.copy_up(node)
         ex = node.view
         if size < u.size:

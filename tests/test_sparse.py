@@ -27,14 +27,13 @@ import pytest
 from conftest import Daemon, check_log, run
 from rametfs import protocol
 from rametfs.errors import IntegrityError
-from rametfs.overlay import OPEN_FILES
+from rametfs.overlay import MAX_FILE_SIZE, OPEN_FILES
 from rametfs.store import EMPTY_CONTENT, PAGE_SIZE, Store, fsck
 from rametfs.store.chunks import chunk_id, content_id, encode_chunk
 from rametfs.store.importer import put_directory
 from rametfs.store.trees import Entry
 from rametfs.store.writer import ChunkWriter
 
-MAX_FILE_SIZE = (2**32 - 1) * 4096  # ext4's largest file
 MIB = 1 << 20
 TIB = 1 << 40
 DEADLINE_S = 120  # far above what these take (a few seconds), far below the bug's "for ever"
@@ -104,6 +103,66 @@ def empty_execution(d: Daemon, tmp_path: Path) -> tuple[str, Path]:
     src.mkdir(exist_ok=True)
     eid = d.create(d.snapshot(src))
     return eid, d.exec_path(eid)
+
+
+# -- the largest file size -----------------------------------------------------------------
+
+def test_truncate_to_the_largest_off_t_is_efbig_and_checkpoint_finishes(own_daemon, tmp_path):
+    """Issue 15.2: ``truncate -s 9223372036854775807 f`` then ``checkpoint`` ran for ever
+    (the writer in D state, the daemon growing).  Now the truncate is EFBIG, the size stays,
+    and truncating to the largest size allowed (ext4's) is fine and checkpoints at once."""
+    d = own_daemon()
+    eid, root = empty_execution(d, tmp_path)
+    (root / "f").write_bytes(b"data")
+    proc = run("truncate", "-s", str(2**63 - 1), root / "f", check=False)
+    assert proc.returncode == 1 and "File too large" in proc.stderr, proc
+    with pytest.raises(OSError) as exc:
+        os.truncate(root / "f", MAX_FILE_SIZE + 1)
+    assert exc.value.errno == errno.EFBIG
+    assert (root / "f").stat().st_size == 4
+    run("truncate", "-s", str(MAX_FILE_SIZE), root / "f")
+    assert (root / "f").stat().st_size == MAX_FILE_SIZE
+    reply, seconds = within(d, "checkpoint of a 16 TiB file",
+                            lambda: d.exec_ctl(eid, "checkpoint"))
+    assert seconds < 30, seconds
+    assert (reply["stats"]["new_chunks"], reply["stats"]["bytes"]) == (1, MAX_FILE_SIZE)
+    with open(d.snap_path(reply["snapshot"]) / "f", "rb") as f:
+        assert f.read(8) == b"data\0\0\0\0"
+        assert os.pread(f.fileno(), 8, MAX_FILE_SIZE - 8) == bytes(8)
+
+
+def test_writes_and_sizes_stop_at_max_file_size(own_daemon, tmp_path):
+    """``--max-file-size``: a write at or past it is EFBIG, one across it is short (ext4's
+    rule); a truncate or a setattr past it is EFBIG and changes nothing (the mode given with
+    it neither); shrinking a file is always allowed."""
+    limit = MIB + 100
+    d = own_daemon("--max-file-size", str(limit))
+    _, root = empty_execution(d, tmp_path)
+    f = root / "f"
+    fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert os.pwrite(fd, b"x" * 300, limit - 200) == 200
+        assert os.fstat(fd).st_size == limit
+        for off in (limit, limit + 1, 2**62):
+            with pytest.raises(OSError) as exc:
+                os.pwrite(fd, b"y", off)
+            assert exc.value.errno == errno.EFBIG
+        with pytest.raises(OSError) as exc:
+            os.ftruncate(fd, limit + 1)
+        assert exc.value.errno == errno.EFBIG
+        os.ftruncate(fd, 10)
+        os.ftruncate(fd, limit)
+    finally:
+        os.close(fd)
+    assert f.stat().st_size == limit
+    assert f.read_bytes() == bytes(limit)  # what the short write put there went with the shrink
+    proc = run("truncate", "-s", str(limit + 1), f, check=False)
+    assert proc.returncode == 1 and "File too large" in proc.stderr
+    # dd writes in 64 KiB blocks and stops at the limit with "File too large"
+    proc = run("dd", "if=/dev/zero", f"of={f}", "bs=64K", "count=32", "conv=notrunc",
+               check=False)
+    assert proc.returncode == 1 and "File too large" in proc.stderr, proc
+    assert f.stat().st_size == limit
 
 
 # -- 16 TiB sparse files: promote, read back, import, copy-up, verify ------------------------
