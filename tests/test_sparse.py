@@ -207,7 +207,7 @@ def the_cache_file(d: Daemon, size: int) -> os.stat_result:
 
 def test_16_tib_sparse_file_promotes_in_the_time_of_its_data_and_reads_back(own_daemon,
                                                                             tmp_path):
-    """A 16 TiB file with 4 MiB written promotes in seconds and stores its 67 written pages
+    """A 16 TiB file with 4 MiB written promotes in seconds and stores its 66 written pages
     only; its snapshot reads back byte-exact through the mount (zeros in the holes), and
     hydrating it takes what it stores on disk, not 16 TiB."""
     d = own_daemon()
