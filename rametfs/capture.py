@@ -61,8 +61,7 @@ class _Reader:
     def __init__(self, store: Store, job: _FileJob):
         self.job = job
         self.store = store
-        self.base = store.content(job.base.ref) if job.base is not None else \
-            store.content(EMPTY_CONTENT)
+        self.base = store.content(job.base.ref if job.base is not None else EMPTY_CONTENT)
         try:
             self.fd = os.open(job.upper_path, os.O_RDONLY) if job.upper_path else None
         except FileNotFoundError:

@@ -10,8 +10,10 @@ that nobody *holds*.  The daemon holds a content while it keeps a descriptor of 
 (``Overlay.base_fds``, at most ``OPEN_FILES``): such a content is never removed, so its
 readers never break and it is never hydrated twice; the cache can exceed its limit by what
 the held contents take, until the daemon closes their descriptors.  Other readers open a
-cached file by path (copy-up, fallback copies, deep verification) and hydrate again when it
-is gone; one that has it open keeps reading it (Linux frees an unlinked file at its last close).
+cached file by path: one that has it open keeps reading it (Linux frees an unlinked file at
+its last close); when it is gone, copy-up reads the page from the chunks and deep
+verification has nothing to check, and a fallback copy from a file the daemon removes at
+that moment fails (ENOENT; fallback mode itself never removes cached files).
 
 Recency is this process's order of use; at start (:meth:`HydrationCache.scan`), the files'
 access times.  Only this process's removals are counted: a file another process hydrated is
@@ -78,9 +80,9 @@ class HydrationCache:
                 name = e.name
                 try:
                     if name.startswith("."):
-                        parts = name.split(".")
-                        pid = int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else -1
-                        if pid == os.getpid() or not _pid_alive(pid):
+                        parts = name.split(".")  # "", content id, pid, ns
+                        pid = int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else 0
+                        if pid > 0 and (pid == os.getpid() or not _pid_alive(pid)):
                             os.unlink(e.path)
                             removed += 1
                     elif len(name) == 64:
