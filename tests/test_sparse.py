@@ -25,7 +25,7 @@ import msgpack
 import pytest
 
 from conftest import Daemon, check_log, run
-from rametfs import protocol
+from rametfs import Ramet, protocol
 from rametfs.errors import IntegrityError
 from rametfs.overlay import MAX_FILE_SIZE, OPEN_FILES
 from rametfs.store import EMPTY_CONTENT, PAGE_SIZE, Store, fsck
@@ -320,6 +320,31 @@ def test_zero_pages_are_holes_whoever_wrote_them(own_daemon, tmp_path):
         store.close()
     assert (d.snap_path(promoted["snapshot"]) / "written").read_bytes() == \
         (src / "dense").read_bytes()
+
+
+def test_fallback_scans_and_promotes_zero_pages_as_holes(tmp_path):
+    """Fallback mode gives the same content ids: its diff (ids computed, nothing stored)
+    sees a file whose bytes did not change as unchanged, and its promote stores a file of
+    written-out zeros as the same sparse content as an import of them."""
+    data = bytes(MIB) + os.urandom(100) + bytes(MIB)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(data)
+    with Ramet(data=tmp_path / "data", mode="fallback") as r:
+        ex = r.create(r.snapshot(src))
+        st = (ex.path / "f").stat()
+        (ex.path / "f").write_bytes(data)  # its ctime moves: the scan hashes it again
+        os.utime(ex.path / "f", ns=(st.st_atime_ns, st.st_mtime_ns))
+        (ex.path / "g").write_bytes(data)
+        assert ex.diff() == [("A", "g")]
+        promoted = ex.promote()
+    store = Store(tmp_path / "data")
+    try:
+        entries = store.tree(store.snapshot(promoted).root.ref)
+        assert entries[b"f"].ref == entries[b"g"].ref
+        assert store.content(entries[b"g"].ref).runs == ((16, 1),)
+    finally:
+        store.close()
 
 
 # -- the hydration cache ---------------------------------------------------------------------
