@@ -109,9 +109,13 @@ def content_id(size: int, chunk_ids: bytes, runs: tuple[tuple[int, int], ...] | 
     if runs is None:
         return blake3.blake3(b"content\0" + head + chunk_ids).digest()
     h = blake3.blake3(b"content\1" + head + len(runs).to_bytes(8, "big"))
-    h.update(b"".join(_RUN.pack(*r) for r in runs))
+    h.update(_pack_runs(runs))
     h.update(chunk_ids)
     return h.digest()
+
+
+def _pack_runs(runs: tuple[tuple[int, int], ...]) -> bytes:
+    return b"".join(_RUN.pack(*r) for r in runs)
 
 
 class Content:
@@ -194,7 +198,7 @@ class Content:
         """The ``contents`` record: ``[size, ids]`` (dense) or ``[size, ids, runs]``."""
         if self.dense:
             return msgpack.packb([self.size, self.ids])
-        return msgpack.packb([self.size, self.ids, b"".join(_RUN.pack(*r) for r in self.runs)])
+        return msgpack.packb([self.size, self.ids, _pack_runs(self.runs)])
 
     @classmethod
     def unpack(cls, cid: bytes, value: bytes) -> "Content":
