@@ -23,9 +23,11 @@ from . import policy
 from .errors import InvalidArgument, NotFound, RametError
 from .overlay import Execution, Node, Overlay, assemble, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
-from .store.writer import ChunkWriter
+from .store.chunks import ContentBuilder, page_count
+from .store.extents import data_extents, pages_of
 from .store.format import link_key
 from .store.trees import subtree_paths
+from .store.writer import ChunkWriter
 from .treewalk import postorder, preorder
 
 
@@ -60,11 +62,8 @@ class _Reader:
 
     def __init__(self, store: Store, job: _FileJob):
         self.job = job
-        self.base_ids: list[bytes] = []
-        self.base_size = 0
         self.store = store
-        if job.base is not None and job.base.ref != EMPTY_CONTENT:
-            self.base_size, self.base_ids = store.content(job.base.ref)
+        self.base = store.content(job.base.ref if job.base is not None else EMPTY_CONTENT)
         try:
             self.fd = os.open(job.upper_path, os.O_RDONLY) if job.upper_path else None
         except FileNotFoundError:
@@ -76,7 +75,8 @@ class _Reader:
 
     def _read_base(self, o: int, n: int) -> bytes:
         page = o // PAGE_SIZE
-        data = self.store.chunk(self.base_ids[page]) if page < len(self.base_ids) else b""
+        chunk = self.base.chunk(page)
+        data = self.store.chunk(chunk) if chunk is not None else b""  # a hole: zeros
         return data[o - page * PAGE_SIZE: o - page * PAGE_SIZE + n]
 
     def _read_upper(self, o: int, n: int) -> bytes:
@@ -93,40 +93,66 @@ class _Reader:
         job = self.job
         start = page * PAGE_SIZE
         stop = min(start + PAGE_SIZE, job.size)
-        if (page not in job.pages and stop <= job.base_limit and page < len(self.base_ids)
-                and stop == min(start + PAGE_SIZE, self.base_size)):
-            return self.base_ids[page]
+        if page not in job.pages and stop <= job.base_limit and \
+                stop == min(start + PAGE_SIZE, self.base.size):
+            return self.base.chunk(page)
         return None
 
-
-def _pages(job: _FileJob) -> range:
-    return range(-(-job.size // PAGE_SIZE))
+    def stored_pages(self) -> list[int]:
+        """The pages that may hold a byte other than zero, ascending: those of the page
+        map, the base's pages holding data below ``base_limit``, and the upper data file's
+        data extents from ``base_limit`` on (SEEK_DATA).  Every other page is a hole, so
+        this costs what is stored, not the file's size."""
+        job = self.job
+        npages = page_count(job.size)
+        pages = {p for p in job.pages if p < npages}
+        below = min(job.base_limit, job.size)
+        pages.update(p for p, _ in self.base.pages(page_count(below)))
+        if self.fd is not None and below < job.size:
+            pages.update(pages_of(data_extents(self.fd, below, job.size)))
+        return sorted(pages)
 
 
 def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob) -> None:
-    """Chunk, hash and store the content of one changed file (blocking; a worker thread)."""
+    """Chunk, hash and store the content of one changed file (blocking; a worker thread):
+    only its stored pages are read, the rest are holes."""
     reader = _Reader(store, job)
+    content = ContentBuilder()
     try:
-        ids = [reader.base_chunk(page) or writer.add(reader.page(page)) for page in _pages(job)]
+        for page in reader.stored_pages():
+            content.add(page, reader.base_chunk(page) or writer.add(reader.page(page)))
     finally:
         reader.close()
-    job.content = writer.put_content(job.size, ids)
+    job.content = writer.put(content.content(job.size))
 
 
-def _read_pages(store: Store, job: _FileJob) -> Iterator[bytes]:
-    """A file's bytes, page by page (blocking)."""
+ZERO_RUN = bytes(1 << 20)  # zeros fed to a digest for holes, not allocated per page
+
+
+def _read_pieces(store: Store, job: _FileJob) -> Iterator[bytes | memoryview]:
+    """A file's bytes in order: each stored page read, holes as views of :data:`ZERO_RUN`
+    (blocking)."""
     reader = _Reader(store, job)
+    zeros = memoryview(ZERO_RUN)
     try:
-        for page in _pages(job):
+        pos = 0
+        for page in reader.stored_pages():
+            start = page * PAGE_SIZE
+            for at in range(pos, start, len(ZERO_RUN)):
+                yield zeros[:min(len(ZERO_RUN), start - at)]
             yield reader.page(page)
+            pos = min(start + PAGE_SIZE, job.size)
+        for at in range(pos, job.size, len(ZERO_RUN)):
+            yield zeros[:min(len(ZERO_RUN), job.size - at)]
     finally:
         reader.close()
 
 
 def _file_digest(store: Store, job: _FileJob) -> str:
-    """BLAKE3 (hex) of a file's bytes (blocking)."""
+    """BLAKE3 (hex) of a file's bytes (blocking): only stored pages are read, but BLAKE3
+    (b3sum's digest, rametfs.policy.path_digest) hashes every byte of a hole too."""
     h = blake3.blake3()
-    for data in _read_pages(store, job):
+    for data in _read_pieces(store, job):
         h.update(data)
     return h.hexdigest()
 
@@ -523,7 +549,7 @@ def load_policy(overlay: Overlay, ex: Execution,
     if node is None:
         return None
     policy.check_tree_file(node.mode, node.size)
-    return policy.load(b"".join(_read_pages(overlay.store, _node_job(overlay, ex, node))),
+    return policy.load(b"".join(_read_pieces(overlay.store, _node_job(overlay, ex, node))),
                        policy.POLICY_FILE)
 
 

@@ -133,10 +133,17 @@ message_option = click.option("--message", help="A longer description of the sna
 @click.option("--debug", is_flag=True, help="Debug logging, and FUSE debug output.")
 @click.option("--log", "log_file", type=click.Path(dir_okay=False),
               help="Log to this file (default: stderr; with --background <DATA>/daemon.log).")
+@click.option("--max-file-size", type=click.IntRange(1, 2**63 - 1), metavar="BYTES",
+              help="A file may not grow past this size: EFBIG (default: ext4's limit, "
+                   "16 TiB - 4 KiB).")
+@click.option("--cache-max-bytes", type=click.IntRange(0), metavar="BYTES",
+              help="Disk the hydration cache may take; unused content goes first (default: "
+                   "a quarter of the data directory's file system).")
 @click.option("--faults", is_flag=True, hidden=True,
               help="Take the fault command (fault injection, for the test suite).")
 def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
-          log_file: str | None, faults: bool) -> None:
+          log_file: str | None, max_file_size: int | None,
+          cache_max_bytes: int | None, faults: bool) -> None:
     """Mount rametfs at MOUNTPOINT and serve it until unmounted."""
     data, mountpoint = os.path.abspath(data), os.path.realpath(mountpoint)
     if background:
@@ -145,6 +152,9 @@ def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug
         argv = [sys.executable, "-m", "rametfs", "serve", "--data", data, mountpoint,
                 "--log", log_file]
         argv += ["--allow-other"] * allow_other + ["--debug"] * debug + ["--faults"] * faults
+        for flag, value in (("--max-file-size", max_file_size),
+                            ("--cache-max-bytes", cache_max_bytes)):
+            argv += [flag, str(value)] if value is not None else []
         _start_detached(argv, mountpoint, log_file)
         return
     logging.basicConfig(
@@ -154,7 +164,8 @@ def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug
     from rametfs import errors
     from rametfs.daemon import run_daemon
     try:
-        run_daemon(data, mountpoint, allow_other=allow_other, debug=debug, faults=faults)
+        run_daemon(data, mountpoint, allow_other=allow_other, debug=debug,
+                   max_file_size=max_file_size, cache_max_bytes=cache_max_bytes, faults=faults)
     except errors.RametError as exc:
         raise RametError(exc.errno, str(exc)) from None
 

@@ -24,10 +24,11 @@ from .errors import RametError
 from .faults import FAULTS
 from .fuse_ops import Operations
 from .mounts import bind_snapshots_read_only
-from .overlay import Overlay
+from .overlay import MAX_FILE_SIZE, Overlay
 from .pools import LEASED
 from .precreate import Precreated, keep_filled
 from .store import Store
+from .store.cache import default_max_bytes
 from .verify import ROOT
 
 log = logging.getLogger(__name__)
@@ -201,8 +202,13 @@ async def _serve(overlay: Overlay, control: Control) -> None:
 
 
 def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
-               debug: bool = False, faults: bool = False) -> None:
+               debug: bool = False, max_file_size: int | None = None,
+               cache_max_bytes: int | None = None, faults: bool = False) -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
+
+    ``max_file_size``: the size in bytes past which a file may not grow (EFBIG; None:
+    ``overlay.MAX_FILE_SIZE``); ``cache_max_bytes``: the hydration cache's limit on disk
+    (None: a quarter of the data directory's file system, rametfs.store.cache).
 
     Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
     ``fusermount3 -u -z``).  ``faults`` enables the ``fault`` command (rametfs.faults).  Raises
@@ -213,15 +219,19 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     _check_mountpoint(mountpoint)
     lock = _lock_data_dir(data_dir)
     try:
-        _serve_store(data_dir, mountpoint, allow_other, debug, faults)
+        _serve_store(data_dir, mountpoint, allow_other, debug,
+                     MAX_FILE_SIZE if max_file_size is None else max_file_size,
+                     default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes,
+                     faults)
     finally:
         os.close(lock)
 
 
 def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
-                 faults: bool) -> None:
-    store = Store(data_dir)
+                 max_file_size: int, cache_max_bytes: int, faults: bool) -> None:
+    store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
     overlay = Overlay(store)
+    overlay.max_file_size = max_file_size
     overlay.remove_orphans()
     overlay.count_usage()
     overlay.precreated = Precreated(overlay.upper_root)
@@ -232,7 +242,9 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
     if debug:
         options.add("debug")
     pyfuse3.init(ops, mountpoint, options)
-    log.info("serving %s at %s (pid %d)", store.root, mountpoint, os.getpid())
+    log.info("serving %s at %s (pid %d); files up to %d bytes; hydration cache %d of %d "
+             "bytes", store.root, mountpoint, os.getpid(), max_file_size, store.cache.bytes,
+             cache_max_bytes)
     clean = False
     try:
         trio.run(_serve, overlay, ops.control)

@@ -58,6 +58,7 @@ TREE_CACHE = 4096  # decoded base trees kept in memory
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
 XATTR_BYTES = 64 * 1024  # names and values of one inode's extended attributes
 SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
+MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
 
 
 @dataclass
@@ -261,9 +262,11 @@ class OpenFiles:
     to make room.  The kernel no longer tells the daemon when a file is closed (open-less
     FUSE), so descriptors live here, not with the files' users."""
 
-    def __init__(self, limit: int = OPEN_FILES):
+    def __init__(self, limit: int = OPEN_FILES,
+                 closed: Callable[[Hashable], None] | None = None):
         self.limit = limit
         self.fds: OrderedDict[Hashable, int] = OrderedDict()
+        self.closed = closed  # called with the key after its descriptor is closed here
 
     def get(self, key: Hashable) -> int | None:
         fd = self.fds.get(key)
@@ -274,13 +277,18 @@ class OpenFiles:
     def put(self, key: Hashable, fd: int) -> int:
         self.fds[key] = fd
         if len(self.fds) > self.limit:
-            os.close(self.fds.popitem(last=False)[1])
+            old, old_fd = self.fds.popitem(last=False)
+            os.close(old_fd)
+            if self.closed is not None:
+                self.closed(old)
         return fd
 
     def close(self, key: Hashable) -> None:
         fd = self.take(key)
         if fd is not None:
             os.close(fd)
+            if self.closed is not None:
+                self.closed(key)
 
     def take(self, key: Hashable) -> int | None:
         """Remove ``key``'s descriptor from the cache, open, and hand it to the caller."""
@@ -377,7 +385,6 @@ class Overlay:
             for key, value in txn.cursor(db=store.db["executions"]):
                 self._load_execution(key.decode(), msgpack.unpackb(value))
         self.stored_next_ino = self.next_ino
-        self.hydrated: dict[bytes, str] = {}
         self.upper_fds = OpenFiles()  # by Node
         # Descriptors of upper data files already unlinked: whoever drives the overlay closes
         # them off the event loop (take_unlinked_fds, close_all); that frees their blocks.
@@ -385,7 +392,9 @@ class Overlay:
         # Forgotten unlinked inodes, whose data files, records and page maps whoever drives
         # the overlay deletes off the event loop, in batches (take_reclaim, reclaimed).
         self.reclaim: list[Reclaim] = []
-        self.base_fds = OpenFiles()  # by content id
+        # By content id; the cache keeps a content while its descriptor is open here.
+        self.base_fds = OpenFiles(closed=store.cache.release)
+        self.max_file_size = MAX_FILE_SIZE  # bytes; a larger size is EFBIG (the daemon's knob)
         self.upper_root = str(store.root / "upper")
         # Empty files for new upper data files; the daemon keeps it filled (rametfs.precreate).
         self.precreated: Precreated | None = None
@@ -1249,6 +1258,8 @@ class Overlay:
         is stored with the next flush (every second, fsync, promote), as a write's is: tar
         sets mode, owner and times on every file it makes."""
         self._writable(node)
+        if size is not None:
+            self._check_size(node, size)
         u = self.copy_up(node)
         if mode is not None:
             u.mode = stat.S_IFMT(u.mode) | (mode & 0o7777)
@@ -1388,25 +1399,18 @@ class Overlay:
         return (u.base is not None and u.base.is_reg and u.base_limit == u.base.size == u.size
                 and not self._pages(node))
 
-    async def hydrate(self, cid: bytes) -> str:
-        """Path of base content ``cid`` decompressed in the shared cache; one thread builds
-        it however many readers ask at once (a keyed in-flight event)."""
-        path = self.hydrated.get(cid)
-        if path is not None:
-            return path
-        cached = self.store.cache_path(cid)
-        if os.path.exists(cached):  # hydrated by an earlier daemon: no thread needed
-            self.hydrated[cid] = cached
-            return cached
+    async def _hydrate(self, cid: bytes) -> int:
+        """A held descriptor of base content ``cid`` decompressed in the shared cache
+        (rametfs.store.cache); one thread builds it however many readers ask at once (a keyed
+        in-flight event), and none is needed when it is already there."""
         while cid in self.hydrating:
             await self.hydrating[cid].wait()
-            if cid in self.hydrated:
-                return self.hydrated[cid]
+        fd = self.store.cache.get(cid, hold=True)
+        if fd is not False:
+            return fd
         event = self.hydrating[cid] = trio.Event()
         try:
-            path = str(await trio.to_thread.run_sync(self.store.hydrate, cid))
-            self.hydrated[cid] = path
-            return path
+            return await trio.to_thread.run_sync(self.store.open_hydrated, cid)
         finally:
             del self.hydrating[cid]
             event.set()
@@ -1420,10 +1424,13 @@ class Overlay:
             return None
         fd = self.base_fds.get(cid)
         if fd is None:
-            path = await self.hydrate(cid)
-            fd = self.base_fds.get(cid)  # another request may have opened it meanwhile
-            if fd is None:
-                fd = self.base_fds.put(cid, os.open(path, os.O_RDONLY))
+            fd = await self._hydrate(cid)
+            other = self.base_fds.get(cid)  # another request may have opened it meanwhile
+            if other is not None:
+                os.close(fd)
+                self.store.cache.release(cid)
+                return other
+            self.base_fds.put(cid, fd)
         return fd
 
     def read(self, node: Node, off: int, size: int, base_fd: int | None) -> bytes:
@@ -1448,8 +1455,16 @@ class Overlay:
 
     def write(self, node: Node, off: int, data: bytes) -> int:
         """Write ``data`` at ``off`` (bytes), copying up only the pages it touches; returns
-        the bytes written, fewer when the disk fills up (ENOSPC when none)."""
+        the bytes written, fewer when the disk fills up (ENOSPC when none), when they reach
+        :attr:`max_file_size` (EFBIG when none fits), as ext4 does, or when they reach the
+        execution's byte limit (EDQUOT when none fits)."""
         ex = self._writable(node)
+        room = self.max_file_size - off
+        if room <= 0 and data:
+            raise fs_error(errno.EFBIG, f"write at byte {off}: a file holds at most "
+                                        f"{self.max_file_size} bytes")
+        if len(data) > room:
+            data = data[:room]
         u = self.copy_up(node)
         fd = self._upper_fd(node)
         data = data[:self._room(ex, len(data))]  # a short write up to the limit
@@ -1490,8 +1505,16 @@ class Overlay:
         self._mark_dirty(node)
         return done - off
 
+    def _check_size(self, node: Node, size: int) -> None:
+        """EFBIG when ``size`` (bytes) grows ``node`` past :attr:`max_file_size`."""
+        if size > self.max_file_size and size > node.size:
+            raise fs_error(errno.EFBIG, f"size {size}: a file holds at most "
+                                        f"{self.max_file_size} bytes")
+
     def truncate(self, node: Node, size: int) -> None:
-        """Set the file size (bytes); bytes past a shrink read as zeros if it grows again."""
+        """Set the file size (bytes); bytes past a shrink read as zeros if it grows again.
+        Raises EFBIG past :attr:`max_file_size`."""
+        self._check_size(node, size)
         u = self.copy_up(node)
         ex = node.view
         if size < u.size:

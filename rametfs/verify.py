@@ -13,12 +13,14 @@ Two modes:
   serve them, so a record or upper data file changed behind the daemon's back shows), then
   every byte the overlay serves from the base, which is the hydrated copy of each base
   content in the shared cache (``<data>/cache/<content id>``), is rehashed page by page
-  against the content's chunk ids.  Base content not hydrated yet is checked when it is
-  hydrated (every chunk's BLAKE3 id is checked on read).
+  against the content's chunk ids, and the rest of the copy (the content's holes) is checked
+  to read zeros, where the copy's data extents say it holds anything.  Base content not
+  hydrated yet is checked when it is hydrated (every chunk's BLAKE3 id is checked on read).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -27,7 +29,8 @@ import trio
 from .capture import diff, root_entry
 from .overlay import Execution, Overlay
 from .store import EMPTY_CONTENT, PAGE_SIZE, Entry, Store
-from .store.chunks import chunk_id
+from .store.chunks import chunk_id, is_zero
+from .store.extents import data_extents, pages_of
 
 ROOT, DEEP = "root", "deep"
 MODES = (ROOT, DEEP)
@@ -108,14 +111,29 @@ def _bad_cached_contents(store: Store, root: Entry) -> list[bytes]:
 
 
 def _cache_matches(store: Store, cid: bytes) -> bool:
-    """Whether the hydrated copy of content ``cid`` (if any) holds exactly its chunks."""
+    """Whether the hydrated copy of content ``cid`` (if any) holds exactly its bytes: each
+    page holding data hashes to its chunk id, and every other byte the file's data extents
+    (SEEK_DATA) hold is zero, so a sparse copy costs what it stores."""
     try:
-        f = open(store.cache_path(cid), "rb")
+        fd = os.open(store.cache_path(cid), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return True
-    size, ids = store.content(cid)
-    with f:
-        for expected in ids:
-            if chunk_id(f.read(PAGE_SIZE)) != expected:
+    try:
+        content = store.content(cid)
+        if os.fstat(fd).st_size != content.size:
+            return False
+        data = content.pages()  # both ascending: merged
+        want = next(data, None)
+        for page in pages_of(data_extents(fd, 0, content.size)):
+            if want is not None and want[0] < page:
+                return False  # a page holding data in a hole of the copy: it reads zeros
+            raw = os.pread(fd, PAGE_SIZE, page * PAGE_SIZE)
+            if want is not None and want[0] == page:
+                if chunk_id(raw) != want[1]:
+                    return False
+                want = next(data, None)
+            elif not is_zero(raw):
                 return False
-        return f.read(1) == b"" and f.tell() == size
+        return want is None
+    finally:
+        os.close(fd)

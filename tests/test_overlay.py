@@ -305,7 +305,7 @@ def test_capture_reuses_unchanged_subtrees(model):
 def test_fsck_finds_a_corrupt_chunk(model):
     store, overlay, ex = model
     assert fsck(store).problems == []
-    _, ids = store.content(store.tree(ex.base.root.ref)[b"small"].ref)
+    ids = list(store.content(store.tree(ex.base.root.ref)[b"small"].ref).chunk_ids())
     with store.write() as txn:
         envelope = bytearray(txn.get(ids[0], db=store.db["chunks"]))
         envelope[-1] ^= 0xFF

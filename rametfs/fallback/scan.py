@@ -31,7 +31,7 @@ import blake3
 from ..errors import RametError
 from ..longpath import cached, short
 from ..store import FLAG_HAS_LINKS, PAGE_SIZE, Entry, Store
-from ..store.chunks import chunk_id, content_id
+from ..store.chunks import Content, page_id
 from ..store.importer import read_xattrs
 from ..store.writer import ChunkWriter
 from ..store.trees import encode_tree
@@ -187,7 +187,7 @@ class _Scanner:
                 raise RametError(f"{os.fsdecode(path)} changed while it was scanned: stop "
                                  "what writes in the execution, then try again", errno.EBUSY)
             while page := _read_page(fd):
-                ids.append(self.writer.add(page) if self.writer else chunk_id(page))
+                ids.append(self.writer.add(page) if self.writer else page_id(page))
                 size += len(page)
                 if len(page) < PAGE_SIZE:
                     break
@@ -197,7 +197,7 @@ class _Scanner:
         if self.writer:
             cid = self.writer.put_content(size, ids)
         else:
-            cid = content_id(size, b"".join(ids))
+            cid = Content.from_pages(size, ids).id
         stable = _same(st, before) and _same(before, after) and after.st_size == size
         return cid, size, stable
 

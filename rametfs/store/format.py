@@ -1,7 +1,10 @@
 """Every stored record: the LMDB databases, their key and value layouts, and the chunk envelope.
 
-Format version :data:`FORMAT_VERSION` (stored under ``meta[b"format"]``; a store with another
-version is refused).  docs/format.md describes the same layout for readers of the data directory.
+Format version :data:`FORMAT_VERSION` (stored under ``meta[b"format"]``); a store of a version
+in :data:`READABLE_VERSIONS` is read, any other is refused.  Version 2 added the sparse content
+record; a version 1 store (every content dense) is read as it is and marked version 2 when
+opened, nothing rewritten.  docs/format.md describes the same layout for readers of the data
+directory.
 
 Integers in keys are unsigned big-endian so LMDB's byte order is numeric order.  Values are
 msgpack (``use_bin_type``) lists or maps; names and symlink targets are raw bytes, never decoded.
@@ -10,8 +13,13 @@ Databases (one LMDB environment, ``<data>/meta``):
 
 ``meta``       ``b"format"`` -> u32 version; ``b"next_ino"`` -> u64, above every stored inode number.
 ``chunks``     chunk id (32 B BLAKE3 of the raw bytes) -> chunk envelope (below).
-``contents``   content id (32 B) -> msgpack ``[size_bytes, chunk_ids]`` (``chunk_ids``: 32 B each,
-               concatenated; chunk i holds bytes ``[i*page_size, (i+1)*page_size)``).
+``contents``   content id (32 B) -> msgpack ``[size_bytes, chunk_ids]`` (dense: ``chunk_ids`` 32 B
+               each, concatenated; chunk i holds bytes ``[i*page_size, (i+1)*page_size)``), or
+               ``[size_bytes, chunk_ids, runs]`` (sparse: ``runs`` the pages holding data,
+               ``(first page, pages)`` as two u64 each, ascending and maximal; their chunk ids
+               in page order; every other page is a hole, read as zeros).  A page of zeros is
+               always a hole, and a content without holes is dense, so equal bytes make one
+               record.  The content id: :func:`rametfs.store.chunks.content_id`.
 ``trees``      tree id (32 B BLAKE3 of the value) -> msgpack list of entries sorted by name,
                each ``[name, mode, uid, gid, mtime_ns, size, ref, xattrs, link, nlink, flags]``
                (:class:`rametfs.store.trees.Entry`).  ``ref`` is the content id (regular file),
@@ -62,7 +70,8 @@ from __future__ import annotations
 
 import struct
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 PAGE_SIZE = 64 * 1024  # bytes; one chunk holds at most one page
 ID_BYTES = 32
 

@@ -37,11 +37,11 @@ def fsck(store: Store) -> FsckReport:
         seen_contents.add(entry.ref)
         report.contents += 1
         try:
-            size, ids = store.content(entry.ref)
-            if size != entry.size:
-                report.problems.append(f"{sid[:12]} {path}: content has {size} bytes, "
+            content = store.content(entry.ref)
+            if content.size != entry.size:
+                report.problems.append(f"{sid[:12]} {path}: content has {content.size} bytes, "
                                        f"entry says {entry.size}")
-            for cid in ids:
+            for cid in content.chunk_ids():
                 if cid not in seen_chunks:
                     seen_chunks.add(cid)
                     report.chunks += 1

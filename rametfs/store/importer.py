@@ -24,7 +24,6 @@ import msgpack
 
 from ..errors import InvalidArgument, NoSpace, NotFound, RametError
 from ..protocol import CONTROL_DIR
-from .format import PAGE_SIZE
 from .store import EMPTY_CONTENT, Snapshot, Store
 from .trees import FLAG_HAS_LINKS, Entry
 from .writer import ChunkWriter
@@ -93,25 +92,8 @@ class DirectoryImporter:
 
     def _file_content(self, path: str, st: os.stat_result) -> bytes:
         """Read, chunk and store the file at ``path``; returns its content id."""
-        ids = []
-        size = 0
         with open(path, "rb", buffering=0) as f:
-            buf = bytearray(PAGE_SIZE)
-            view = memoryview(buf)
-            while True:
-                n = f.readinto(buf)
-                while n and n < PAGE_SIZE:  # short reads: fill the page
-                    more = f.readinto(view[n:])
-                    if not more:
-                        break
-                    n += more
-                if not n:
-                    break
-                ids.append(self.writer.add(bytes(view[:n])))
-                size += n
-                if n < PAGE_SIZE:
-                    break
-        cid = self.writer.put_content(size, ids)
+            cid = self.writer.put_file(f.fileno(), st.st_size)
         self.sources[path.encode("utf-8", "surrogateescape")] = self._signature(st) + [cid]
         return cid
 

@@ -3,7 +3,8 @@
 ``Store`` owns the data directory (mode 0700)::
 
     <data>/meta/          LMDB environment (rametfs.store.format lists its databases)
-    <data>/cache/<cid>    hydrated (decompressed) base content, shared by every view
+    <data>/cache/<cid>    hydrated (decompressed) base content, sparse, shared by every
+                          view, bounded (rametfs.store.cache)
     <data>/upper/<layer>/ upper data files of an execution layer, one sparse file per inode
 
 Read methods open their own read transaction and may be called from any thread.  Write
@@ -12,6 +13,7 @@ transactions (``write()``) are short and never span an ``await`` (docs/concurren
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -26,7 +28,9 @@ import msgpack
 
 from ..errors import IntegrityError, NoSpace, NotFound, RametError
 from . import chunks
-from .format import (DATABASES, FORMAT_VERSION, ID_BYTES, PAGE_SIZE, from_u64, u64)
+from .cache import HydrationCache
+from .chunks import Content
+from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
 from .trees import Entry, decode_tree, encode_tree
 
 MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is written
@@ -35,6 +39,7 @@ MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is wr
 # new pages past its last one, and a write that finds no room fails the whole commit (EIO).
 METADATA_RESERVE = 4 << 20
 EMPTY_CONTENT = chunks.content_id(0, b"")
+_EMPTY = Content(0, b"", ())
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,15 @@ class Snapshot:
 
 
 class Store:
-    """Chunks, contents, trees and snapshots under one data directory.
+    """Chunks, contents, trees and snapshots under one data directory, and its hydration
+    cache (``cache``: at most ``cache_max_bytes`` on disk, None: no limit; with a limit the
+    cache is scanned at once, which removes the temporary files of dead hydrations).
 
-    Raises RametError (EIO) when the directory holds a store of another format version.
+    Raises RametError (EIO) when the directory holds a store of a format version this
+    rametfs does not read.
     """
 
-    def __init__(self, data_dir: str | os.PathLike):
+    def __init__(self, data_dir: str | os.PathLike, cache_max_bytes: int | None = None):
         self.root = Path(data_dir).absolute()
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
@@ -83,12 +91,17 @@ class Store:
         self._psize = self.env.stat()["psize"]  # bytes per LMDB page
         with self.write() as txn:
             version = txn.get(b"format", db=self.db["meta"])
-            if version is None:
-                txn.put(b"format", u64(FORMAT_VERSION), db=self.db["meta"])
-            elif from_u64(version) != FORMAT_VERSION:
+            if version is not None and from_u64(version) not in READABLE_VERSIONS:
                 raise RametError(f"{self.root}: store format {from_u64(version)}, "
-                                 f"this rametfs reads {FORMAT_VERSION}", errno.EIO)
+                                 f"this rametfs reads {READABLE_VERSIONS}", errno.EIO)
+            if version is None or from_u64(version) != FORMAT_VERSION:
+                # A format 1 store is a format 2 store without sparse contents: marked
+                # 2, so that no older rametfs reads the sparse records written from now on.
+                txn.put(b"format", u64(FORMAT_VERSION), db=self.db["meta"])
         self.page_size = PAGE_SIZE
+        self.cache = HydrationCache(self.root / "cache", cache_max_bytes)
+        if cache_max_bytes is not None:
+            self.cache.scan()
 
     def _reserve_metadata(self) -> None:
         """Keep :data:`METADATA_RESERVE` bytes allocated past LMDB's last committed page
@@ -154,77 +167,106 @@ class Store:
                 raise IntegrityError(f"chunk {cid.hex()} is missing")
             return chunks.decode_chunk(cid, envelope)
 
-    def content(self, cid: bytes) -> tuple[int, list[bytes]]:
-        """``(size in bytes, [chunk id, ...])`` of content ``cid``."""
-        size, ids = self._content_record(cid)
-        return size, [ids[i:i + ID_BYTES] for i in range(0, len(ids), ID_BYTES)]
-
-    def _content_record(self, cid: bytes) -> tuple[int, bytes]:
-        """``(size in bytes, chunk ids concatenated)``: one page's id is a slice, without
-        building the list (16,384 ids for 1 GiB)."""
+    def content(self, cid: bytes) -> Content:
+        """The content record ``cid``; IntegrityError (EIO) when missing or malformed."""
         if cid == EMPTY_CONTENT:
-            return 0, b""
+            return _EMPTY
         with self.env.begin(db=self.db["contents"]) as txn:
             value = txn.get(cid)
         if value is None:
             raise IntegrityError(f"content {cid.hex()} is missing")
-        size, ids = msgpack.unpackb(value)
-        return size, ids
+        return Content.unpack(cid, value)
 
     @staticmethod
-    def put_content(txn: lmdb.Transaction, db, size: int, chunk_ids: list[bytes]) -> bytes:
-        """Record a content (its chunks already stored) in ``txn``; returns its id."""
-        joined = b"".join(chunk_ids)
-        cid = chunks.content_id(size, joined)
+    def put_content(txn: lmdb.Transaction, db, content: Content) -> bytes:
+        """Record ``content`` (its chunks already stored) in ``txn``; returns its id."""
+        cid = content.id
         if cid != EMPTY_CONTENT:
-            txn.put(cid, msgpack.packb([size, joined]), db=db, overwrite=False)
+            txn.put(cid, content.pack(), db=db, overwrite=False)
         return cid
 
-    def hydrate(self, cid: bytes) -> Path:
-        """Path of the decompressed content ``cid`` in the shared cache, building it if absent.
+    def hydrate(self, cid: bytes) -> str:
+        """Path of the decompressed content ``cid`` in the shared cache
+        (:mod:`rametfs.store.cache`), building it if absent.  Blocking (reads every chunk
+        holding data): call it from a worker thread.  Raises IntegrityError (EIO), NoSpace
+        (ENOSPC), RametError (EFBIG: larger than the cache's file system holds)."""
+        self._hydrated(cid, hold=False)
+        return self.cache.path(cid)
 
-        Blocking (reads every chunk): call it from a worker thread.  The file appears
-        atomically (written to a temporary name, then renamed).  Raises IntegrityError (EIO),
-        NoSpace (ENOSPC).
-        """
-        path = Path(self.cache_path(cid))
-        if path.exists():
-            return path
-        size, ids = self.content(cid)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+    def open_hydrated(self, cid: bytes) -> int:
+        """A descriptor (O_RDONLY) of the hydrated content ``cid``, hydrating it first if
+        absent; the cache never removes the content while it is held: call
+        ``cache.release(cid)`` after closing it.  Blocking; raises as :meth:`hydrate`."""
+        return self._hydrated(cid, hold=True)
+
+    def _hydrated(self, cid: bytes, hold: bool) -> int | bool:
+        got = self.cache.get(cid, hold)
+        if got is not False:
+            return got
+        content = self.content(cid)
+        self.cache.make_room(content.stored_pages * self.page_size)
         try:
-            with open(tmp, "wb") as f:
-                for i in ids:
-                    f.write(self.chunk(i))
-                if f.tell() != size:
-                    raise IntegrityError(f"content {cid.hex()}: {f.tell()} bytes, expected {size}")
-            os.chmod(tmp, 0o400)
-            os.replace(tmp, path)
+            self._write_cache_file(cid, content)
+        except NoSpace:
+            if not self.cache.remove_unheld():
+                raise
+            self._write_cache_file(cid, content)
+        return self.cache.added(cid, hold)
+
+    def _write_cache_file(self, cid: bytes, content: Content) -> None:
+        """Write ``content`` to its cache file: its size set, then only its pages holding
+        data (holes stay holes), under a temporary name renamed into place."""
+        tmp = self.cache.temp_path(cid)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, content.size)
+                for page, chunk in content.pages():
+                    raw = self.chunk(chunk)
+                    start = page * self.page_size
+                    if len(raw) != min(self.page_size, content.size - start):
+                        raise IntegrityError(f"content {cid.hex()}: page {page} holds "
+                                             f"{len(raw)} bytes")
+                    if os.pwrite(fd, raw, start) < len(raw):
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fchmod(fd, 0o400)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.cache.path(cid))
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             if exc.errno == errno.ENOSPC:
                 raise NoSpace(f"no space left to hydrate content {cid.hex()}") from None
+            if exc.errno == errno.EFBIG:
+                raise RametError(f"content {cid.hex()} of {content.size} bytes is larger than "
+                                 "the cache's file system holds", errno.EFBIG) from None
             raise
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
-        return path
 
     def cache_path(self, cid: bytes) -> str:
         """Where the hydrated copy of content ``cid`` lives (it may not exist yet)."""
-        return f"{self.root}/cache/{cid.hex()}"
+        return self.cache.path(cid)
 
     def read_page(self, cid: bytes, page: int) -> bytes:
-        """Raw bytes of page ``page`` of content ``cid`` (b"" past the end). Blocking."""
-        cached = self.cache_path(cid)
+        """Raw bytes of page ``page`` of content ``cid``: zeros for a hole, b"" past the end.
+        Blocking."""
         try:
-            with open(cached, "rb") as f:
+            with open(self.cache.path(cid), "rb") as f:
                 return os.pread(f.fileno(), self.page_size, page * self.page_size)
         except FileNotFoundError:
             pass
-        _, ids = self._content_record(cid)
-        start = page * ID_BYTES
-        return self.chunk(ids[start:start + ID_BYTES]) if start < len(ids) else b""
+        content = self.content(cid)
+        start = page * self.page_size
+        if start >= content.size:
+            return b""
+        chunk = content.chunk(page)
+        if chunk is None:
+            return bytes(min(self.page_size, content.size - start))
+        return self.chunk(chunk)
 
     # -- trees ---------------------------------------------------------------------------
 
