@@ -318,18 +318,24 @@ def fsck(data: str) -> None:
 @click.option("--with-git-dir", is_flag=True,
               help="With --git: take the repository's .git directory along (local commits, "
                    "branches, stash, index).")
+@click.option("--on-change", type=click.Choice(protocol.ON_CHANGE),
+              help="An entry that changes while it is imported: fail the import (the "
+                   "default, EAGAIN) or skip it (counted in the snapshot's stats).")
 @ramet_options
 def snapshot(ramet: Ramet, source: str, label: str | None, message: str | None, git: bool,
-             rev: str | None, with_git_dir: bool) -> None:
+             rev: str | None, with_git_dir: bool, on_change: str | None) -> None:
     """Import the directory SOURCE as a snapshot; print its id."""
     if not git and (rev or with_git_dir):
         raise click.UsageError("--rev and --with-git-dir need --git.")
+    if git and on_change:
+        raise click.UsageError("--on-change is for a directory, not --git.")
     with _elapsed(f"snapshot {source}"):
         if git:
             snapshot_id = ramet.snapshot_git(source, rev=rev, with_git_dir=with_git_dir,
                                              label=label, message=message)
         else:
-            snapshot_id = ramet.snapshot(source, label=label, message=message)
+            snapshot_id = ramet.snapshot(source, label=label, message=message,
+                                         on_change=on_change)
     click.echo(snapshot_id)
 
 

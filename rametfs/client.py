@@ -151,14 +151,17 @@ class Ramet:
         return f"Ramet({str(self.mount)!r})"
 
     def snapshot(self, source: str | os.PathLike, label: str | None = None,
-                 message: str | None = None) -> str:
+                 message: str | None = None, on_change: str | None = None) -> str:
         """Import the directory tree at ``source`` as a new snapshot; return its id (64 hex).
+        An entry that changes while it is imported fails the import (``on_change="fail"``,
+        the default) or is left out (``"skip"``, counted in the snapshot's ``skipped``).
 
-        Errors: ENOENT source missing, EINVAL not a directory or it contains ``.ramet``,
-        ENOSPC, EIO.
+        Errors: ENOENT source missing, EINVAL not a directory, it contains ``.ramet`` or
+        ``on_change`` is neither, EAGAIN an entry changed (the message names it), ENOSPC, EIO.
         """
         path = os.path.abspath(os.fspath(source))
-        reply = self._backend.root_command("snapshot", path, label=label, message=message)
+        reply = self._backend.root_command("snapshot", path, label=label, message=message,
+                                           on_change=on_change)
         return reply["snapshot"]
 
     def snapshot_git(self, repo: str | os.PathLike, rev: str | None = None,

@@ -186,7 +186,8 @@ class Control:
         if not os.path.isabs(path):
             raise InvalidArgument(f"snapshot: path {path!r} is not absolute")
         snap = await trio.to_thread.run_sync(import_tree, self.overlay.store, path,
-                                             args.get("label", ""), args.get("message", ""))
+                                             args.get("label", ""), args.get("message", ""),
+                                             args.get("on-change", protocol.ON_CHANGE[0]))
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _snapshot_git(self, args: dict) -> dict:

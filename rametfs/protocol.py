@@ -33,7 +33,8 @@ the reply of the last command written to that ``ctl`` file.
 
 Root commands and their replies::
 
-    snapshot <abs-path> [--label L] [--message M]  -> {"ok", "snapshot", "stats"}
+    snapshot <abs-path> [--label L] [--message M] [--on-change fail|skip]
+                                                   -> {"ok", "snapshot", "stats"}
     create <snapshot-id> [--name N] [--owner UID] [--group GID] [--share MODE]
            [--control full|read|none] [--policy P] -> {"ok", "execution", "path"}
     release <execution-id>                         -> {"ok", "execution"}
@@ -48,6 +49,10 @@ records which sandbox runs the execution's commands (the sandbox adapters send i
 promote keeps it in the snapshot record with the recipes, and a restore runs them there by
 default.  Labels are at most :data:`MAX_LABEL_BYTES` bytes and messages
 :data:`MAX_MESSAGE_BYTES` (EINVAL beyond, for every command that takes them).
+
+``snapshot`` fails with EAGAIN, naming the path, when an entry of the source changes while
+it is imported (another file, type or content); ``--on-change skip`` leaves such entries out
+instead and counts them in the stats as ``skipped``.
 
 ``snapshot-git`` imports the tree of commit ``REV`` (default ``HEAD``) of a git repository
 from its objects, without a checkout; ``--gitdir yes`` takes the repository's ``.git``
@@ -208,7 +213,7 @@ STORE_WIDE_STATS = ("new_chunks", "new_chunk_bytes", "cached_files", "capture_ms
 
 # name -> (positional argument names, allowed options)
 ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "snapshot": (("path",), frozenset({"label", "message"})),
+    "snapshot": (("path",), frozenset({"label", "message", "on-change"})),
     "create": (("snapshot",), frozenset({"name", "policy"}) | ACCESS_OPTIONS),
     "release": (("execution",), frozenset()),
     "runtime": (("execution", "name"), frozenset({"uid", "gid", "image"})),
@@ -221,6 +226,7 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "fault": (("site",), frozenset({"execution", "count"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
+ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first the default)
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "promote": ((), frozenset({"label", "message", "policy"})),
     "checkpoint": ((), frozenset({"label", "message", "policy"})),
@@ -323,11 +329,12 @@ def yes_no(command: str, option: str, value: str | None) -> bool:
 
 
 def format_command(name: str, /, *positional: str, **options: str | None) -> str:
-    """Build one command line (with a trailing newline), quoting every word."""
+    """Build one command line (with a trailing newline), quoting every word; an option's
+    ``_`` becomes ``-`` (``on_change=`` gives ``--on-change``)."""
     words = [name, *positional]
     for key, value in options.items():
         if value is not None:
-            words += [f"--{key}", value]
+            words += [f"--{key.replace('_', '-')}", value]
     return " ".join(shlex.quote(w) for w in words) + "\n"
 
 

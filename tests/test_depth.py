@@ -373,8 +373,6 @@ def depth_first(changes: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return sorted(changes, key=lambda c: tuple(os.fsencode(c[1]).rstrip(b"/").split(b"/")))
 
 
-@pytest.mark.xfail(strict=True, reason="the directory importer (rametfs/store/importer.py) "
-                   "still recurses and walks by absolute paths: another branch fixes it")
 def test_deep_source_imports(ramet, tmp_path):
     src = tmp_path / "deep-src"
     src.mkdir()

@@ -96,10 +96,11 @@ class Fallback:
 
     # -- root commands -------------------------------------------------------------------
 
-    def snapshot(self, source: str, label: str = "", message: str = "") -> dict:
+    def snapshot(self, source: str, label: str = "", message: str = "",
+                 on_change: str = "fail") -> dict:
         """Import the directory ``source`` (absolute) as a snapshot (``import_tree``)."""
         protocol.check_text("snapshot", label, message)
-        snap = import_tree(self.store, source, label, message)
+        snap = import_tree(self.store, source, label, message, on_change)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     def snapshot_git(self, repo: str, rev: str = "HEAD", gitdir: str | None = None,

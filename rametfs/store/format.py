@@ -36,7 +36,10 @@ Databases (one LMDB environment, ``<data>/meta``):
                persistence policy, a list of maps ``{name, outputs, inputs: [{path,
                blake3}], command, check, timeout}`` (docs/format.md, docs/policy.md).
 ``sources``    absolute source path -> msgpack ``[dev, ino, size, mtime_ns, ctime_ns, content id]``,
-               the stat cache that makes re-importing an unchanged file free.
+               the stat cache that makes re-importing an unchanged file free (mtime and
+               ctime clamped as a record's, :func:`clamp_time_ns`).  A path longer than
+               :data:`MAX_KEY_BYTES` is keyed ``b"path-blake3:"`` + its 32-byte BLAKE3
+               hash instead (:func:`source_key`).
                Also ``b"git-blob:"`` + raw git blob id -> msgpack ``[size_bytes, content id]``,
                the blob cache that makes re-importing an unchanged git blob free
                (:mod:`rametfs.store.git_import`); such a key never starts with ``/``.
@@ -70,6 +73,8 @@ from __future__ import annotations
 
 import struct
 
+import blake3
+
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 PAGE_SIZE = 64 * 1024  # bytes; one chunk holds at most one page
@@ -92,6 +97,9 @@ _U64x2 = struct.Struct(">QQ")
 _U64x3 = struct.Struct(">QQQ")
 
 WHITEOUT = 0
+
+MAX_KEY_BYTES = 511  # LMDB's key size limit (mdb_env_get_maxkeysize, the default build)
+SOURCE_HASH_PREFIX = b"path-blake3:"
 
 # Timestamps a record holds: ext4's range with 256-byte inodes (fs/ext4/ext4.h,
 # EXT4_TIMESTAMP_MIN and EXT4_EXTRA_TIMESTAMP_MAX: 1901-12-13T20:45:52Z to
@@ -134,6 +142,15 @@ def dentry_key(layer: int, parent: int, name: bytes) -> bytes:
 def link_key(layer: int, link: int) -> bytes:
     """Key of ``links``: layer + link id (16 bytes)."""
     return _U64x2.pack(layer, link)
+
+
+def source_key(path: bytes) -> bytes:
+    """Key of ``sources`` for the absolute source path ``path``: the path itself when it fits
+    an LMDB key (:data:`MAX_KEY_BYTES`), else :data:`SOURCE_HASH_PREFIX` + its 32-byte
+    BLAKE3 hash (44 bytes; never starts with ``/``, so it meets no path)."""
+    if len(path) <= MAX_KEY_BYTES:
+        return path
+    return SOURCE_HASH_PREFIX + blake3.blake3(path).digest()
 
 
 def page_key(layer: int, ino: int, page: int) -> bytes:

@@ -1,7 +1,8 @@
 """Check a store: every snapshot's trees, contents and chunks are present and hash right.
 
 Reads only (LMDB read transactions), so it can run beside a live daemon.  Each tree, content
-and chunk is checked once however many snapshots share it.
+and chunk is checked once however many snapshots share it; every file entry's size is
+compared with its content's.
 """
 
 from __future__ import annotations
@@ -25,48 +26,59 @@ class FsckReport:
 
 
 def fsck(store: Store) -> FsckReport:
-    """Verify every snapshot in ``store``: trees, contents, and each chunk's BLAKE3 id."""
+    """Verify every snapshot in ``store``: trees, contents, and each chunk's BLAKE3 id.
+
+    The walk is iterative (no depth limit).  A tree shared by snapshots is checked once,
+    its problems named by the first snapshot and path that reach it; a content is read
+    once, but its size is compared with every entry that names it.
+    """
     report = FsckReport()
     seen_trees: set[bytes] = set()
-    seen_contents: set[bytes] = set()
+    sizes: dict[bytes, int | None] = {EMPTY_CONTENT: 0}  # content id -> bytes (None: damaged)
     seen_chunks: set[bytes] = set()
 
-    def check_file(sid: str, path: str, entry: Entry) -> None:
-        if entry.ref in seen_contents or entry.ref == EMPTY_CONTENT:
-            return
-        seen_contents.add(entry.ref)
+    def content_size(sid: str, path: str, cid: bytes) -> int | None:
+        if cid in sizes:
+            return sizes[cid]
         report.contents += 1
+        sizes[cid] = None
         try:
-            content = store.content(entry.ref)
-            if content.size != entry.size:
-                report.problems.append(f"{sid[:12]} {path}: content has {content.size} bytes, "
-                                       f"entry says {entry.size}")
-            for cid in content.chunk_ids():
-                if cid not in seen_chunks:
-                    seen_chunks.add(cid)
+            content = store.content(cid)
+            size = content.size
+            for chunk in content.chunk_ids():
+                if chunk not in seen_chunks:
+                    seen_chunks.add(chunk)
                     report.chunks += 1
-                    store.chunk(cid)
+                    store.chunk(chunk)
         except IntegrityError as exc:
             report.problems.append(f"{sid[:12]} {path}: {exc}")
-
-    def check_tree(sid: str, path: str, entry: Entry) -> None:
-        if entry.ref in seen_trees:
-            return
-        seen_trees.add(entry.ref)
-        report.trees += 1
-        try:
-            entries = store.tree(entry.ref)
-        except IntegrityError as exc:
-            report.problems.append(f"{sid[:12]} {path or '/'}: {exc}")
-            return
-        for name, child in entries.items():
-            child_path = f"{path}/{name.decode(errors='replace')}"
-            if child.is_dir:
-                check_tree(sid, child_path, child)
-            elif child.is_reg:
-                check_file(sid, child_path, child)
+            return None
+        sizes[cid] = size
+        return size
 
     for snap in store.snapshots():
         report.snapshots += 1
-        check_tree(snap.id, "", snap.root)
+        stack: list[tuple[str, Entry]] = [("", snap.root)]
+        while stack:
+            path, entry = stack.pop()
+            if entry.ref in seen_trees:
+                continue
+            seen_trees.add(entry.ref)
+            report.trees += 1
+            try:
+                entries = store.tree(entry.ref)
+            except IntegrityError as exc:
+                report.problems.append(f"{snap.id[:12]} {path or '/'}: {exc}")
+                continue
+            subdirs = []
+            for name, child in entries.items():
+                child_path = f"{path}/{name.decode(errors='replace')}"
+                if child.is_dir:
+                    subdirs.append((child_path, child))
+                elif child.is_reg:
+                    size = content_size(snap.id, child_path, child.ref)
+                    if size is not None and size != child.size:
+                        report.problems.append(f"{snap.id[:12]} {child_path}: content has "
+                                               f"{size} bytes, entry says {child.size}")
+            stack.extend(reversed(subdirs))  # name order, depth first
     return report
