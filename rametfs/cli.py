@@ -362,10 +362,15 @@ def _octal(ctx: click.Context, param: click.Parameter, text: str | None) -> int 
 @click.option("--control", type=click.Choice(protocol.CONTROLS),
               help="What its own .ramet files allow: full (default), read (no writes) or "
                    "none (no .ramet).")
+@click.option("--max-bytes", type=click.IntRange(1, 2**63 - 1), metavar="BYTES",
+              help="Disk its written data may take (EDQUOT past it; default: no limit).")
+@click.option("--max-inodes", type=click.IntRange(1, 2**63 - 1), metavar="N",
+              help="Upper inodes it may hold, copies-up included (EDQUOT past it).")
 @policy_option("none")
 @ramet_options
 def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, group: int | None,
-           share: int | None, control: str | None, policy: str | None) -> None:
+           share: int | None, control: str | None, max_bytes: int | None,
+           max_inodes: int | None, policy: str | None) -> None:
     """Create an execution of SNAPSHOT; print its id.
 
     SNAPSHOT is an id or a unique prefix of one.  --policy is stored with the execution:
@@ -373,7 +378,8 @@ def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, gro
     through the root control file whatever its --control.
     """
     click.echo(ramet.create(snapshot, name=name, policy=policy, owner=owner, group=group,
-                            share=share, control=control).id)
+                            share=share, control=control, max_bytes=max_bytes,
+                            max_inodes=max_inodes).id)
 
 
 

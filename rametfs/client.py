@@ -185,7 +185,8 @@ class Ramet:
     def create(self, snapshot: str, name: str | None = None,
                policy: str | os.PathLike | None = None, *, owner: int | None = None,
                group: int | None = None, share: int | None = None,
-               control: str | None = None) -> Execution:
+               control: str | None = None, max_bytes: int | None = None,
+               max_inodes: int | None = None) -> Execution:
         """Create a writable execution of ``snapshot`` (id or unique prefix).
 
         ``policy`` is stored with it and applied by its promotes and previews (unless one
@@ -194,16 +195,19 @@ class Ramet:
         and gid it belongs to (default: the daemon's); ``share``: its permission bits, like
         a directory's (default ``0o700``: the owner alone; the owner always has ``rwx``);
         ``control``: what its own control files allow (``"full"``, the default; ``"read"``:
-        no writes; ``"none"``: no ``.ramet``).  See docs/security.md.  In fallback mode they
-        are recorded and shown in the status; the data directory (0700) keeps other uids out
-        and executions have no control files.
+        no writes; ``"none"``: no ``.ramet``); ``max_bytes``/``max_inodes``: what its upper
+        layer may take, disk bytes of written data and upper inodes (EDQUOT past them).  See
+        docs/security.md.  In fallback mode the access settings are recorded and shown in
+        the status (the data directory, 0700, keeps other uids out, and executions have no
+        control files); limits are refused there (EOPNOTSUPP).
 
         Errors: ENOENT unknown snapshot, EINVAL bad name, setting or malformed policy,
         EEXIST name taken.
         """
         reply = self._backend.root_command("create", snapshot, name=name,
                                            policy=_policy_text(policy),
-                                           **_access(owner, group, share, control))
+                                           **_access(owner, group, share, control, max_bytes,
+                                                     max_inodes))
         return Execution(self, reply["execution"])
 
     def release(self, execution: str | Execution) -> None:
@@ -253,7 +257,8 @@ class Ramet:
                        ttl: float = DEFAULT_TTL, verify: str = "root",
                        policy: str | os.PathLike | None = None, owner: int | None = None,
                        group: int | None = None, share: int | None = None,
-                       control: str | None = None) -> ExecutionPool:
+                       control: str | None = None, max_bytes: int | None = None,
+                       max_inodes: int | None = None) -> ExecutionPool:
         """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
 
         The daemon (fallback mode: the data directory) keeps the pool and a lease per
@@ -261,14 +266,14 @@ class Ramet:
         named pool that outlives this process, ``ttl`` is the lease time in seconds,
         ``verify`` the check after each reset (``"root"`` or ``"deep"``), ``policy`` the
         persistence policy every member is created with (as :meth:`create` takes it);
-        ``owner``, ``group``, ``share`` and ``control`` are every member's, as
-        :meth:`create` takes them (a named pool reattached to keeps its own; those given must
-        match it).  Errors: ENOENT unknown snapshot, EEXIST a pool of that name has another
+        ``owner``, ``group``, ``share``, ``control``, ``max_bytes`` and ``max_inodes`` are
+        every member's, as :meth:`create` takes them (a named pool reattached to keeps its
+        own; those given must match it).  Errors: ENOENT unknown snapshot, EEXIST a pool of that name has another
         base, policy or settings, EINVAL bad name, size, policy or setting.
         """
         return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify,
                              policy=policy, owner=owner, group=group, share=share,
-                             control=control)
+                             control=control, max_bytes=max_bytes, max_inodes=max_inodes)
 
     def pools(self) -> list[dict]:
         """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
@@ -532,12 +537,15 @@ class _Local:
             return self.engine.execution_status(execution_id)
 
 
-def _access(owner: int | None, group: int | None, share: int | None,
-            control: str | None) -> dict[str, str | None]:
-    """The ``--owner``, ``--group``, ``--share`` and ``--control`` options of a command."""
+def _access(owner: int | None, group: int | None, share: int | None, control: str | None,
+            max_bytes: int | None, max_inodes: int | None) -> dict[str, str | None]:
+    """The ``--owner``, ``--group``, ``--share``, ``--control``, ``--max-bytes`` and
+    ``--max-inodes`` options of a command."""
     return {"owner": None if owner is None else str(owner),
             "group": None if group is None else str(group),
-            "share": None if share is None else f"{share:04o}", "control": control}
+            "share": None if share is None else f"{share:04o}", "control": control,
+            "max_bytes": None if max_bytes is None else str(max_bytes),
+            "max_inodes": None if max_inodes is None else str(max_inodes)}
 
 
 def _policy_text(path: str | os.PathLike | None) -> str | None:
@@ -596,7 +604,8 @@ class ExecutionPool:
                  name: str | None = None, ttl: float = DEFAULT_TTL, verify: str = "root",
                  policy: str | os.PathLike | None = None, owner: int | None = None,
                  group: int | None = None, share: int | None = None,
-                 control: str | None = None) -> None:
+                 control: str | None = None, max_bytes: int | None = None,
+                 max_inodes: int | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         if not ttl > 0:
@@ -608,7 +617,8 @@ class ExecutionPool:
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
                                             policy=_policy_text(policy),
-                                            **_access(owner, group, share, control))
+                                            **_access(owner, group, share, control,
+                                                      max_bytes, max_inodes))
         self.name: str = reply["pool"]
         self.base: str = reply["snapshot"]
         self._owned = name is None

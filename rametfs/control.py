@@ -115,6 +115,10 @@ class Control:
             try:
                 name, args = protocol.parse_command(self._text(command),
                                                     protocol.EXECUTION_COMMANDS)
+                if "policy" in args:
+                    raise RametError(f"{name}: the policy is the harness's (create --policy, "
+                                     f"or the root ctl); an execution cannot give its own",
+                                     errno.EACCES)
                 reply = await self._on_execution(ex, name, args)
             except Exception as exc:
                 raise self._as_rametfs(exc, text) from None
@@ -372,7 +376,7 @@ class Control:
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
                 "state": state, "created_ns": ex.created_ns,
                 "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
-                "max_bytes": ex.max_bytes, "max_inodes": ex.max_inodes,
+                "max_bytes": ex.access.max_bytes, "max_inodes": ex.access.max_inodes,
                 "last": execution_reply(self.last.get(ex.id))}
 
     def execution_json(self, ex: Execution) -> dict:

@@ -179,9 +179,6 @@ class Execution(View):
         # records (copied up or new); counted at start (Overlay.count_usage), then kept.
         self.upper_bytes = 0
         self.upper_inodes = 1  # the root's record
-        # Its limits (None: none): EDQUOT past them, like ext4's project quotas.
-        self.max_bytes: int | None = None
-        self.max_inodes: int | None = None
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
         # changed (Overlay.clock).
@@ -856,19 +853,21 @@ class Overlay:
     def _check_inode_quota(ex: Execution, new: int = 1) -> None:
         """EDQUOT when ``new`` more upper inode records would pass ``ex``'s limit (a copy-up
         takes one, as it takes an upper inode in kernel overlayfs)."""
-        if ex.max_inodes is not None and ex.upper_inodes + new > ex.max_inodes:
-            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its "
-                                         f"{ex.max_inodes} inodes (--max-inodes)")
+        limit = ex.access.max_inodes
+        if limit is not None and ex.upper_inodes + new > limit:
+            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its {limit} inodes "
+                                         f"(--max-inodes)")
 
     def _room(self, ex: Execution, wanted: int) -> int:
         """How many of ``wanted`` bytes ``ex`` may still allocate (all, without a limit);
         EDQUOT when none."""
-        if ex.max_bytes is None:
+        limit = ex.access.max_bytes
+        if limit is None:
             return wanted
-        room = ex.max_bytes - ex.upper_bytes
+        room = limit - ex.upper_bytes
         if room <= 0 < wanted:
-            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its {ex.max_bytes} "
-                                         f"bytes (--max-bytes)")
+            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its {limit} bytes "
+                                         f"(--max-bytes)")
         return min(wanted, room)
 
     @staticmethod

@@ -25,6 +25,7 @@ from rametfs.fuse_ops import OPEN_LESS
 from test_kernel_cache import _map_and_store
 from test_snapshots import write_tree
 
+MIB = 1 << 20
 TRACEBACK_LINES = (r"Traceback|^\s|^\S*Error|^rametfs\.faults\.InjectedFault|"
                    r"internal error|failed; restarting|failed$")
 
@@ -393,3 +394,91 @@ def test_other_spellings_of_a_snapshot_id_are_not_found(shared_daemon, tmp_path)
                      snap[:-1] + "G"):
         with pytest.raises(FileNotFoundError):
             os.stat(snapshots / spelling)
+
+
+# ----- quotas --------------------------------------------------------------------------------
+
+def _harness_record(d: Daemon, eid: str) -> dict:
+    [record] = [e for e in d.status()["executions"] if e["id"] == eid]
+    return record
+
+
+def test_max_bytes_bounds_the_disk_an_execution_takes_and_others_write_on(daemon, tmp_path):
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"base.bin": b"b" * 200_000}))
+    eid = daemon.ctl(f"create {snap} --max-bytes {MIB}")["execution"]
+    other = daemon.create(snap)
+    ex, by = daemon.exec_path(eid), daemon.exec_path(other)
+    proc = run("dd", "if=/dev/urandom", f"of={ex / 'big'}", "bs=64k", "count=100", check=False)
+    assert proc.returncode == 1 and "Disk quota exceeded" in proc.stderr
+    record = _harness_record(daemon, eid)
+    assert (record["max_bytes"], record["upper_bytes"]) == (MIB, MIB)
+    assert (ex / "big").stat().st_size == MIB  # short write up to the limit, then EDQUOT
+    with pytest.raises(OSError) as caught:
+        (ex / "more").write_bytes(b"x")
+    assert caught.value.errno == errno.EDQUOT
+    with pytest.raises(OSError) as caught:  # a copy-up of written pages counts too
+        with open(ex / "base.bin", "r+b") as f:
+            f.write(b"changed")
+    assert caught.value.errno == errno.EDQUOT
+    (by / "big").write_bytes(os.urandom(2 * MIB))  # a bystander has no such limit
+    os.unlink(ex / "big")  # freed once the kernel forgets it (reclaim)
+    wait_until(lambda: _harness_record(daemon, eid)["upper_bytes"] == 0, 10, "the blocks freed")
+    (ex / "again").write_bytes(os.urandom(MIB // 2))
+    assert _harness_record(daemon, eid)["upper_bytes"] == MIB // 2
+    daemon.restart()  # the limit is stored; the use is counted again at the start
+    record = _harness_record(daemon, eid)
+    assert (record["max_bytes"], record["upper_bytes"]) == (MIB, MIB // 2)
+    daemon.exec_ctl(eid, "reset")
+    assert _harness_record(daemon, eid)["upper_bytes"] == 0
+    (ex / "after-reset").write_bytes(os.urandom(MIB))
+
+
+def test_max_inodes_bounds_new_inodes_and_copies_up(daemon, tmp_path):
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"d/a": b"a", "d/b": b"b"}))
+    eid = daemon.ctl(f"create {snap} --max-inodes 6")["execution"]
+    ex = daemon.exec_path(eid)
+    os.chmod(ex / "d" / "a", 0o600)  # copies d and d/a up: with the root's, 3 records
+    (ex / "n1").write_bytes(b"n")
+    (ex / "n2").write_bytes(b"n")
+    assert _harness_record(daemon, eid)["upper_inodes"] == 5
+    (ex / "last").write_bytes(b"l")  # the 6th
+    for make in (lambda: (ex / "one-more").write_bytes(b"x"), lambda: os.mkdir(ex / "dir"),
+                 lambda: os.symlink("t", ex / "sym"), lambda: os.chmod(ex / "d" / "b", 0o600)):
+        with pytest.raises(OSError) as caught:
+            make()
+        assert caught.value.errno == errno.EDQUOT
+    os.unlink(ex / "last")
+    wait_until(lambda: _harness_record(daemon, eid)["upper_inodes"] == 5, 10,
+               "the unlinked inode reclaimed")
+    (ex / "one-more").write_bytes(b"x")
+
+
+def test_pool_members_get_the_pools_limits(shared_daemon, tmp_path):
+    snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    pool = shared_daemon.ctl(f"pool {snap} --size 2 --max-bytes 65536 --max-inodes 100")
+    for eid in pool["executions"]:
+        record = _harness_record(shared_daemon, eid)
+        assert (record["max_bytes"], record["max_inodes"]) == (65536, 100)
+    with pytest.raises(OSError) as caught:
+        shared_daemon.ctl(f"pool {snap} --size 2 --name {pool['pool']} --max-bytes 1")
+    assert caught.value.errno == errno.EEXIST
+    shared_daemon.ctl(f"drop {pool['pool']}")
+
+
+@pytest.mark.parametrize("option", ["--max-bytes 0", "--max-bytes -1", "--max-inodes x",
+                                    f"--max-bytes {2 ** 63}"])
+def test_bad_limits_are_einval(shared_daemon, tmp_path, option):
+    snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    with pytest.raises(OSError) as caught:
+        shared_daemon.ctl(f"create {snap} {option}")
+    assert caught.value.errno == errno.EINVAL
+    assert "must be a whole number from 1 to 2**63 - 1" in caught.value.reply["error"]
+
+
+def test_limits_are_refused_in_fallback_mode(tmp_path):
+    from rametfs import Ramet
+    with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
+        snap = ramet.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+        with pytest.raises(OSError) as caught:
+            ramet.create(snap, max_bytes=MIB)
+        assert caught.value.errno == errno.EOPNOTSUPP

@@ -129,6 +129,10 @@ class Fallback:
         while writing the tree.
         """
         settings = Access().given(access)
+        if settings.max_bytes is not None or settings.max_inodes is not None:
+            raise RametError("create: --max-bytes and --max-inodes need FUSE mode (a fallback "
+                             "execution is a plain directory: use the file system's project "
+                             "quotas)", errno.EOPNOTSUPP)
         stored_policy = _policy.stored(policy, _policy.CREATE) or stored_policy
         snap = self.store.snapshot(snapshot)
         eid = name or secrets.token_hex(6)
