@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import trio
 
 from . import overlay as ov
 from . import policy
-from .errors import InvalidArgument, NotFound, RametError
+from .errors import Cancelled, InvalidArgument, NotFound, RametError
 from .overlay import Execution, Node, Overlay, assemble, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
@@ -113,13 +114,35 @@ class _Reader:
         return sorted(pages)
 
 
-def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob) -> None:
+class CancelToken:
+    """Cancels a capture from the trio thread: worker threads :meth:`check` it between
+    pages, so they stop within a page of work."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+        self.reason = ""
+
+    def cancel(self, reason: str) -> None:
+        self.reason = reason
+        self._set.set()
+
+    def check(self) -> None:
+        """Raise Cancelled (ECANCELED) once :meth:`cancel` was called."""
+        if self._set.is_set():
+            raise Cancelled(f"cancelled by {self.reason}")
+
+
+NO_CANCEL = CancelToken()  # never cancelled
+
+
+def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob, cancel: CancelToken) -> None:
     """Chunk, hash and store the content of one changed file (blocking; a worker thread):
-    only its stored pages are read, the rest are holes."""
+    only its stored pages are read, the rest are holes; Cancelled once ``cancel`` is."""
     reader = _Reader(store, job)
     content = ContentBuilder()
     try:
         for page in reader.stored_pages():
+            cancel.check()
             content.add(page, reader.base_chunk(page) or writer.add(reader.page(page)))
     finally:
         reader.close()
@@ -129,14 +152,16 @@ def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob) -> None:
 ZERO_RUN = bytes(1 << 20)  # zeros fed to a digest for holes, not allocated per page
 
 
-def _read_pieces(store: Store, job: _FileJob) -> Iterator[bytes | memoryview]:
+def _read_pieces(store: Store, job: _FileJob, cancel: CancelToken = NO_CANCEL
+                 ) -> Iterator[bytes | memoryview]:
     """A file's bytes in order: each stored page read, holes as views of :data:`ZERO_RUN`
-    (blocking)."""
+    (blocking); Cancelled once ``cancel`` is."""
     reader = _Reader(store, job)
     zeros = memoryview(ZERO_RUN)
     try:
         pos = 0
         for page in reader.stored_pages():
+            cancel.check()
             start = page * PAGE_SIZE
             for at in range(pos, start, len(ZERO_RUN)):
                 yield zeros[:min(len(ZERO_RUN), start - at)]
@@ -148,11 +173,11 @@ def _read_pieces(store: Store, job: _FileJob) -> Iterator[bytes | memoryview]:
         reader.close()
 
 
-def _file_digest(store: Store, job: _FileJob) -> str:
+def _file_digest(store: Store, job: _FileJob, cancel: CancelToken) -> str:
     """BLAKE3 (hex) of a file's bytes (blocking): only stored pages are read, but BLAKE3
     (b3sum's digest, rametfs.policy.path_digest) hashes every byte of a hole too."""
     h = blake3.blake3()
-    for data in _read_pieces(store, job):
+    for data in _read_pieces(store, job, cancel):
         h.update(data)
     return h.hexdigest()
 
@@ -179,9 +204,10 @@ class Capture:
     ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.policy), ``plan()``
     leaves out ephemeral and rebuildable paths and takes shared ones from the base."""
 
-    def __init__(self, overlay: Overlay, ex: Execution):
+    def __init__(self, overlay: Overlay, ex: Execution, cancel: CancelToken = NO_CANCEL):
         self.overlay = overlay
         self.ex = ex
+        self.cancel = cancel
         self.jobs: dict[int, _FileJob] = {}  # ino -> job: hard links share one
         self.writer = ChunkWriter(overlay.store)
         self.descend_links = False
@@ -288,7 +314,7 @@ class Capture:
         """Hash the inputs of the recipes this promote stores (worker threads)."""
         for path, spec in self.inputs.items():
             self.digests[path] = await trio.to_thread.run_sync(
-                _spec_digest, self.overlay.store, spec)
+                _spec_digest, self.overlay.store, spec, self.cancel)
 
     async def hash(self) -> None:
         """Hash and store the changed files on every core."""
@@ -297,7 +323,8 @@ class Capture:
             async with trio.open_nursery() as nursery:
                 for job in self.jobs.values():
                     nursery.start_soon(lambda j=job: trio.to_thread.run_sync(
-                        _hash_file, self.overlay.store, self.writer, j, limiter=limiter))
+                        _hash_file, self.overlay.store, self.writer, j, self.cancel,
+                        limiter=limiter))
         except BaseExceptionGroup as group:  # the first failure stops them all: report it
             first = group
             while isinstance(first, BaseExceptionGroup):
@@ -361,20 +388,22 @@ class Capture:
 
 
 async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
-                  chosen: policy.Setting | None = None) -> Snapshot:
+                  chosen: policy.Setting | None = None, cancel: CancelToken = NO_CANCEL
+                  ) -> Snapshot:
     """Turn the current state of ``ex`` into a new snapshot whose parent is ``ex.head``.
 
     The policy applied is the one the harness ``chosen`` (None: none, everything is kept).
     Mutations of ``ex`` wait while this runs (a consistent point in time).  Raises
     InvalidArgument (EINVAL: the policy, see ``Capture.plan``), NoSpace (ENOSPC),
-    IntegrityError (EIO) or, for an execution marked failed, RametError (EIO); nothing is
+    IntegrityError (EIO), for an execution marked failed RametError (EIO), or Cancelled
+    (ECANCELED) once ``cancel`` is (its worker threads stop within a page); nothing is
     listed unless the whole snapshot is stored.
     """
     started = time.monotonic_ns()
     overlay.check_not_failed(ex)
     ex.frozen = trio.Event()
     try:
-        cap = Capture(overlay, ex)
+        cap = Capture(overlay, ex, cancel)
         plan = cap.plan(chosen)
         await cap.hash()
         await cap.digest_inputs()
@@ -447,13 +476,15 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
     return out
 
 
-async def root_entry(overlay: Overlay, ex: Execution) -> Entry:
+async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_CANCEL
+                     ) -> Entry:
     """The root entry a promote of ``ex`` would make now (its ``ref`` the root tree id),
     recording no tree and no snapshot; changed files are re-chunked and their chunks stored,
-    as a promote stores them.  Mutations of ``ex`` wait while this runs."""
+    as a promote stores them.  Mutations of ``ex`` wait while this runs; Cancelled
+    (ECANCELED) once ``cancel`` is."""
     ex.frozen = trio.Event()
     try:
-        cap = Capture(overlay, ex)
+        cap = Capture(overlay, ex, cancel)
         plan = cap.plan()
         await cap.hash()
         txn = overlay.store.env.begin(write=True)
@@ -586,13 +617,13 @@ def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
     return ("d", [(rel, *item(n)) for rel, n in walk_names(overlay, node.ino)])
 
 
-def _spec_digest(store: Store, spec: tuple) -> str:
+def _spec_digest(store: Store, spec: tuple, cancel: CancelToken) -> str:
     """The digest of one input (rametfs.policy.path_digest's definition); blocking."""
     kind, what = spec
 
     def one(kind: str, what) -> str:
         if kind == "f":
-            return _file_digest(store, what)
+            return _file_digest(store, what, cancel)
         if kind == "l":
             return blake3.blake3(what).hexdigest()
         return "-"

@@ -40,6 +40,7 @@ EXIT_CODES = {
 }
 EXIT_OTHER = 1
 WAIT_SECONDS = 30.0
+CANCELLED_GRACE_S = 2.0  # a busy unmount is tried again for this long after a cancel
 _POLL_SECONDS = 0.05
 
 
@@ -224,8 +225,9 @@ def umount(mountpoint: str, lazy: bool) -> None:
 
     When it returns, the daemon has flushed its state.  Without --lazy the read-only bind
     of snapshots/ goes first (it would keep the mount busy) and comes back if the mount is
-    busy.  Only a rametfs mount is unmounted (else ENOTCONN); the bind itself and binds of
-    the mount or of its executions made elsewhere are refused (EINVAL).
+    busy.  Commands running on executions are cancelled first (their callers get
+    ECANCELED).  Only a rametfs mount is unmounted (else ENOTCONN); the bind itself and binds
+    of the mount or of its executions made elsewhere are refused (EINVAL).
     """
     mountpoint = os.path.realpath(mountpoint)
     top = mounts.mount_at(mountpoint)
@@ -248,6 +250,10 @@ def umount(mountpoint: str, lazy: bool) -> None:
                          f"not where a daemon mounted it; remove it with umount -R {mountpoint}")
     pid = status["pid"] if status is not None else None
     dead = "" if pid is not None else " (no daemon answers there: --lazy detaches it)"
+    cancelled = []
+    if pid is not None:  # a long command would keep its caller, and so the mount, busy
+        with contextlib.suppress(RametError):  # another user's mount: its root ctl is 0600
+            cancelled = Ramet(mountpoint, mode="fuse").cancel()
     bound = not lazy and mounts.snapshots_bound(mountpoint)
     if bound:
         try:
@@ -256,6 +262,10 @@ def umount(mountpoint: str, lazy: bool) -> None:
             raise RametError(exc.errno, f"{exc.filename}: {exc.strerror}{dead}") from None
     argv = ["fusermount3", "-u", *(["-z"] * lazy), mountpoint]
     done = subprocess.run(argv, capture_output=True, text=True)
+    deadline = time.monotonic() + CANCELLED_GRACE_S
+    while cancelled and "busy" in done.stderr and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)  # the callers of cancelled commands closing their files
+        done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         why = done.stderr.strip() or f"{' '.join(argv)} failed"
         if bound and pid is not None:

@@ -215,6 +215,16 @@ class Ramet:
         execution_id = execution.id if isinstance(execution, Execution) else execution
         self._backend.root_command("release", execution_id)
 
+    def cancel(self, execution: str | Execution | None = None) -> list[str]:
+        """Cancel the command running on ``execution`` (None: on every execution) and wait
+        until it has stopped; the ids of the executions whose command was cancelled (it fails
+        with ECANCELED).  Fallback mode runs commands in their callers' processes: nothing
+        to cancel there.  Errors: ENOENT unknown execution."""
+        if self.mode == "fallback":
+            return []
+        execution_id = execution.id if isinstance(execution, Execution) else execution
+        return self._backend.root_command("cancel", execution=execution_id)["cancelled"]
+
     def execution(self, execution_id: str) -> Execution:
         """A handle on an existing execution (not checked until first used)."""
         return Execution(self, execution_id)

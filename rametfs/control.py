@@ -8,6 +8,7 @@ through the ``invalidate`` callback, so this module stays free of FUSE.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -15,14 +16,16 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import trio
 
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller, R
-from .capture import capture, diff, preview
-from .errors import Busy, InvalidArgument, RametError
+from .capture import CancelToken, capture, diff, preview
+from .errors import Busy, Cancelled, InvalidArgument, RametError
 from .faults import FAULTS
 from .overlay import Execution, Overlay
 from .pools import READY, Member, Pools
@@ -50,6 +53,18 @@ exec 3<>"$0" && printf '%s\n%s' "$2" "$prefix" >&3 && exec cat /proc/self/fd/3
 """
 
 Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
+ENDS_COMMANDS = ("reset", "release", "return")  # cancel a command running on the execution
+
+
+@dataclass
+class Running:
+    """A command running on an execution, and what cancels it: its cancel scope (for the
+    trio side) and token (for its worker threads); ``done`` is set once it has stopped."""
+
+    command: str
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    token: CancelToken = field(default_factory=CancelToken)
+    done: trio.Event = field(default_factory=trio.Event)
 
 
 class Control:
@@ -73,13 +88,13 @@ class Control:
         self.last: dict[str, dict] = {}
         self.errors: dict[str, str] = {}
         self.promoted: dict[str, str] = {}
-        self.busy: set[str] = set()
+        self.running: dict[str, Running] = {}  # execution id -> the command running on it
         self.pools = Pools(overlay)
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
             "renew": self._renew, "return": self._return, "drop": self._drop,
-            "fault": self._fault, "runtime": self._runtime}
+            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -129,23 +144,67 @@ class Control:
         return execution_reply(reply)
 
     async def _on_execution(self, ex: Execution, name: str, args: dict) -> dict:
-        """Run execution command ``name`` on ``ex``, from either scope: one at a time per
-        execution (else Busy, EBUSY); the reply, whole, becomes the execution's ``last``.  An
-        unexpected exception (a bug) marks ``ex`` failed (Overlay.fail)."""
-        if ex.id in self.busy:
-            raise Busy(f"execution {ex.id!r} is running another command")
-        self.busy.add(ex.id)
-        try:
-            reply = await self.execution_handlers[name](ex, args)
-        except (RametError, protocol.ProtocolError):
-            raise
-        except Exception as exc:
-            self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
-            raise
-        finally:
-            self.busy.discard(ex.id)
+        """Run execution command ``name`` on ``ex``, from either scope, alone on it
+        (:meth:`_alone`); the reply, whole, becomes the execution's ``last``.  An unexpected
+        exception (a bug) marks ``ex`` failed (Overlay.fail)."""
+        async with self._alone(ex, name):
+            try:
+                reply = await self.execution_handlers[name](ex, args)
+            except (RametError, protocol.ProtocolError):
+                raise
+            except Exception as exc:
+                self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
+                raise
         self.last[ex.id] = reply
         return reply
+
+    @contextlib.asynccontextmanager
+    async def _alone(self, ex: Execution, command: str) -> AsyncIterator[Running]:
+        """Run the block as ``command`` on ``ex``, the only command running on it.  While
+        another runs: a ``reset``, ``release`` or ``return`` cancels it (and waits until it
+        has stopped: a capture's worker threads stop within a page), anything else is Busy
+        (EBUSY).  A block that was cancelled raises Cancelled (ECANCELED) naming why."""
+        while (other := self.running.get(ex.id)) is not None:
+            if command not in ENDS_COMMANDS:
+                raise Busy(f"execution {ex.id!r} is running {other.command}")
+            await self.cancel(ex.id, f"the {command} of execution {ex.id}")
+        run = self.running[ex.id] = Running(command)
+        done = False
+        try:
+            with run.scope:
+                yield run
+                done = True
+        except Cancelled:  # from a worker thread, which saw the token
+            pass
+        finally:
+            del self.running[ex.id]
+            run.done.set()
+        if not done:
+            raise Cancelled(f"{command} cancelled by {run.token.reason}")
+
+    def _token(self, ex: Execution) -> CancelToken:
+        """The token that cancels the command running on ``ex`` (its worker threads check
+        it)."""
+        return self.running[ex.id].token
+
+    async def cancel(self, eid: str, reason: str) -> bool:
+        """Cancel the command running on execution ``eid`` (``reason`` says by what) and
+        wait until it has stopped; False when none runs."""
+        run = self.running.get(eid)
+        if run is None:
+            return False
+        run.token.cancel(reason)
+        run.scope.cancel()
+        await run.done.wait()
+        return True
+
+    async def cancel_all(self, reason: str) -> list[str]:
+        """Cancel every running execution command (:meth:`cancel`); their execution ids."""
+        cancelled = []
+        for eid in list(self.running):
+            if await self.cancel(eid, reason):
+                cancelled.append(eid)
+        return cancelled
 
     async def _root_on_execution(self, name: str, args: dict) -> dict:
         """Root ``<name> <execution-id> ...``: the execution command on that execution."""
@@ -224,12 +283,20 @@ class Control:
 
     async def _release(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
-        if ex.id in self.busy:
-            raise Busy(f"execution {ex.id!r} is running a command")
-        self.pools.forget(ex.id)
-        await self.invalidate(self.overlay.release(ex))
+        async with self._alone(ex, "release"):
+            self.pools.forget(ex.id)
+            await self.invalidate(self.overlay.release(ex))
         self._forget_replies(ex.id)
         return {"ok": True, "execution": ex.id}
+
+    async def _cancel(self, args: dict) -> dict:
+        eid = args.get("execution")
+        if eid is None:
+            cancelled = await self.cancel_all("the harness (cancel)")
+        else:
+            self.overlay.execution(eid)  # ENOENT for an unknown one
+            cancelled = [eid] if await self.cancel(eid, "the harness (cancel)") else []
+        return {"ok": True, "cancelled": cancelled}
 
     async def _fault(self, args: dict) -> dict:
         if not self.faults:
@@ -243,14 +310,14 @@ class Control:
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), ex.policy))
+                             policy.choose(args.get("policy"), ex.policy), self._token(ex))
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), None))
+                             policy.choose(args.get("policy"), None), self._token(ex))
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
@@ -322,9 +389,6 @@ class Control:
 
     async def _drop(self, args: dict) -> dict:
         pool = self.pools.pool(args["pool"])
-        busy = [eid for eid in pool.members if eid in self.busy]
-        if busy:
-            raise Busy(f"pool {pool.name!r}: executions {', '.join(busy)} are running commands")
         released = self.pools.drop(pool.name)
         for eid in released:
             await self._release({"execution": eid})
@@ -332,21 +396,16 @@ class Control:
 
     async def recycle(self, member: Member, mode: str) -> dict:
         """Reset ``member``'s execution, verify it in ``mode``, and return it to its pool,
-        or quarantine it when verification fails.  Raises Busy (EBUSY) while the execution
-        runs another command."""
+        or quarantine it when verification fails; a command running on it is cancelled
+        first."""
         ex = self.overlay.execution(member.execution)
-        if ex.id in self.busy:
-            raise Busy(f"execution {ex.id!r} is running a command")
-        self.busy.add(ex.id)
-        try:
+        async with self._alone(ex, "return") as run:
             reset_ms = await self._reset_layer(ex)
             try:
-                result = (await verify(self.overlay, ex, mode)).to_json()
+                result = (await verify(self.overlay, ex, mode, run.token)).to_json()
                 reason = "" if result["equal"] else quarantine_reason(result)
             except (RametError, OSError) as exc:  # e.g. an upper data file gone unreadable
                 result, reason = None, f"{mode} verification failed: {exc}"
-        finally:
-            self.busy.discard(ex.id)
         self._forget_replies(ex.id)
         self.pools.returned(member, reason)
         if reason:
@@ -356,7 +415,7 @@ class Control:
 
     async def _verify(self, ex: Execution, args: dict) -> dict:
         mode = protocol.parse_verify_mode(args.get("mode", ROOT))
-        result = (await verify(self.overlay, ex, mode)).to_json()
+        result = (await verify(self.overlay, ex, mode, self._token(ex))).to_json()
         member = self.pools.members.get(ex.id)
         if member is not None and member.state == READY and not result["equal"]:
             reason = quarantine_reason(result)

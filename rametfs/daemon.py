@@ -34,6 +34,7 @@ from .verify import ROOT
 log = logging.getLogger(__name__)
 
 DIRTY_INTERVAL_S = 1.0
+MAX_REQUEST_TASKS = 4096  # FUSE requests handled at once (pyfuse3 worker tasks)
 
 
 def _check_mountpoint(mountpoint: str) -> None:
@@ -193,11 +194,16 @@ async def _serve(overlay: Overlay, control: Control) -> None:
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    log.info("signal %d: unmounting", signum)
+                    log.info("signal %d: cancelling running commands, unmounting", signum)
+                    # pyfuse3.main returns once every request is answered: a long capture
+                    # would hold the exit (and its caller) until done.
+                    await control.cancel_all("the daemon stopping")
                     pyfuse3.terminate()
 
         nursery.start_soon(on_signal)
-        await pyfuse3.main()
+        # Requests waiting on a frozen execution each hold a worker task: more of them than
+        # pyfuse3's default 99, so one execution's waiting writers cannot take them all.
+        await pyfuse3.main(max_tasks=MAX_REQUEST_TASKS)
         nursery.cancel_scope.cancel()
 
 

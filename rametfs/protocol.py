@@ -103,6 +103,17 @@ returned the same way by the daemon.  ``drop`` releases every execution of the p
 forgets it.  ``release`` of a pool member takes it out of its pool, which shrinks by one
 (EBUSY while leased).
 
+One command runs on an execution at a time (EBUSY while another does), except that
+``reset``, ``release`` and ``return`` of it (and an expired lease's return) cancel the one
+running and wait until it has stopped; so does::
+
+    cancel [--execution ID]                   -> {"ok", "cancelled": [execution ids]}
+
+for the command running on execution ID, or on every execution (``rametfs umount`` sends it
+first; SIGTERM and SIGINT do the same before the daemon unmounts).  A cancelled command
+fails with ECANCELED, its message naming what cancelled it; a capture stops within a page
+of work and stores no snapshot.
+
 For the test suite, a daemon served with ``--faults`` also takes
 ``fault <site> [--execution ID] [--count N]``, which makes the named site raise an
 unexpected exception at its next N hits (rametfs.faults lists the sites); elsewhere it is
@@ -232,6 +243,7 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "drop": (("pool",), frozenset()),
     "snapshot-git": (("repo",), frozenset({"rev", "gitdir", "label", "message"})),
     "fault": (("site",), frozenset({"execution", "count"})),
+    "cancel": ((), frozenset({"execution"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first the default)

@@ -9,16 +9,21 @@ status says why, until a reset), and the daemon and a bystander execution keep w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, check_log, ctl_command, require_fuse, run, wait_until
+from conftest import (Daemon, check_log, ctl_command, pid_alive, read_reply, require_fuse, run,
+                      wait_until)
 from rametfs import protocol
 from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
 from rametfs.fuse_ops import OPEN_LESS
@@ -482,3 +487,115 @@ def test_limits_are_refused_in_fallback_mode(tmp_path):
         with pytest.raises(OSError) as caught:
             ramet.create(snap, max_bytes=MIB)
         assert caught.value.errno == errno.EOPNOTSUPP
+
+
+# ----- cancelling long captures --------------------------------------------------------------
+
+LONG_MIB = 384  # fresh random data a promote must hash and store: seconds of work
+
+
+class _Promote:
+    """``echo promote > .ramet/ctl`` of an execution, in a thread of its own: its caller is
+    blocked in write(2) until the daemon answers."""
+
+    def __init__(self, d: Daemon, eid: str):
+        self.errno: int | None = None  # of the write(2)
+        self.reply: dict | None = None  # read back from the same descriptor, if it could be
+        self.thread = threading.Thread(target=self._run, args=(d, eid), daemon=True)
+        self.thread.start()
+        wait_until(lambda: d.exec_status(eid)["state"] == "promoting", 30, "the promote to start")
+
+    def _run(self, d: Daemon, eid: str) -> None:
+        fd = os.open(d.exec_path(eid) / protocol.CONTROL_DIR / protocol.CTL, os.O_RDWR)
+        try:
+            try:
+                os.write(fd, b"promote\n")
+            except OSError as exc:
+                self.errno = exc.errno
+            with contextlib.suppress(OSError):  # gone with a daemon that stopped
+                self.reply = read_reply(fd)
+        finally:
+            os.close(fd)
+
+    def cancelled(self, by: str | None) -> None:
+        """Assert the caller's write failed ECANCELED (within 10 s of the cancel), with the
+        reply naming ``by`` (None: the daemon is gone, no reply to read)."""
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the promote's caller is still blocked"
+        assert self.errno == errno.ECANCELED, (self.errno, self.reply)
+        if by is not None:
+            assert self.reply["error"] == f"promote cancelled by {by}"
+
+
+@pytest.fixture
+def long_work(daemon, tmp_path):
+    """``(daemon, execution id, snapshot ids before)``: an execution holding LONG_MIB of new
+    random data, so its promote takes seconds."""
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    eid = daemon.create(snap)
+    for i in range(4):
+        with open(daemon.exec_path(eid) / f"blob{i}", "wb") as f:
+            for _ in range(LONG_MIB // 4):
+                f.write(os.urandom(MIB))
+    return daemon, eid, [s["id"] for s in daemon.status()["snapshots"]]
+
+
+@pytest.mark.parametrize("command", ["reset {eid}", "release {eid}", "cancel --execution {eid}",
+                                     "cancel"])
+def test_a_long_promote_is_cancelled_and_stores_nothing(long_work, command):
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    reply = d.ctl(command.format(eid=eid))
+    by = {"reset": f"the reset of execution {eid}", "release": f"the release of execution {eid}",
+          "cancel": "the harness (cancel)"}[command.split()[0]]
+    promote.cancelled(by)
+    if command.startswith("cancel"):
+        assert reply["cancelled"] == [eid]
+        assert d.exec_status(eid)["state"] != "promoting"
+    assert [s["id"] for s in d.status()["snapshots"]] == before
+    wait_until(lambda: d.ctl("cancel")["cancelled"] == [], 5, "nothing left running")
+
+
+def test_the_agents_own_reset_cancels_its_promote(long_work):
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    d.exec_ctl(eid, "reset")
+    promote.cancelled(f"the reset of execution {eid}")
+    assert [s["id"] for s in d.status()["snapshots"]] == before
+    assert os.listdir(d.exec_path(eid)) == ["f"]
+
+
+def test_an_expired_lease_cancels_the_promote_of_its_execution(daemon, tmp_path):
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    member = daemon.ctl(f"pool {snap} --size 1 --name longpool")["executions"][0]
+    daemon.ctl("acquire longpool --holder h --ttl 600")
+    with open(daemon.exec_path(member) / "blob", "wb") as f:
+        for _ in range(LONG_MIB):
+            f.write(os.urandom(MIB))
+    promote = _Promote(daemon, member)
+    daemon.ctl(f"return {member} --holder h")  # as the lease task does when it expires
+    promote.cancelled(f"the return of execution {member}")
+    assert daemon.exec_status(member)["state"] == "ready"
+
+
+def test_sigterm_cancels_a_long_promote_and_the_daemon_stops(long_work):
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    pid = d.pid
+    os.kill(pid, signal.SIGTERM)
+    promote.cancelled(None)
+    wait_until(lambda: not pid_alive(pid), 20, "the daemon to exit")
+    assert not os.path.ismount(d.mnt)
+    d.pid = None
+    d.start()
+    assert [s["id"] for s in d.status()["snapshots"]] == before
+    assert run(sys.executable, "-m", "rametfs", "fsck", "--data", d.data_dir).returncode == 0
+
+
+def test_umount_cancels_a_long_promote_and_unmounts(long_work):
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    d.stop()  # rametfs umount, not lazy: the promote's caller had the ctl open
+    promote.cancelled("the harness (cancel)")
+    d.start()
+    assert [s["id"] for s in d.status()["snapshots"]] == before

@@ -52,8 +52,8 @@ def test_format_then_parse_round_trips(name, positional, options, line, args):
     ("", ROOT_COMMANDS, "empty command"),
     ("  \n", EXECUTION_COMMANDS, "empty command"),
     ("frobnicate x", ROOT_COMMANDS,
-     "unknown command 'frobnicate'; expected one of acquire, checkpoint, create, diff, drop, "
-     "fault, pool, preview, promote, release, renew, reset, return, runtime, snapshot, "
+     "unknown command 'frobnicate'; expected one of acquire, cancel, checkpoint, create, diff, "
+     "drop, fault, pool, preview, promote, release, renew, reset, return, runtime, snapshot, "
      "snapshot-git, status, verify"),
     ("promote", ROOT_COMMANDS, "promote: expected <execution>, got 0 argument(s)"),
     ("status", EXECUTION_COMMANDS,
