@@ -599,3 +599,37 @@ def test_umount_cancels_a_long_promote_and_unmounts(long_work):
     promote.cancelled("the harness (cancel)")
     d.start()
     assert [s["id"] for s in d.status()["snapshots"]] == before
+
+
+def test_writers_waiting_on_a_frozen_execution_do_not_stall_the_others(long_work):
+    """Each request waiting for a promote to end holds one of the daemon's request tasks:
+    150 of them (pyfuse3's default was 99 tasks) leave the bystander served."""
+    d, eid, _ = long_work
+    other = d.create(d.status()["snapshots"][-1]["id"])
+    for i in range(150):  # files of their own: writes to one file take its lock in the kernel
+        (d.exec_path(eid) / f"waiting{i}").write_bytes(b"")
+    promote = _Promote(d, eid)
+    errors: list[OSError] = []
+
+    def write(i: int) -> None:
+        try:
+            with open(d.exec_path(eid) / f"waiting{i}", "r+b") as f:
+                f.write(b"w")
+        except OSError as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write, args=(i,), daemon=True) for i in range(150)]
+    for t in writers:
+        t.start()
+    time.sleep(1)  # their creates wait on the frozen execution
+    assert d.exec_status(eid)["state"] == "promoting" and all(t.is_alive() for t in writers)
+    probe = d.exec_path(other) / "probe"  # would hang with every request task taken
+    probe.write_bytes(b"probe\n")
+    assert (probe.read_bytes(), (d.exec_path(other) / "f").stat().st_size) == (b"probe\n", 1)
+    probe.unlink()
+    d.ctl(f"cancel --execution {eid}")
+    promote.cancelled("the harness (cancel)")
+    for t in writers:
+        t.join(10)
+    assert errors == [] and all((d.exec_path(eid) / f"waiting{i}").read_bytes() == b"w"
+                                for i in range(150))
