@@ -2,7 +2,7 @@
 
 Only copied-up inodes are visited: a directory never copied up is its base subtree, reused by
 id (a Merkle tree), so a promote reads and hashes only what changed.  A capture is consistent
-at one point in time: the caller holds the execution's mutations (``Execution.frozen``) while
+at one point in time: the execution's mutations wait while it runs (``Overlay.freeze``), and
 it runs, so the plan taken on the trio thread and the pages hashed in worker threads agree.
 """
 
@@ -22,14 +22,14 @@ import trio
 from . import overlay as ov
 from . import policy
 from .errors import Cancelled, InvalidArgument, NotFound, RametError
-from .overlay import Execution, Node, Overlay, assemble, walk_names
+from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
 from .store.extents import data_extents, pages_of
 from .store.format import link_key
 from .store.trees import subtree_paths
 from .store.writer import ChunkWriter
-from .treewalk import postorder, preorder
+from .treewalk import Steps, postorder, preorder, run_steps
 
 
 @dataclass
@@ -241,7 +241,7 @@ class Capture:
         self.classified = policy.classify_tree(pol, _ViewTree(self.overlay),
                                                self.overlay.node(self.ex.root_ino),
                                                durable=False)
-        problems = _problems(self.overlay, self.ex, pol, self.classified)
+        problems = run_steps(_problem_steps(self.overlay, self.ex, pol, self.classified))
         if problems:
             raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
                                   + "; ".join(problems))
@@ -401,8 +401,7 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
     """
     started = time.monotonic_ns()
     overlay.check_not_failed(ex)
-    ex.frozen = trio.Event()
-    try:
+    with overlay.freeze(ex):
         cap = Capture(overlay, ex, cancel)
         plan = cap.plan(chosen)
         await cap.hash()
@@ -410,15 +409,24 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
         snap = cap.commit(plan, [ex.head], label, message, started)
         await trio.to_thread.run_sync(overlay.store.sync)
         return snap
-    finally:
-        frozen, ex.frozen = ex.frozen, None
-        frozen.set()
 
 
 def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
     """What changed against the base: ``[(letter, path)]`` with ``A`` added, ``M`` modified,
     ``D`` deleted, paths relative to the execution root (directories end in ``/``), sorted.
     """
+    return run_steps(diff_steps(overlay, ex))
+
+
+async def diff_in_slices(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
+    """:func:`diff`, in slices of the trio thread (``Overlay.in_slices``), ``ex`` frozen
+    meanwhile so it is one point in time."""
+    with overlay.freeze(ex):
+        return await in_slices(diff_steps(overlay, ex))
+
+
+def diff_steps(overlay: Overlay, ex: Execution) -> Steps[list[tuple[str, bytes]]]:
+    """:func:`diff` as steps (rametfs.treewalk.run_steps): one per directory compared."""
     out: list[tuple[str, bytes]] = []
     descend_links = _has_upper_links(overlay, ex)
 
@@ -472,7 +480,7 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
                 out.append(("M", p))
 
     for _ in preorder([(overlay.node(ex.root_ino), ex.base.root, b"")], pairs):
-        pass
+        yield
     return out
 
 
@@ -482,8 +490,7 @@ async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_C
     recording no tree and no snapshot; changed files are re-chunked and their chunks stored,
     as a promote stores them.  Mutations of ``ex`` wait while this runs; Cancelled
     (ECANCELED) once ``cancel`` is."""
-    ex.frozen = trio.Event()
-    try:
+    with overlay.freeze(ex):
         cap = Capture(overlay, ex, cancel)
         plan = cap.plan()
         await cap.hash()
@@ -492,9 +499,6 @@ async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_C
             return cap._entry(txn, b"", plan)
         finally:
             txn.abort()  # the trees were only needed for their ids
-    finally:
-        frozen, ex.frozen = ex.frozen, None
-        frozen.set()
 
 
 # -- policies ---------------------------------------------------------------------------------
@@ -584,12 +588,13 @@ def load_policy(overlay: Overlay, ex: Execution,
                        policy.POLICY_FILE)
 
 
-def _problems(overlay: Overlay, ex: Execution, pol: policy.Policy,
-              classified: policy.Classified) -> list[str]:
-    """What stops a promote: changed shared paths, recipe inputs missing or not kept."""
+def _problem_steps(overlay: Overlay, ex: Execution, pol: policy.Policy,
+                   classified: policy.Classified) -> Steps[list[str]]:
+    """What stops a promote, as steps: changed shared paths, recipe inputs missing or not
+    kept."""
     problems = []
     if pol.patterns[policy.SHARED]:
-        problems += policy.shared_problems(pol, diff(overlay, ex))
+        problems += policy.shared_problems(pol, (yield from diff_steps(overlay, ex)))
 
     def exists(path: str) -> bool | None:
         node = _lookup_path(overlay, ex, path)
@@ -633,11 +638,19 @@ def _spec_digest(store: Store, spec: tuple, cancel: CancelToken) -> str:
     return one(kind, what) if kind in ("f", "l") else blake3.blake3(b"").hexdigest()
 
 
-def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None) -> dict:
+async def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None) -> dict:
     """What a promote of ``ex`` under the policy ``chosen`` would keep
-    (rametfs.policy.preview_report); changes nothing.  Raises InvalidArgument (EINVAL) for
+    (rametfs.policy.preview_report); changes nothing.  Runs in slices of the trio thread
+    (``Overlay.in_slices``), ``ex`` frozen meanwhile.  Raises InvalidArgument (EINVAL) for
     a malformed policy."""
+    with overlay.freeze(ex):
+        return await in_slices(_preview_steps(overlay, ex, chosen))
+
+
+def _preview_steps(overlay: Overlay, ex: Execution, chosen: policy.Setting | None
+                   ) -> Steps[dict]:
     pol = load_policy(overlay, ex, chosen)
-    classified = policy.classify_tree(pol, _ViewTree(overlay), overlay.node(ex.root_ino))
-    problems = _problems(overlay, ex, pol, classified) if pol is not None else []
+    classified = yield from policy.classify_steps(pol, _ViewTree(overlay),
+                                                  overlay.node(ex.root_ino))
+    problems = (yield from _problem_steps(overlay, ex, pol, classified)) if pol else []
     return policy.preview_report(pol, classified, problems)

@@ -24,7 +24,7 @@ import trio
 
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller, R
-from .capture import CancelToken, capture, diff, preview
+from .capture import CancelToken, capture, diff_in_slices, preview
 from .errors import Busy, Cancelled, InvalidArgument, RametError
 from .faults import FAULTS
 from .overlay import Execution, Overlay
@@ -54,6 +54,7 @@ exec 3<>"$0" && printf '%s\n%s' "$2" "$prefix" >&3 && exec cat /proc/self/fd/3
 
 Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
 ENDS_COMMANDS = ("reset", "release", "return")  # cancel a command running on the execution
+CAPTURES = ("promote", "checkpoint")  # a running one shows the state "promoting"
 
 
 @dataclass
@@ -334,13 +335,14 @@ class Control:
             table.pop(eid, None)
 
     async def _preview(self, ex: Execution, args: dict) -> dict:
-        return {"ok": True, "preview": preview(self.overlay, ex,
-                                               policy.choose(args.get("policy"), ex.policy))}
+        return {"ok": True, "preview": await preview(
+            self.overlay, ex, policy.choose(args.get("policy"), ex.policy))}
 
     async def _diff(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
         return {"ok": True, "execution": ex.id,
-                "diff": [[letter, os.fsdecode(path)] for letter, path in diff(self.overlay, ex)]}
+                "diff": [[letter, os.fsdecode(path)]
+                         for letter, path in await diff_in_slices(self.overlay, ex)]}
 
     async def _status(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
@@ -430,8 +432,10 @@ class Control:
         """What ``ex``'s own ``.ramet/status`` shows: who it is, where it stands, its own
         space, and its last reply as :func:`execution_reply` shows it; nothing of the harness
         (lease holder, pid, host, pool, mount path) or of the rest of the store."""
+        running = self.running.get(ex.id)
         state = ("failed" if ex.failure is not None else
-                 "promoting" if ex.frozen is not None else self.pools.member_json(ex.id)["state"])
+                 "promoting" if running is not None and running.command in CAPTURES
+                 else self.pools.member_json(ex.id)["state"])
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
                 "state": state, "created_ns": ex.created_ns,
                 "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
@@ -483,19 +487,20 @@ class Control:
     def execution_status(self, ex: Execution) -> bytes:
         return (json.dumps(self.execution_view(ex), indent=1) + "\n").encode()
 
-    def diff_text(self, ex: Execution) -> bytes:
+    async def diff_text(self, ex: Execution) -> bytes:
         """``.ramet/diff``: ``<letter> <path>`` lines, each path quoted as ``git status
-        --porcelain`` quotes it (rametfs.protocol.quote_path)."""
+        --porcelain`` quotes it (rametfs.protocol.quote_path); made in slices of the trio
+        thread."""
         return "".join(f"{letter} {protocol.quote_path(path)}\n"
-                       for letter, path in diff(self.overlay, ex)).encode()
+                       for letter, path in await diff_in_slices(self.overlay, ex)).encode()
 
-    def preview_text(self, ex: Execution) -> bytes:
+    async def preview_text(self, ex: Execution) -> bytes:
         """``.ramet/preview``: the preview under the policy the harness stored with the
         execution (none if it stored none), as JSON; the tree's ``ramet.toml`` only if that
         policy is ``tree``.  A malformed policy fails the open (EINVAL) with its message in
         ``.ramet/error``."""
         try:
-            report = preview(self.overlay, ex, policy.Setting.from_record(ex.policy))
+            report = await preview(self.overlay, ex, policy.Setting.from_record(ex.policy))
         except RametError as exc:
             self.errors[ex.id] = self._failed(exc, protocol.PREVIEW)
             raise

@@ -235,13 +235,30 @@ class Operations(pyfuse3.Operations):
                   v.mtime_ns, v.mtime_ns)
         return self._entry(a, CACHE_TIMEOUT if is_dir else 0)
 
-    def _control_file(self, slot: ControlSlot, caller: Caller = HARNESS) -> Virtual:
+    async def _control_file(self, slot: ControlSlot, caller: Caller = HARNESS) -> Virtual:
         """The inode to hand out for ``slot`` to ``caller`` now: the newest one if its
         content and mode are still current, else a new one; always a new one for a file that
         takes commands.  The root status the harness reads is 0400, so another uid can never
         read it, even through a dentry it shares."""
-        content = slot.reply if slot.kind == protocol.CTL else self._control_content(slot,
-                                                                                      caller)
+        content = slot.reply if slot.kind == protocol.CTL else \
+            await self._control_content(slot, caller)
+        return self._generation(slot, content, caller)
+
+    def _listed_control_file(self, slot: ControlSlot) -> Virtual:
+        """The inode a listing of ``.ramet/`` shows for ``slot``: its newest, or one made
+        with what is cheap to show; a diff or preview is made only when the file is looked
+        up (to be read), never for a listing."""
+        if slot.gens:
+            return self.virtual[slot.gens[-1]]
+        if slot.kind == protocol.CTL:
+            content = slot.reply
+        elif slot.kind in (protocol.DIFF, protocol.PREVIEW):
+            content = b""
+        else:
+            content = self._cheap_content(slot)
+        return self._generation(slot, content, HARNESS)
+
+    def _generation(self, slot: ControlSlot, content: bytes, caller: Caller) -> Virtual:
         mode = slot.mode
         if slot.execution is None and slot.kind == protocol.STATUS and caller.harness:
             mode = HARNESS_STATUS_MODE
@@ -299,9 +316,7 @@ class Operations(pyfuse3.Operations):
 
     async def _hold(self, node: Node) -> None:
         """Wait while a promote captures this node's execution (a consistent point)."""
-        ex = node.view
-        while isinstance(ex, Execution) and ex.frozen is not None:
-            await ex.frozen.wait()
+        await self.overlay.wait_thawed(node.view)
 
     # -- namespace -----------------------------------------------------------------------
 
@@ -309,7 +324,11 @@ class Operations(pyfuse3.Operations):
     async def lookup(self, parent_inode, name, ctx=None):
         caller = HARNESS if ctx is None else Caller(ctx.uid, ctx.gid, ctx.pid)
         try:
-            ino = self._lookup_ino(parent_inode, name, caller)
+            v = self.virtual.get(parent_inode)
+            if v is not None and name in v.files:  # a control file: its content made now
+                ino = (await self._control_file(v.files[name], caller)).ino
+            else:
+                ino = self._lookup_ino(parent_inode, name, caller)
         except NotFound:
             if parent_inode in self.virtual:
                 raise  # snapshots/ and executions/ gain entries the kernel does not see
@@ -353,8 +372,6 @@ class Operations(pyfuse3.Operations):
                 if not ex.access.allows(caller, X):
                     raise pyfuse3.FUSEError(errno.EACCES)
                 return ex.root_ino
-            if name in v.files:
-                return self._control_file(v.files[name], caller).ino
             if name not in v.children:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return v.children[name]
@@ -462,7 +479,8 @@ class Operations(pyfuse3.Operations):
                        for eid, ex in sorted(self.overlay.executions.items())]
         else:  # .ramet is found by lookup, never listed
             entries = sorted([(n, i) for n, i in v.children.items() if n != CONTROL_NAME] +
-                             [(n, self._control_file(slot).ino) for n, slot in v.files.items()])
+                             [(n, self._listed_control_file(slot).ino)
+                              for n, slot in v.files.items()])
         return entries
 
     def _keep_listing(self, ino: int, listing: list) -> None:
@@ -671,8 +689,19 @@ class Operations(pyfuse3.Operations):
 
     # -- control files -------------------------------------------------------------------
 
-    def _control_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS) -> bytes:
-        """What a control file other than ``ctl`` shows ``caller`` now."""
+    async def _control_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS
+                               ) -> bytes:
+        """What a control file other than ``ctl`` shows ``caller`` now; a diff or preview
+        is made in slices of the trio thread (rametfs.control)."""
+        if v.execution is not None and v.kind == protocol.DIFF:
+            return await self.control.diff_text(self._execution_of(v))
+        if v.execution is not None and v.kind == protocol.PREVIEW:
+            return await self.control.preview_text(self._execution_of(v))
+        return self._cheap_content(v, caller)
+
+    def _cheap_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS) -> bytes:
+        """What a control file other than ``ctl``, ``diff`` and ``preview`` shows ``caller``
+        now: O(1) in the execution's size."""
         c = self.control
         if v.execution is None:
             if v.kind == protocol.STATUS:
@@ -680,8 +709,6 @@ class Operations(pyfuse3.Operations):
             return c.root_error.encode()
         ex = self._execution_of(v)
         return {protocol.STATUS: c.execution_status,
-                protocol.DIFF: c.diff_text,
-                protocol.PREVIEW: c.preview_text,
                 protocol.PROMOTE: c.promoted_text,
                 protocol.FSMONITOR: lambda e: FSMONITOR_HOOK,
                 protocol.ERROR: lambda e: c.errors.get(e.id, "").encode()}[v.kind](ex)
@@ -712,7 +739,7 @@ class Operations(pyfuse3.Operations):
             v.slot.reply = protocol.encode_reply(reply)
             v.changed(v.slot.reply)
         else:
-            v.changed(self._control_content(v))
+            v.changed(await self._control_content(v))
         if not reply["ok"]:
             raise pyfuse3.FUSEError(reply["errno"])
         return len(buf)

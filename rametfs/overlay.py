@@ -36,7 +36,7 @@ import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 
 import msgpack
 import trio
@@ -48,8 +48,9 @@ from .protocol import CONTROL_DIR
 from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
                            page_of_key, u64)
-from .treewalk import preorder
+from .treewalk import Steps, preorder
 
+R = TypeVar("R")
 NAME_MAX = 255
 FIRST_DYNAMIC_INO = 1000
 RELEASED = -1  # the layer of a released execution: every node of it is stale  # inode numbers below are the mount's fixed virtual nodes
@@ -153,7 +154,7 @@ class Execution(View):
     """``/executions/<id>``: a writable copy-on-write view of ``base``.
 
     ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
-    upper layer; ``frozen`` is set while a promote captures it (mutations wait on it);
+    upper layer; while ``freezes`` counts captures or walks of it, its mutations wait;
     ``access`` who may use it and what its control files do (rametfs.authority), fixed at
     create; ``failure`` says why an internal error stopped it, until its next reset;
     ``policy`` is the persistence policy the harness stored with it (the record of a
@@ -172,7 +173,9 @@ class Execution(View):
         self.layer = layer
         self.created_ns = created_ns
         self.access = access
-        self.frozen: trio.Event | None = None
+        self.freezes = 0  # captures and walks that hold its mutations (Overlay.freeze)
+        self.thawed = trio.Event()  # set while freezes is 0
+        self.thawed.set()
         # Why an internal error marked this execution failed (Overlay.fail); None: it is not.
         self.failure: str | None = None
         # What the layer uses: bytes its upper data files take on disk, and upper inode
@@ -458,6 +461,30 @@ class Overlay:
         return bool(self.stale_inos)
 
     # -- snapshots -----------------------------------------------------------------------
+
+    # -- consistent points in time ---------------------------------------------------------
+
+    @staticmethod
+    @contextlib.contextmanager
+    def freeze(ex: Execution) -> Iterator[None]:
+        """Hold the mutations of ``ex`` while the block runs, awaits included: a capture or a
+        walk (diff, preview) sees one point in time.  Every mutating request waits in
+        :meth:`wait_thawed` first; blocks may nest."""
+        if not ex.freezes:
+            ex.thawed = trio.Event()
+        ex.freezes += 1
+        try:
+            yield
+        finally:
+            ex.freezes -= 1
+            if not ex.freezes:
+                ex.thawed.set()
+
+    @staticmethod
+    async def wait_thawed(view: View) -> None:
+        """Wait while ``view`` (an execution) is frozen (:meth:`freeze`)."""
+        while isinstance(view, Execution) and view.freezes:
+            await view.thawed.wait()
 
     def snapshot_view(self, sid: str) -> SnapshotView:
         """The view of snapshot ``sid``, its full id as the store spells it (64 lower-case hex
@@ -1559,6 +1586,24 @@ class Overlay:
                         if not key.startswith(prefix):
                             break
                         ex.upper_inodes += 1
+
+
+SLICE_S = 0.002  # seconds a walk runs on the trio thread before it lets other tasks run
+
+
+async def in_slices(steps: Steps[R]) -> R:
+    """Run a walk written as steps (rametfs.treewalk.run_steps) on the trio thread, letting
+    every other task run after each :data:`SLICE_S` of it: a walk over a large tree delays
+    other requests by a slice, not by the walk.  Returns the walk's result."""
+    deadline = time.perf_counter() + SLICE_S
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+        if time.perf_counter() >= deadline:
+            await trio.sleep(0)
+            deadline = time.perf_counter() + SLICE_S
 
 
 def walk_names(overlay: Overlay, ino: int, prefix: bytes = b"") -> Iterator[tuple[bytes, Node]]:

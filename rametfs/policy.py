@@ -36,7 +36,7 @@ import blake3
 
 from .errors import InvalidArgument
 from .longpath import cached, short
-from .treewalk import postorder, preorder
+from .treewalk import Steps, postorder, preorder, run_steps
 from .protocol import POLICY_NONE, POLICY_TREE, quote_path
 
 if sys.version_info >= (3, 11):
@@ -482,6 +482,12 @@ def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True)
     ``durable=False`` lists only the other classes, and skips directories where no pattern
     can match (what a promote needs).
     """
+    return run_steps(classify_steps(policy, tree, root, durable))
+
+
+def classify_steps(policy: Policy | None, tree: Tree, root, durable: bool = True
+                   ) -> Steps[Classified]:
+    """:func:`classify_tree` as steps (rametfs.treewalk.run_steps): one per directory."""
     out = Classified()
 
     def below(item: tuple[object, str]) -> Iterator[tuple[object, str]]:
@@ -510,7 +516,7 @@ def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True)
                 out.outputs.setdefault(recipe, []).append(path.rstrip("/"))
 
     for _ in preorder([(root, "")], below):
-        pass
+        yield
     return out
 
 

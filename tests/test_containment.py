@@ -633,3 +633,35 @@ def test_writers_waiting_on_a_frozen_execution_do_not_stall_the_others(long_work
         t.join(10)
     assert errors == [] and all((d.exec_path(eid) / f"waiting{i}").read_bytes() == b"w"
                                 for i in range(150))
+
+
+async def test_a_walk_in_slices_lets_other_tasks_run_and_returns_its_result():
+    """rametfs.overlay.in_slices: a walk of 30 steps of 1 ms each runs in slices of
+    SLICE_S (2 ms); another task runs between them, and the walk's result comes back."""
+    import trio
+
+    from rametfs.overlay import SLICE_S, in_slices
+    from rametfs.treewalk import run_steps
+    turns = 0
+    seen: list[int] = []
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.sleep(0)
+
+    def steps():
+        for _ in range(30):
+            time.sleep(0.001)
+            seen.append(turns)
+            yield
+        return "done"
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.sleep(0)
+        assert await in_slices(steps()) == "done"
+        nursery.cancel_scope.cancel()
+    assert SLICE_S == 0.002 and seen[-1] - seen[0] >= 30 * 0.001 // SLICE_S - 1
+    assert run_steps(steps()) == "done"
