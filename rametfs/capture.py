@@ -219,7 +219,12 @@ class Capture:
         self.digests: dict[str, str] = {}
 
     def plan(self, chosen: policy.Setting | None = None) -> Entry | _DirPlan:
-        """Walk the copied-up part of the execution; must run without an await in between.
+        """Walk the copied-up part of the execution (:meth:`plan_steps`, at once)."""
+        return run_steps(self.plan_steps(chosen))
+
+    def plan_steps(self, chosen: policy.Setting | None = None) -> Steps[Entry | _DirPlan]:
+        """Walk the copied-up part of the execution, as steps (one per directory); the
+        execution stays frozen (``Overlay.freeze``) from here to the commit.
 
         The policy is the one the harness ``chosen`` (None: none; see :func:`load_policy`).
         Raises InvalidArgument (EINVAL) for a malformed policy, or one this state breaks (a
@@ -229,19 +234,18 @@ class Capture:
         self.descend_links = _has_upper_links(self.overlay, self.ex)
         self.policy = load_policy(self.overlay, self.ex, chosen)
         if self.policy is not None:
-            self._classify()
+            yield from self._classify_steps()
         top = self._dir_plan(self.overlay.node(self.ex.root_ino), "")
         if isinstance(top, _DirPlan):
             for _ in preorder([(top, "")], self._fill):
-                pass
+                yield
         return top
 
-    def _classify(self) -> None:
+    def _classify_steps(self) -> Steps[None]:
         pol = self.policy
-        self.classified = policy.classify_tree(pol, _ViewTree(self.overlay),
-                                               self.overlay.node(self.ex.root_ino),
-                                               durable=False)
-        problems = run_steps(_problem_steps(self.overlay, self.ex, pol, self.classified))
+        self.classified = yield from policy.classify_steps(
+            pol, _ViewTree(self.overlay), self.overlay.node(self.ex.root_ino), durable=False)
+        problems = yield from _problem_steps(self.overlay, self.ex, pol, self.classified)
         if problems:
             raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
                                   + "; ".join(problems))
@@ -403,7 +407,7 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
     overlay.check_not_failed(ex)
     with overlay.freeze(ex):
         cap = Capture(overlay, ex, cancel)
-        plan = cap.plan(chosen)
+        plan = await in_slices(cap.plan_steps(chosen))
         await cap.hash()
         await cap.digest_inputs()
         snap = cap.commit(plan, [ex.head], label, message, started)
@@ -492,7 +496,7 @@ async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_C
     (ECANCELED) once ``cancel`` is."""
     with overlay.freeze(ex):
         cap = Capture(overlay, ex, cancel)
-        plan = cap.plan()
+        plan = await in_slices(cap.plan_steps())
         await cap.hash()
         txn = overlay.store.env.begin(write=True)
         try:
