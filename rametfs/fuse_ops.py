@@ -466,11 +466,11 @@ class Operations(pyfuse3.Operations):
 
     # -- directories ---------------------------------------------------------------------
 
-    def _listing(self, ino: int) -> list[tuple[bytes, int]]:
+    async def _listing(self, ino: int) -> list[tuple[bytes, int]]:
         """Directory ``ino``'s entries, ``(name, inode number)`` sorted by name."""
         v = self.virtual.get(ino)
         if v is None:
-            return [(name, node.ino) for name, node in self.overlay.listdir(ino)]
+            return [(name, node.ino) for name, node in await self.overlay.listdir_in_slices(ino)]
         if ino == SNAPSHOTS:
             names = [s.id.encode() for s in self.overlay.store.snapshots()]
             entries = [(n, self.overlay.snapshot_view(n.decode()).root_ino) for n in names]
@@ -500,7 +500,7 @@ class Operations(pyfuse3.Operations):
         # through it, so offsets stay valid between them.
         listing = self.listings.get(fh)
         if listing is None or start_id == 0:
-            listing = self._listing(fh)
+            listing = await self._listing(fh)
             self._keep_listing(fh, listing)
         self.listings.move_to_end(fh)
         for i in range(start_id, len(listing)):

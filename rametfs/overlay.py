@@ -29,6 +29,7 @@ import contextlib
 import copy
 import errno
 import functools
+import itertools
 import os
 import re
 import secrets
@@ -48,7 +49,7 @@ from .protocol import CONTROL_DIR
 from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
                            page_of_key, u64)
-from .treewalk import Steps, preorder
+from .treewalk import Steps, preorder, run_steps
 
 R = TypeVar("R")
 NAME_MAX = 255
@@ -58,6 +59,7 @@ DIR_SIZE = 4096
 TREE_CACHE = 4096  # decoded base trees kept in memory
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
 XATTR_BYTES = 64 * 1024  # names and values of one inode's extended attributes
+LIST_STEP = 1024  # names a listing makes per step (listdir_steps)
 SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
 MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
 
@@ -717,6 +719,18 @@ class Overlay:
     def listdir(self, dir_ino: int) -> list[tuple[bytes, Node]]:
         """The merged listing of a directory (base names minus whiteouts plus upper names),
         sorted by name."""
+        return run_steps(self.listdir_steps(dir_ino))
+
+    async def listdir_in_slices(self, dir_ino: int) -> list[tuple[bytes, Node]]:
+        """:meth:`listdir` in slices of the trio thread (:func:`in_slices`), its execution
+        frozen meanwhile: a directory of a million names delays other requests by a slice."""
+        view = self.node(dir_ino).view
+        with self.freeze(view) if isinstance(view, Execution) else contextlib.nullcontext():
+            return await in_slices(self.listdir_steps(dir_ino))
+
+    def listdir_steps(self, dir_ino: int) -> Steps[list[tuple[bytes, Node]]]:
+        """:meth:`listdir` as steps, one per :data:`LIST_STEP` names; ESTALE when a reset
+        or release drops the directory's layer meanwhile."""
         d = self.node(dir_ino)
         if not d.is_dir:
             raise fs_error(errno.ENOTDIR)
@@ -726,19 +740,26 @@ class Overlay:
         view = d.view
         if isinstance(view, Execution) and d.upper is not None:
             prefix = dentry_key(view.layer, dir_ino, b"")
-            with self.store.read() as txn:
-                cur = txn.cursor(db=self.store.db["dentries"])
-                if cur.set_range(prefix):
-                    for key, value in cur:
-                        if not key.startswith(prefix):
-                            break
-                        ino = from_u64(value)
-                        if ino == WHITEOUT:
-                            names.pop(key[len(prefix):], None)
-                        else:
-                            names[key[len(prefix):]] = ino
+            start = prefix
+            while True:  # a read transaction per batch: none is held across a step
+                with self.store.read() as txn:
+                    cur = txn.cursor(db=self.store.db["dentries"])
+                    batch = list(itertools.islice(itertools.takewhile(
+                        lambda kv: kv[0].startswith(prefix),
+                        cur.iternext() if cur.set_range(start) else ()), LIST_STEP))
+                for key, value in batch:
+                    ino = from_u64(value)
+                    if ino == WHITEOUT:
+                        names.pop(key[len(prefix):], None)
+                    else:
+                        names[key[len(prefix):]] = ino
+                if len(batch) < LIST_STEP:
+                    break
+                start = batch[-1][0] + b"\0"  # the next key after the last one read
+                yield
+                self._check_live(d)
         out = []
-        for name in sorted(names):
+        for i, name in enumerate(sorted(names), 1):
             ino = view.dcache.get((dir_ino, name))
             node = self.nodes.get(ino) if ino is not None else None
             if node is None:
@@ -748,7 +769,14 @@ class Overlay:
                 else:
                     node = self._base_child(d, name, item)
             out.append((name, node))
+            if i % LIST_STEP == 0:
+                yield
+                self._check_live(d)
         return out
+
+    def _check_live(self, node: Node) -> None:
+        if not self.is_live(node):
+            raise fs_error(errno.ESTALE, f"inode {node.ino} is stale")
 
     # -- attributes ----------------------------------------------------------------------
 

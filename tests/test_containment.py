@@ -665,3 +665,26 @@ async def test_a_walk_in_slices_lets_other_tasks_run_and_returns_its_result():
         nursery.cancel_scope.cancel()
     assert SLICE_S == 0.002 and seen[-1] - seen[0] >= 30 * 0.001 // SLICE_S - 1
     assert run_steps(steps()) == "done"
+
+
+def test_a_listing_made_in_slices_is_exact_across_its_batches(shared_daemon, tmp_path):
+    """Upper dentries are read and nodes made LIST_STEP (1,024) at a time, in slices: 1,500
+    base names, 700 of them removed (whiteouts) and 1,800 new ones list exactly."""
+    from rametfs.overlay import LIST_STEP
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(1500):
+        (src / "d" / f"b{i:04d}").write_bytes(b"")
+    eid = shared_daemon.create(shared_daemon.snapshot(src))
+    d = shared_daemon.exec_path(eid) / "d"
+    for i in range(0, 1400, 2):
+        os.unlink(d / f"b{i:04d}")
+    for i in range(1800):
+        (d / f"n{i:04d}").write_bytes(b"")
+    want = sorted([f"b{i:04d}" for i in range(1500) if i >= 1400 or i % 2] +
+                  [f"n{i:04d}" for i in range(1800)])
+    assert 700 + 1800 > 2 * LIST_STEP and len(want) == 2600
+    assert sorted(os.listdir(d)) == want
+    promoted = shared_daemon.exec_ctl(eid, "promote")["snapshot"]  # its plan lists d too
+    assert os.listdir(shared_daemon.snap_path(promoted) / "d") == want
+    shared_daemon.ctl(f"release {eid}")
