@@ -150,6 +150,7 @@ def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob, cancel: CancelT
 
 
 ZERO_RUN = bytes(1 << 20)  # zeros fed to a digest for holes, not allocated per page
+MAX_INPUT_BYTES = 1 << 30  # of one recipe input's files (_input_spec)
 
 
 def _read_pieces(store: Store, job: _FileJob, cancel: CancelToken = NO_CANCEL
@@ -161,13 +162,15 @@ def _read_pieces(store: Store, job: _FileJob, cancel: CancelToken = NO_CANCEL
     try:
         pos = 0
         for page in reader.stored_pages():
-            cancel.check()
             start = page * PAGE_SIZE
             for at in range(pos, start, len(ZERO_RUN)):
+                cancel.check()
                 yield zeros[:min(len(ZERO_RUN), start - at)]
+            cancel.check()
             yield reader.page(page)
             pos = min(start + PAGE_SIZE, job.size)
         for at in range(pos, job.size, len(ZERO_RUN)):
+            cancel.check()
             yield zeros[:min(len(ZERO_RUN), job.size - at)]
     finally:
         reader.close()
@@ -609,13 +612,22 @@ def _problem_steps(overlay: Overlay, ex: Execution, pol: policy.Policy,
 
 def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
     """What to hash for input ``path`` (it exists: checked before): ``("f", job)``,
-    ``("l", target)``, ``("o",)`` or ``("d", [(path below, kind, job | target | None)])``."""
+    ``("l", target)``, ``("o",)`` or ``("d", [(path below, kind, job | target | None)])``.
+    Raises RametError (EFBIG) when its files hold more than :data:`MAX_INPUT_BYTES`: its
+    digest hashes every byte, holes too (b3sum's), so an agent's 16 TiB sparse file named
+    as an input would take hours."""
     node = _lookup_path(overlay, ex, path)
+    total = 0
 
     def item(n: Node) -> tuple:
+        nonlocal total
         if n.is_dir:
             return ("d", None)
         if stat.S_ISREG(n.mode):
+            total += n.size
+            if total > MAX_INPUT_BYTES:
+                raise RametError(f"promote stopped by the policy: recipe input {path} holds "
+                                 f"more than {MAX_INPUT_BYTES} bytes", errno.EFBIG)
             return ("f", _node_job(overlay, ex, n))
         if stat.S_ISLNK(n.mode):
             return ("l", overlay.readlink(n))

@@ -688,3 +688,24 @@ def test_a_listing_made_in_slices_is_exact_across_its_batches(shared_daemon, tmp
     promoted = shared_daemon.exec_ctl(eid, "promote")["snapshot"]  # its plan lists d too
     assert os.listdir(shared_daemon.snap_path(promoted) / "d") == want
     shared_daemon.ctl(f"release {eid}")
+
+
+def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemon, tmp_path):
+    """A recipe input's digest hashes every byte (holes too): an input truncated to 2 GiB
+    (sparse, 0 bytes stored) stops the promote at once, not after hashing 2 GiB."""
+    from rametfs.capture import MAX_INPUT_BYTES
+    policy = ('[rebuildable.deps]\npaths = ["deps/"]\ninputs = ["lock.txt"]\n'
+              'command = "true"\n')
+    snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"lock.txt": b"a==1\n",
+                                                                 "deps/x": b"x"}))
+    eid = shared_daemon.ctl(protocol.format_command("create", snap, policy=policy))["execution"]
+    lock = shared_daemon.exec_path(eid) / "lock.txt"
+    os.truncate(lock, 2 * MAX_INPUT_BYTES)
+    with pytest.raises(OSError) as caught:
+        shared_daemon.ctl(f"promote {eid}")
+    assert caught.value.errno == errno.EFBIG
+    assert caught.value.reply["error"] == (f"promote stopped by the policy: recipe input "
+                                           f"lock.txt holds more than {MAX_INPUT_BYTES} bytes")
+    os.truncate(lock, 5)
+    assert shared_daemon.ctl(f"promote {eid}")["ok"]
+    shared_daemon.ctl(f"release {eid}")
