@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (Daemon, check_log, ctl_command, pid_alive, read_reply, require_fuse, run,
-                      wait_until)
+from conftest import Daemon, ctl_command, pid_alive, read_reply, run, serving, wait_until
 from rametfs import protocol
 from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
 from rametfs.fuse_ops import OPEN_LESS
@@ -76,15 +75,8 @@ def test_times_a_record_cannot_hold_are_clamped_as_ext4_clamps_them(daemon, tmp_
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     """A daemon served with ``--faults``; its log is checked for the expected tracebacks only."""
-    require_fuse()
-    base = tmp_path_factory.mktemp("faults")
-    d = Daemon(base / "data", base / "mnt", serve_args=("--faults",))
-    d.start()
-    try:
+    with serving(tmp_path_factory.mktemp("faults"), ("--faults",), [TRACEBACK_LINES]) as d:
         yield d
-    finally:
-        d.stop()
-        check_log(d.log_text(), [TRACEBACK_LINES], repr(d))
 
 
 @pytest.fixture(scope="module")
@@ -251,11 +243,8 @@ def test_an_exception_in_forget_is_logged_and_the_daemon_goes_on(faulty, pair):
 # ----- background tasks --------------------------------------------------------------------------
 
 def test_an_exception_in_the_dirty_flush_fails_that_execution_and_stores_the_others(
-        tmp_path, request):
-    require_fuse()
-    d = Daemon(tmp_path / "data", tmp_path / "mnt", serve_args=("--faults",))
-    d.start()
-    try:
+        tmp_path):
+    with serving(tmp_path, ("--faults",), [TRACEBACK_LINES]) as d:
         snap = d.snapshot(write_tree(tmp_path / "src", {"a": b"a\n"}))
         victim, bystander = d.create(snap), d.create(snap)
         d.ctl(f"fault task:flush --execution {victim}")
@@ -269,9 +258,6 @@ def test_an_exception_in_the_dirty_flush_fails_that_execution_and_stores_the_oth
         d.start()
         assert (d.exec_path(bystander) / "kept").read_bytes() == b"stored by the flush\n"
         assert d.exec_status(victim)["state"] != "failed"  # the mark lives in memory only
-    finally:
-        d.stop()
-        check_log(d.log_text(), [TRACEBACK_LINES], repr(d))
 
 
 def test_an_exception_in_reclaim_fails_that_execution_only(faulty, pair):
