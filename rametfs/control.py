@@ -25,12 +25,12 @@ import trio
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller, R
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .errors import Busy, Cancelled, InvalidArgument, RametError
+from .core import pools
+from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .overlay import Execution, Overlay
-from .pools import READY, Member, Pools
 from .store import import_git, import_tree
-from .store.leases import quarantine_reason
+from .store.catalog import Lease
 from .verify import ROOT, verify
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,9 @@ class Control:
         self.errors: dict[str, str] = {}
         self.promoted: dict[str, str] = {}
         self.running: dict[str, Running] = {}  # execution id -> the command running on it
-        self.pools = Pools(overlay)
+        self.pools = pools.Pools(overlay.store)
+        self.pools.prune(overlay.executions.__contains__)
+        self.leases_changed = trio.Event()  # set when a lease is taken or renewed (lease task)
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
@@ -285,7 +287,7 @@ class Control:
     async def _release(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
         async with self._alone(ex, "release"):
-            self.pools.forget(ex.id)
+            self.pools.forget(ex.id, time.time_ns())
             await self.invalidate(self.overlay.release(ex))
         self._forget_replies(ex.id)
         return {"ok": True, "execution": ex.id}
@@ -348,81 +350,97 @@ class Control:
         ex = self.overlay.execution(args["execution"])
         return {"ok": True, "status": self.execution_json(ex)}
 
-    # -- pools and leases ----------------------------------------------------------------
+    # -- pools and leases (the rules: rametfs.core.pools) ----------------------------------
 
     async def _pool(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
         size = protocol.parse_count(args["size"], "--size")
-        name = protocol.check_pool(args.get("name"), size)
-        existed = name in self.pools.pools
+        opened = self.pools.open(args.get("name"), snap.id, size, args,
+                                 policy.stored(args.get("policy"), policy.POOL), time.time_ns())
         try:
-            pool, created = self.pools.open(name, snap, size, args,
-                                            policy.stored(args.get("policy"), policy.POOL))
+            await self._make_members(opened.new)
         except RametError:
-            if not existed and name in self.pools.pools:  # half made: no one could use it
-                await self._drop({"pool": name})
+            if opened.created:  # half made: no one could use it
+                await self._drop({"pool": opened.pool})
             raise
-        return {"ok": True, "pool": pool.name, "snapshot": snap.id, "size": pool.size,
-                "created": created, "executions": list(pool.members)}
+        return self.pools.opened_reply(opened)
+
+    async def _make_members(self, new: tuple[pools.NewMember, ...]) -> None:
+        """Create the executions of ``new`` members and record them; one its pool no longer
+        wants (dropped meanwhile) is released again."""
+        for member in new:
+            ex = self.overlay.create_execution(self.overlay.store.snapshot(member.base),
+                                               member.execution, member.access, member.policy)
+            if not self.pools.add_member(member, time.time_ns()):
+                await self._release({"execution": ex.id})
 
     async def _acquire(self, args: dict) -> dict:
-        member = self.pools.acquire(
+        acquired = self.pools.acquire(
             args["pool"], args["holder"],
             protocol.parse_count(args.get("pid", "0"), "--pid", minimum=0),
-            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"))
-        ex = self.overlay.execution(member.execution)
+            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"),
+            time.time_ns())
+        self.leases_changed.set()
+        ex = self.overlay.execution(acquired.member.execution)
         if not self.overlay.pristine(ex):  # a process of an earlier holder wrote after return
             log.info("pool %s: execution %s changed while ready: reset before its lease",
-                     member.pool, ex.id)
+                     acquired.member.pool, ex.id)
             await self._reset_layer(ex)
-        return {"ok": True, "execution": ex.id, "pool": member.pool, "snapshot": ex.base.id,
-                "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
-                "lease": member.lease.to_json()}
+        return self.pools.acquired_reply(
+            acquired, os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id))
 
     async def _renew(self, args: dict) -> dict:
-        member = self.pools.renew(args["execution"], args["holder"],
-                                  protocol.parse_seconds_ns(args["ttl"], "--ttl"))
-        return {"ok": True, "execution": member.execution, "lease": member.lease.to_json()}
+        reply = self.pools.renew(args["execution"], args["holder"],
+                                 protocol.parse_seconds_ns(args["ttl"], "--ttl"), time.time_ns())
+        self.leases_changed.set()
+        return reply
 
     async def _return(self, args: dict) -> dict:
-        member = self.pools.held(args["execution"], args["holder"])
         mode = protocol.parse_verify_mode(args.get("verify", ROOT))
-        return await self.recycle(member, mode)
+        self.pools.held(args["execution"], args["holder"])  # before cancelling anything
+        return await self.recycle(args["execution"], args["holder"], mode)
 
     async def _drop(self, args: dict) -> dict:
-        pool = self.pools.pool(args["pool"])
-        released = self.pools.drop(pool.name)
-        for eid in released:
-            await self._release({"execution": eid})
-        return {"ok": True, "pool": pool.name, "executions": released}
+        reply = self.pools.drop(args["pool"])
+        for eid in reply["executions"]:
+            with contextlib.suppress(NotFound):  # released meanwhile
+                await self._release({"execution": eid})
+        return reply
 
-    async def recycle(self, member: Member, mode: str) -> dict:
-        """Reset ``member``'s execution, verify it in ``mode``, and return it to its pool,
+    async def recycle(self, eid: str, holder: str, mode: str,
+                      ended: Lease | None = None) -> dict | None:
+        """Reset ``holder``'s member ``eid``, verify it in ``mode``, and return it to its pool,
         or quarantine it when verification fails; a command running on it is cancelled
-        first."""
-        ex = self.overlay.execution(member.execution)
+        first.  ``ended``: the lease task's, the ended lease to return, and nothing is done
+        (None) when the member no longer has it (returned, released or leased again
+        meanwhile).  Errors: those of ``Pools.held``; Cancelled (ECANCELED) when a reset,
+        release or return of it cancels this."""
+        ex = self.overlay.execution(eid)
         async with self._alone(ex, "return") as run:
+            if ended is not None and self.pools.lease(eid) != ended:
+                return None
+            self.pools.held(eid, holder)
             reset_ms = await self._reset_layer(ex)
             try:
                 result = (await verify(self.overlay, ex, mode, run.token)).to_json()
-                reason = "" if result["equal"] else quarantine_reason(result)
-            except (RametError, OSError) as exc:  # e.g. an upper data file gone unreadable
-                result, reason = None, f"{mode} verification failed: {exc}"
+                reason = pools.quarantine_reason(result)
+            except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
+                result, reason = None, pools.failure_reason(mode, exc)
         self._forget_replies(ex.id)
-        self.pools.returned(member, reason)
+        settled = self.pools.returned(eid, holder, reason, time.time_ns())
         if reason:
             log.warning("execution %s quarantined: %s", ex.id, reason)
-        return {"ok": True, "execution": ex.id, "pool": member.pool, "state": member.state,
-                "reset_ms": reset_ms, "verification": result}
+        await self._make_members(settled.new)
+        return pools.return_reply(settled, reset_ms, result)
 
     async def _verify(self, ex: Execution, args: dict) -> dict:
         mode = protocol.parse_verify_mode(args.get("mode", ROOT))
         result = (await verify(self.overlay, ex, mode, self._token(ex))).to_json()
-        member = self.pools.members.get(ex.id)
-        if member is not None and member.state == READY and not result["equal"]:
-            reason = quarantine_reason(result)
-            self.pools.quarantine(member, reason)
+        reason = pools.quarantine_reason(result)
+        settled = self.pools.verified(ex.id, reason)
+        if settled is not None:
             log.warning("execution %s quarantined: %s", ex.id, reason)
+            await self._make_members(settled.new)
         return {"ok": True, "execution": ex.id,
                 "state": self.pools.member_json(ex.id)["state"], "verification": result}
 

@@ -25,7 +25,6 @@ from .faults import FAULTS
 from .fuse_ops import Operations
 from .mounts import bind_snapshots_read_only
 from .overlay import MAX_FILE_SIZE, Overlay
-from .pools import LEASED
 from .precreate import Precreated, keep_filled
 from .store import Store
 from .store.cache import default_max_bytes
@@ -110,23 +109,30 @@ EXPIRY_RETRY_NS = 1_000_000_000  # an expired lease whose execution is busy is r
 
 
 async def _expire_leases(control: Control) -> None:
-    """Return the executions whose lease ended to their pools (reset, verify; quarantine
-    when verification fails), sleeping until the next lease ends or a lease changes."""
+    """Return the executions whose lease ended to their pools (``Control.recycle``: reset,
+    verify; quarantine when verification fails), sleeping until the next lease ends, a
+    failed return is due again, or a lease is taken or renewed (``leases_changed``)."""
     pools = control.pools
+    retry_at: dict[str, int] = {}  # execution id -> when its failed return is tried again (ns)
     while True:
-        pools.leases_changed = trio.Event()
-        for member in pools.expired(time.time_ns()):
-            if member.state != LEASED:  # returned by its holder while an earlier one was
+        control.leases_changed = trio.Event()
+        now = time.time_ns()
+        expired = pools.expired(now)
+        retry_at = {m.execution: retry_at[m.execution] for m in expired
+                    if m.execution in retry_at}
+        for member in expired:
+            if retry_at.get(member.execution, now) > now:
                 continue
             log.info("lease of %s by %s (pid %d on %s) expired: returning it to pool %s",
                      member.execution, member.lease.holder, member.lease.pid, member.lease.host,
                      member.pool)
             try:
                 FAULTS.check("task:leases", member.execution)
-                await control.recycle(member, ROOT)
+                await control.recycle(member.execution, member.lease.holder, ROOT,
+                                      ended=member.lease)
             except RametError as exc:
                 log.info("execution %s not returned yet: %s", member.execution, exc)
-                pools.postpone(member, EXPIRY_RETRY_NS)
+                retry_at[member.execution] = time.time_ns() + EXPIRY_RETRY_NS
             except Exception as exc:
                 log.exception("returning execution %s to pool %s failed", member.execution,
                               member.pool)
@@ -134,11 +140,11 @@ async def _expire_leases(control: Control) -> None:
                 if ex is not None:
                     control.overlay.fail(ex, f"internal error returning it to its pool: "
                                              f"{exc!r}")
-                pools.postpone(member, EXPIRY_RETRY_NS)
-        deadline = pools.next_expiry()
-        delay = math.inf if deadline is None else max(0.0, (deadline - time.time_ns()) / 1e9)
+                retry_at[member.execution] = time.time_ns() + EXPIRY_RETRY_NS
+        deadline = min([*retry_at.values(), pools.next_expiry(after_ns=now) or math.inf])
+        delay = max(0.0, (deadline - time.time_ns()) / 1e9)
         with trio.move_on_after(delay):
-            await pools.leases_changed.wait()
+            await control.leases_changed.wait()
 
 
 async def _store_dirty_records(overlay: Overlay) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import trio
 
 from .capture import NO_CANCEL, CancelToken, diff, root_entry
+from .core.pools import verification_json
 from .overlay import Execution, Overlay
 from .store import EMPTY_CONTENT, PAGE_SIZE, Entry, Store
 from .store.chunks import chunk_id, is_zero
@@ -53,10 +54,9 @@ class Verification:
         return not self.differences
 
     def to_json(self) -> dict:
-        return {"mode": self.mode, "equal": self.equal, "root": self.root,
-                "base_root": self.base_root, "verify_ms": self.verify_ms,
-                "differences": [[letter, path.decode(errors="surrogateescape")]
-                                for letter, path in self.differences]}
+        """As replies carry it (rametfs.core.pools.verification_json)."""
+        return verification_json(self.mode, self.root, self.base_root, self.differences,
+                                 self.verify_ms)
 
 
 async def verify(overlay: Overlay, ex: Execution, mode: str = ROOT,

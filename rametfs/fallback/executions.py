@@ -31,6 +31,7 @@ from pathlib import Path
 from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
+from ..core.pools import verification_json
 from ..errors import Busy, InvalidArgument, NotFound, RametError
 from ..longpath import cached, short
 from ..store import Entry, Store, import_git, import_tree
@@ -272,18 +273,31 @@ class Fallback:
         counts as different).  ``deep``: reads and hashes every file, as ``diff`` reports.  A
         ready pool member that differs is quarantined (rametfs.fallback.pools).
         """
+        verification = self.verification(eid, "deep" if deep else "root")
+        self.pools.verified(eid, verification)
+        return [(letter, os.fsencode(path)) for letter, path in verification["differences"]]
+
+    def verification(self, eid: str, mode: str) -> dict:
+        """Verify execution ``eid`` in ``mode`` (``"root"``: quick, ``"deep"``; see
+        :meth:`verify`): the verification as replies carry it
+        (rametfs.core.pools.verification_json).  Its ``root`` is the tree id the execution
+        holds: the base's when quick mode finds no difference, else that of a scan (reading
+        what the manifest does not vouch for; every file in deep mode)."""
+        started = time.monotonic_ns()
         with self._locked(eid):
             meta = self._load(eid)
             base = self.store.snapshot(meta.base)
             root = os.fsencode(self.path(eid))
-            if not deep:
-                differences = sync.differences(self.store, root, base, meta.records)
-            else:
+            if mode == "deep":
                 now = scan.scan(self.store, root, meta.records, hash_all=True)
                 differences = diff_trees(base.root, now.root,
                                          lambda tid: now.tree(self.store, tid))
-        self.pools.verified(eid, "deep" if deep else "root", differences)
-        return differences
+            else:
+                differences = sync.differences(self.store, root, base, meta.records)
+                now = scan.scan(self.store, root, meta.records) if differences else None
+        tree = base.root if now is None else now.root
+        return verification_json(mode, tree.ref.hex(), base.root.ref.hex(), differences,
+                                 _ms_since(started))
 
     def execution_status(self, eid: str) -> dict:
         """``{"execution", "id", "base", "head", "state", "pool", "lease",
