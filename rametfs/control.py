@@ -92,7 +92,10 @@ class Control:
         self.running: dict[str, Running] = {}  # execution id -> the command running on it
         self.pools = pools.Pools(overlay.store)
         self.pools.prune(overlay.executions.__contains__)
-        self.leases_changed = trio.Event()  # set when a lease is taken or renewed (lease task)
+        # The lease task's: when it wakes next (wall-clock ns; 0 while awake), and what wakes
+        # it sooner (:meth:`_lease_set`).
+        self.leases_wake_ns = 0
+        self.leases_changed = trio.Event()
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
@@ -380,7 +383,7 @@ class Control:
             protocol.parse_count(args.get("pid", "0"), "--pid", minimum=0),
             args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"),
             time.time_ns())
-        self.leases_changed.set()
+        self._lease_set(acquired.member.lease.expires_ns)
         ex = self.overlay.execution(acquired.member.execution)
         if not self.overlay.pristine(ex):  # a process of an earlier holder wrote after return
             log.info("pool %s: execution %s changed while ready: reset before its lease",
@@ -392,8 +395,15 @@ class Control:
     async def _renew(self, args: dict) -> dict:
         reply = self.pools.renew(args["execution"], args["holder"],
                                  protocol.parse_seconds_ns(args["ttl"], "--ttl"), time.time_ns())
-        self.leases_changed.set()
+        self._lease_set(reply["lease"]["expires_ns"])
         return reply
+
+    def _lease_set(self, expires_ns: int) -> None:
+        """A lease taken or renewed ends at ``expires_ns``: wake the lease task if that is
+        before it would wake.  (A wake reads every member record; renewals, which only move
+        an end later, then cost it nothing.)"""
+        if expires_ns < self.leases_wake_ns:
+            self.leases_changed.set()
 
     async def _return(self, args: dict) -> dict:
         mode = protocol.parse_verify_mode(args.get("verify", ROOT))

@@ -111,11 +111,12 @@ EXPIRY_RETRY_NS = 1_000_000_000  # an expired lease whose execution is busy is r
 async def _expire_leases(control: Control) -> None:
     """Return the executions whose lease ended to their pools (``Control.recycle``: reset,
     verify; quarantine when verification fails), sleeping until the next lease ends, a
-    failed return is due again, or a lease is taken or renewed (``leases_changed``)."""
+    failed return is due again, or a lease taken or renewed ends sooner
+    (``Control.leases_changed``)."""
     pools = control.pools
     retry_at: dict[str, int] = {}  # execution id -> when its failed return is tried again (ns)
     while True:
-        control.leases_changed = trio.Event()
+        control.leases_changed, control.leases_wake_ns = trio.Event(), 0
         now = time.time_ns()
         expired = pools.expired(now)
         retry_at = {m.execution: retry_at[m.execution] for m in expired
@@ -142,8 +143,8 @@ async def _expire_leases(control: Control) -> None:
                                              f"{exc!r}")
                 retry_at[member.execution] = time.time_ns() + EXPIRY_RETRY_NS
         deadline = min([*retry_at.values(), pools.next_expiry(after_ns=now) or math.inf])
-        delay = max(0.0, (deadline - time.time_ns()) / 1e9)
-        with trio.move_on_after(delay):
+        control.leases_wake_ns = deadline
+        with trio.move_on_after(max(0.0, (deadline - time.time_ns()) / 1e9)):
             await control.leases_changed.wait()
 
 

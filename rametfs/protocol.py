@@ -69,7 +69,7 @@ and a create or copy-up is EDQUOT, like ext4 project quotas (default: no limit; 
 mode: EOPNOTSUPP).  A value out of range is EINVAL.  The settings are kept in the
 execution's record, through resets, pool returns and restarts.
 
-Pool and lease commands (rametfs.pools; ``--size``, ``--holder`` and ``--ttl`` are required;
+Pool and lease commands (rametfs.core.pools; ``--size``, ``--holder`` and ``--ttl`` are required;
 times in seconds, decimals allowed; lease times in the replies are wall-clock ns)::
 
     pool <snapshot-id> --size N [--name P] [--owner UID] [--group GID] [--share MODE]
@@ -101,7 +101,7 @@ back in the pool, or, when verification fails, quarantines it: state ``"quaranti
 handed out again, replaced by a new member; the reply says which.  An expired lease is
 returned the same way by the daemon.  ``drop`` releases every execution of the pool and
 forgets it.  ``release`` of a pool member takes it out of its pool, which shrinks by one
-(EBUSY while leased).
+(EBUSY while a lease on it runs; an ended lease holds nothing).
 
 One command runs on an execution at a time (EBUSY while another does), except that
 ``reset``, ``release`` and ``return`` of it (and an expired lease's return) cancel the one

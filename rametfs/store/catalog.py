@@ -113,9 +113,17 @@ class Catalog:
         txn.delete(execution.encode(), db=self.leases_db)
 
     def members(self, txn: lmdb.Transaction, pool: str | None = None) -> Iterator[Member]:
-        """Every member (of ``pool`` only, when given), by execution id: a scan of the
-        ``leases`` database (pools are small)."""
-        for key, value in txn.cursor(db=self.leases_db):
+        """Every member, or those of ``pool``, by execution id.  A member's id is
+        ``<pool>-<8 hex>`` (rametfs.protocol.member_name), so a pool's members are read from
+        the keys starting with ``<pool>-`` alone (and those of pools named ``<pool>-...``,
+        left out by their record's pool)."""
+        prefix = b"" if pool is None else f"{pool}-".encode()
+        cursor = txn.cursor(db=self.leases_db)
+        if not cursor.set_range(prefix):
+            return
+        for key, value in cursor:
+            if not key.startswith(prefix):
+                return
             member = Member.unpack(key.decode(), value)
             if pool is None or member.pool == pool:
                 yield member
