@@ -15,6 +15,7 @@ from rametfs.core import pools as core
 from rametfs.errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
 from rametfs.protocol import ProtocolError
 from rametfs.store import Store
+from rametfs.store.catalog import Lease, Member
 
 BASE, OTHER = "ab" * 32, "cd" * 32
 POLICY = {"from": "pool", "text": "[keep]\n"}
@@ -137,7 +138,7 @@ def test_drop_forgets_the_pool_and_its_members(pools):
 def test_prune_forgets_members_without_a_pool_or_an_execution(pools, store):
     kept, gone = pool_of(pools, 2)
     with store.write() as txn:  # a member of a pool that is no more
-        pools.catalog.put_member(txn, core.Member("orphan-1", "nopool"))
+        pools.catalog.put_member(txn, Member("orphan-1", "nopool"))
     assert pools.prune(lambda eid: eid != gone) == sorted([gone, "orphan-1"])
     assert pools.to_json()[0]["executions"] == [kept]
 
@@ -149,7 +150,7 @@ def test_acquire_hands_out_the_last_returned_and_says_why_none_is_free(pools):
     got = pools.acquire("p", "h1", 42, "box", 10 * S, T0)
     first = got.member.execution
     assert (got.base, got.taken_over, got.member.state) == (BASE, False, "leased")
-    assert got.member.lease == core.Lease("h1", 42, "box", T0 + 10 * S, T0)
+    assert got.member.lease == Lease("h1", 42, "box", T0 + 10 * S, T0)
     assert pools.acquired_reply(got, "/where") == {
         "ok": True, "execution": first, "pool": "p", "snapshot": BASE, "path": "/where",
         "lease": {"holder": "h1", "pid": 42, "host": "box", "expires_ns": T0 + 10 * S,
@@ -177,7 +178,7 @@ def test_an_ended_lease_is_taken_over_only_when_asked_and_ready_ones_go_first(po
         Busy, errno.EBUSY, "pool 'p': no ready execution (3 leased, 0 quarantined)")
     got = pools.acquire("p", "new", 7, "", S, now, take_expired=True)
     assert (got.member.execution, got.taken_over) == (by_ttl[0], True)
-    assert got.member.lease == core.Lease("new", 7, "", now + S, now)
+    assert got.member.lease == Lease("new", 7, "", now + S, now)
     assert pools.held(by_ttl[0], "new") == got.member
     # A ready member goes before an ended lease.
     five = by_ttl[1]
@@ -198,7 +199,7 @@ def test_held_says_whether_and_by_whom_an_execution_is_leased(pools):
     assert caught(lambda: pools.held(leased, "h2")) == (
         Busy, errno.EBUSY, f"execution {leased!r} is leased by h1 (pid 42 on box)")
     assert pools.held(leased, "h1").lease.holder == "h1"
-    assert pools.lease(leased) == core.Lease("h1", 42, "box", T0 + 10 * S, T0)
+    assert pools.lease(leased) == Lease("h1", 42, "box", T0 + 10 * S, T0)
     assert (pools.lease(ready), pools.lease("nope")) == (None, None)
 
 
@@ -353,7 +354,7 @@ def test_the_state_is_the_stores_alone(pools, store):
     eid, = pool_of(pools, 1)
     pools.acquire("p", "h", 3, "x", 10 * S, T0)
     other = core.Pools(store)
-    assert other.held(eid, "h").lease == core.Lease("h", 3, "x", T0 + 10 * S, T0)
+    assert other.held(eid, "h").lease == Lease("h", 3, "x", T0 + 10 * S, T0)
     other.returned(eid, "h", "", T0 + S)
     assert pools.member_json(eid)["state"] == "ready"
     assert pools.to_json() == other.to_json()

@@ -27,12 +27,13 @@ The drivers are rametfs.control (the daemon: trio, cancels a command running on 
 and rametfs.fallback.pools (in-process, synchronous).  Records: rametfs.store.catalog.
 
 Where the daemon's and fallback mode's earlier copies of these rules disagreed, this one
-keeps: release (:meth:`Pools.forget`) of a member whose lease has ended is allowed in both
-modes (the daemon refused any leased member, so a harness had to wait for the lease task; in
+keeps: an ended lease holds nothing, so release (:meth:`Pools.forget`) of its member is allowed
+in both modes (the daemon refused any leased member until its lease task had returned it; in
 fallback mode, with no lease task, such a member could otherwise only be dropped with its
-pool), as ``renew`` already treated an ended lease as ended; "not leased" is InvalidArgument
-with its hint in both; and a verification reply carries tree ids in both
-(:func:`verification_json`).
+pool) and ``renew`` refuses it in both (the daemon's in-memory postponement of a busy one let
+its holder renew it); "not leased" is InvalidArgument with its hint in both; a verification
+reply carries tree ids in both (:func:`verification_json`); and only unreadable or corrupt
+data is a failed verification (:data:`VERIFICATION_FAILURES`), in both.
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ class Acquired:
 
 @dataclass(frozen=True)
 class Settled:
-    """Where a member returned or verified ended: ``state`` ``ready``, ``leased`` or
-    ``quarantined``; ``new`` the members to make in place of one quarantined."""
+    """Where a member returned or verified ended: ``state`` ``ready`` or ``quarantined``;
+    ``new`` the members to make in place of one quarantined."""
 
     execution: str
     pool: str
