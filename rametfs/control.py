@@ -63,6 +63,7 @@ class Running:
     trio side) and token (for its worker threads); ``done`` is set once it has stopped."""
 
     command: str
+    harness: bool  # run from the root scope (else from the execution's own ctl)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     token: CancelToken = field(default_factory=CancelToken)
     done: trio.Event = field(default_factory=trio.Event)
@@ -140,7 +141,7 @@ class Control:
                     raise RametError(f"{name}: the policy is the harness's (create --policy, "
                                      f"or the root ctl); an execution cannot give its own",
                                      errno.EACCES)
-                reply = await self._on_execution(ex, name, args)
+                reply = await self._on_execution(ex, name, args, harness=False)
             except Exception as exc:
                 raise self._as_rametfs(exc, text) from None
         except RametError as exc:
@@ -149,11 +150,12 @@ class Control:
             raise
         return execution_reply(reply)
 
-    async def _on_execution(self, ex: Execution, name: str, args: dict) -> dict:
-        """Run execution command ``name`` on ``ex``, from either scope, alone on it
-        (:meth:`_alone`); the reply, whole, becomes the execution's ``last``.  An unexpected
-        exception (a bug) marks ``ex`` failed (Overlay.fail)."""
-        async with self._alone(ex, name):
+    async def _on_execution(self, ex: Execution, name: str, args: dict, harness: bool
+                            ) -> dict:
+        """Run execution command ``name`` on ``ex``, from the root scope (``harness``) or its
+        own, alone on it (:meth:`_alone`); the reply, whole, becomes the execution's
+        ``last``.  An unexpected exception (a bug) marks ``ex`` failed (Overlay.fail)."""
+        async with self._alone(ex, name, harness):
             try:
                 reply = await self.execution_handlers[name](ex, args)
             except (RametError, protocol.ProtocolError):
@@ -165,16 +167,22 @@ class Control:
         return reply
 
     @contextlib.asynccontextmanager
-    async def _alone(self, ex: Execution, command: str) -> AsyncIterator[Running]:
-        """Run the block as ``command`` on ``ex``, the only command running on it.  While
-        another runs: a ``reset``, ``release`` or ``return`` cancels it (and waits until it
-        has stopped: a capture's worker threads stop within a page), anything else is Busy
-        (EBUSY).  A block that was cancelled raises Cancelled (ECANCELED) naming why."""
+    async def _alone(self, ex: Execution, command: str, harness: bool = True
+                     ) -> AsyncIterator[Running]:
+        """Run the block as ``command`` on ``ex`` from the root scope (``harness``) or the
+        execution's own, the only command running on it.  While another runs, the harness
+        comes first: its command cancels one the execution's own ``ctl`` runs, and the
+        execution's never cancels the harness's (Busy, EBUSY); within one scope a ``reset``,
+        ``release`` or ``return`` cancels the one running, anything else is Busy.  A cancel
+        waits until the command has stopped (a capture's worker threads stop within a
+        page).  A block that was cancelled raises Cancelled (ECANCELED) naming why."""
         while (other := self.running.get(ex.id)) is not None:
-            if command not in ENDS_COMMANDS:
+            if other.harness and not harness or \
+                    other.harness == harness and command not in ENDS_COMMANDS:
                 raise Busy(f"execution {ex.id!r} is running {other.command}")
-            await self.cancel(ex.id, f"the {command} of execution {ex.id}")
-        run = self.running[ex.id] = Running(command)
+            await self.cancel(ex.id, f"the {command} of execution {ex.id}"
+                                     + ("" if harness == other.harness else " by the harness"))
+        run = self.running[ex.id] = Running(command, harness)
         done = False
         try:
             with run.scope:
@@ -215,7 +223,7 @@ class Control:
     async def _root_on_execution(self, name: str, args: dict) -> dict:
         """Root ``<name> <execution-id> ...``: the execution command on that execution."""
         ex = self.overlay.execution(args.pop("execution"))
-        return await self._on_execution(ex, name, args)
+        return await self._on_execution(ex, name, args, harness=True)
 
     @staticmethod
     def _text(command: bytes) -> str:

@@ -67,6 +67,7 @@ OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
     os.environ.get("RAMETFS_OPEN_LESS", "1") != "0"
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
+NEGATIVE_ROOT_NAMES = 4096  # missing names cached per execution root (Execution.negative_root)
 GENERATIONS = 64  # inodes kept per control file: older ones read as ESTALE
 RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (Operations._reclaim)
 # The root .ramet/ files: ctl and error are the harness's; status is the harness's whole, and
@@ -118,7 +119,8 @@ def _errors(fn):
     """Guard a handler: RametError and OSError become ``FUSEError(errno)``; any other
     exception is a bug, logged with its traceback, answered EIO, and the executions whose
     inodes the request named are marked failed (``Overlay.fail``), so nothing else stops.
-    ``forget`` has no reply: there the error is only logged."""
+    ``forget`` has no reply, and pyfuse3's session loop awaits it unguarded: no exception
+    may leave it, so there every error is only logged."""
     name = fn.__name__
 
     @functools.wraps(fn)
@@ -127,11 +129,12 @@ def _errors(fn):
             if FAULTS.armed:
                 FAULTS.check(f"handler:{name}", *self._culprits(args))
             return await fn(self, *args)
-        except pyfuse3.FUSEError:
-            raise
-        except RametError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except OSError as exc:
+        except (pyfuse3.FUSEError, RametError, OSError) as exc:
+            if name == "forget":
+                log.warning("forget: %s", exc)
+                return None
+            if isinstance(exc, pyfuse3.FUSEError):
+                raise
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         except Exception as exc:
             culprits = self._culprits(args)
@@ -316,7 +319,7 @@ class Operations(pyfuse3.Operations):
 
     async def _hold(self, node: Node) -> None:
         """Wait while a promote captures this node's execution (a consistent point)."""
-        await self.overlay.wait_thawed(node.view)
+        await self.overlay.wait_thawed(node)
 
     # -- namespace -----------------------------------------------------------------------
 
@@ -350,11 +353,15 @@ class Operations(pyfuse3.Operations):
         The kernel replaces it when it creates the name; a reset must drop the ones in an
         execution's root (``Execution.negative_root``)."""
         view = self.overlay.node(parent_inode).view
+        timeout = CACHE_TIMEOUT
         if isinstance(view, Execution) and parent_inode == view.root_ino:
-            view.negative_root.add(name)
+            if len(view.negative_root) < NEGATIVE_ROOT_NAMES:
+                view.negative_root.add(name)
+            else:  # not cached: the set (and the reset that tells the kernel) stay bounded
+                timeout = 0
         e = pyfuse3.EntryAttributes()
         e.st_ino = 0
-        e.entry_timeout = CACHE_TIMEOUT
+        e.entry_timeout = timeout
         return e
 
     def _looked_up(self, ino: int) -> None:

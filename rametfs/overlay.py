@@ -46,6 +46,8 @@ from .authority import Access
 from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
 from .precreate import Precreated
 from .protocol import CONTROL_DIR
+
+RESERVED = CONTROL_DIR.encode()  # the name no entry may have at an execution's root
 from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
                            page_of_key, u64)
@@ -60,6 +62,10 @@ TREE_CACHE = 4096  # decoded base trees kept in memory
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
 XATTR_BYTES = 64 * 1024  # names and values of one inode's extended attributes
 LIST_STEP = 1024  # names a listing makes per step (listdir_steps)
+# Requests of one execution that may wait for its freeze to end: an eighth of the daemon's
+# request tasks (rametfs.daemon.MAX_REQUEST_TASKS, 4,096).
+MAX_WAITING = 512
+MAX_CHANGES = 1 << 18  # change-clock entries kept per execution (about 150 bytes each)
 SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
 MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
 
@@ -176,6 +182,7 @@ class Execution(View):
         self.created_ns = created_ns
         self.access = access
         self.freezes = 0  # captures and walks that hold its mutations (Overlay.freeze)
+        self.waiting = 0  # requests waiting for them to end (Overlay.wait_thawed)
         self.thawed = trio.Event()  # set while freezes is 0
         self.thawed.set()
         # Why an internal error marked this execution failed (Overlay.fail); None: it is not.
@@ -188,6 +195,7 @@ class Execution(View):
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
         # changed (Overlay.clock).
         self.changes: dict[int | tuple[int, bytes], int] = {}
+        self.changes_floor = 0  # tokens from before this clock no longer say what changed
         # Names the kernel was told do not exist in the root (cached negative dentries),
         # which a reset must make it forget; below the root, dropping the root's names does.
         self.negative_root: set[bytes] = set()
@@ -257,6 +265,14 @@ def check_name(name: bytes) -> None:
         raise fs_error(errno.ENAMETOOLONG, f"name of {len(name)} bytes, at most {NAME_MAX}")
     if b"/" in name or b"\0" in name or name in (b"", b".", b".."):
         raise InvalidArgument(f"invalid name {name!r}")
+
+
+def _check_not_reserved(ex: Execution, parent: Node, name: bytes) -> None:
+    """EEXIST for the name the control directory has at an execution's root: a file there
+    would hide ``.ramet`` (and land in a snapshot, where it hides it from every execution
+    of it)."""
+    if parent.ino == ex.root_ino and name == RESERVED:
+        raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
 
 
 class OpenFiles:
@@ -482,11 +498,24 @@ class Overlay:
             if not ex.freezes:
                 ex.thawed.set()
 
-    @staticmethod
-    async def wait_thawed(view: View) -> None:
-        """Wait while ``view`` (an execution) is frozen (:meth:`freeze`)."""
-        while isinstance(view, Execution) and view.freezes:
-            await view.thawed.wait()
+    async def wait_thawed(self, node: Node) -> None:
+        """Wait while ``node``'s execution is frozen (:meth:`freeze`).  EAGAIN when
+        :data:`MAX_WAITING` of its requests wait already: each holds one of the daemon's
+        request tasks, which one execution must not take all of; ESTALE when a reset or
+        release dropped the node's layer meanwhile (the change would land in the new one)."""
+        ex = node.view
+        if not isinstance(ex, Execution) or not ex.freezes:
+            return
+        if ex.waiting >= MAX_WAITING:
+            raise fs_error(errno.EAGAIN, f"execution {ex.id} has {ex.waiting} requests "
+                                         f"waiting for its promote")
+        ex.waiting += 1
+        try:
+            while ex.freezes:
+                await ex.thawed.wait()
+        finally:
+            ex.waiting -= 1
+        self._check_live(node)
 
     def snapshot_view(self, sid: str) -> SnapshotView:
         """The view of snapshot ``sid``, its full id as the store spells it (64 lower-case hex
@@ -758,6 +787,8 @@ class Overlay:
                 start = batch[-1][0] + b"\0"  # the next key after the last one read
                 yield
                 self._check_live(d)
+        if isinstance(view, Execution) and dir_ino == view.root_ino:
+            names.pop(RESERVED, None)  # a base stored before the name was reserved
         out = []
         for i, name in enumerate(sorted(names), 1):
             ino = view.dcache.get((dir_ino, name))
@@ -838,6 +869,10 @@ class Overlay:
 
     def _changed(self, ex: Execution, key: int | tuple[int, bytes]) -> None:
         self.clock += 1
+        if len(ex.changes) >= MAX_CHANGES and key not in ex.changes:
+            # Forget them: a token from before now answers "everything may differ", which
+            # git's fsmonitor protocol allows (a full scan), and memory stays bounded.
+            ex.changes, ex.changes_floor = {}, self.clock
         ex.changes[key] = self.clock
 
     def path(self, node: Node) -> bytes:
@@ -857,9 +892,13 @@ class Overlay:
         changed in ``ex`` after ``token`` was given out; None when the token is not one of
         this daemon run and layer (after a restart or a reset), so everything may differ."""
         prefix = f"rametfs:{self.boot}:{ex.layer}:"
-        if not token.startswith(prefix) or not token[len(prefix):].isdigit():
+        clock = token[len(prefix):]
+        if not token.startswith(prefix) or not (clock.isascii() and clock.isdigit()) \
+                or len(clock) > 20:  # int() of 4,300 digits or of "²" raises
             return None
-        since = int(token[len(prefix):])
+        since = int(clock)
+        if since < ex.changes_floor:
+            return None
         paths = set()
         for key, clock in ex.changes.items():
             if clock <= since:
@@ -1028,8 +1067,7 @@ class Overlay:
         directory (``mode`` S_IFDIR) adds a link to ``parent``."""
         ex = self._writable(parent)
         check_name(name)
-        if ex.root_ino == parent.ino and name == CONTROL_DIR.encode():
-            raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
+        _check_not_reserved(ex, parent, name)
         try:
             self.lookup(parent.ino, name)
         except NotFound:
@@ -1076,8 +1114,9 @@ class Overlay:
         parent = self.node(parent_ino)
         if node.view is not parent.view:
             raise fs_error(errno.EXDEV, "a hard link cannot cross snapshots and executions")
-        self._writable(parent)
+        ex = self._writable(parent)
         check_name(name)
+        _check_not_reserved(ex, parent, name)
         if node.is_dir:
             raise fs_error(errno.EPERM, "hard links to directories are not allowed")
         try:
@@ -1243,8 +1282,7 @@ class Overlay:
         ex = self._writable(old_parent)
         self._writable(new_parent)
         check_name(new_name)
-        if new_parent.ino == ex.root_ino and new_name == CONTROL_DIR.encode():
-            raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
+        _check_not_reserved(ex, new_parent, new_name)
         src = self.lookup(old_parent_ino, old_name)
         try:
             dst: Node | None = self.lookup(new_parent_ino, new_name)

@@ -532,7 +532,8 @@ def test_a_long_promote_is_cancelled_and_stores_nothing(long_work, command):
     d, eid, before = long_work
     promote = _Promote(d, eid)
     reply = d.ctl(command.format(eid=eid))
-    by = {"reset": f"the reset of execution {eid}", "release": f"the release of execution {eid}",
+    by = {"reset": f"the reset of execution {eid} by the harness",
+          "release": f"the release of execution {eid} by the harness",
           "cancel": "the harness (cancel)"}[command.split()[0]]
     promote.cancelled(by)
     if command.startswith("cancel"):
@@ -560,7 +561,7 @@ def test_an_expired_lease_cancels_the_promote_of_its_execution(daemon, tmp_path)
             f.write(os.urandom(MIB))
     promote = _Promote(daemon, member)
     daemon.ctl(f"return {member} --holder h")  # as the lease task does when it expires
-    promote.cancelled(f"the return of execution {member}")
+    promote.cancelled(f"the return of execution {member} by the harness")
     assert daemon.exec_status(member)["state"] == "ready"
 
 
@@ -695,3 +696,78 @@ def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemo
     os.truncate(lock, 5)
     assert shared_daemon.ctl(f"promote {eid}")["ok"]
     shared_daemon.ctl(f"release {eid}")
+
+
+def test_the_harness_comes_first_and_the_agent_never_cancels_it(long_work):
+    """A harness command cancels the one the execution's own ctl runs; the execution's own
+    commands, its reset included, are EBUSY while the harness's runs."""
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    reply = d.ctl(f"verify {eid}")  # the harness's: the agent's promote goes
+    promote.cancelled(f"the verify of execution {eid} by the harness")
+    assert reply["verification"]["equal"] is False
+    harness = threading.Thread(target=lambda: d.ctl(f"checkpoint {eid}"), daemon=True)
+    harness.start()
+    wait_until(lambda: d.exec_status(eid)["state"] == "promoting", 30, "the checkpoint to start")
+    for line in ("reset", "promote", "verify"):
+        with pytest.raises(OSError) as caught:
+            d.exec_ctl(eid, line)
+        assert caught.value.errno == errno.EBUSY
+        assert caught.value.reply["error"] == f"execution {eid!r} is running checkpoint"
+    harness.join(60)
+    assert len(d.status()["snapshots"]) == len(before) + 1
+
+
+def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(long_work):
+    """A create that waited for the promote must not land in the layer the reset made."""
+    d, eid, _ = long_work
+    promote = _Promote(d, eid)
+    errors: list[OSError] = []
+
+    def create() -> None:
+        try:
+            (d.exec_path(eid) / "late").write_bytes(b"late")
+        except OSError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=create, daemon=True)
+    waiter.start()
+    time.sleep(0.5)
+    d.ctl(f"reset {eid}")
+    promote.cancelled(f"the reset of execution {eid} by the harness")
+    waiter.join(10)
+    assert [e.errno for e in errors] == [errno.ESTALE]
+    assert sorted(os.listdir(d.exec_path(eid))) == ["f"]
+
+
+def test_past_max_waiting_requests_of_one_execution_get_eagain(long_work):
+    from rametfs.overlay import MAX_WAITING
+    d, eid, _ = long_work
+    other = d.create(d.status()["snapshots"][-1]["id"])
+    count = MAX_WAITING + 40
+    for i in range(count):
+        (d.exec_path(eid) / f"w{i}").write_bytes(b"")
+    promote = _Promote(d, eid)
+    errors: list[int] = []
+
+    def write(i: int) -> None:
+        try:
+            with open(d.exec_path(eid) / f"w{i}", "r+b") as f:
+                f.write(b"w")
+        except OSError as exc:
+            errors.append(exc.errno)
+
+    writers = [threading.Thread(target=write, args=(i,), daemon=True) for i in range(count)]
+    for t in writers:
+        t.start()
+    wait_until(lambda: len(errors) == count - MAX_WAITING, 30, "the writers past the limit")
+    probe = d.exec_path(other) / "probe"
+    probe.write_bytes(b"served")
+    assert probe.read_bytes() == b"served"
+    d.ctl(f"cancel --execution {eid}")
+    promote.cancelled("the harness (cancel)")
+    for t in writers:
+        t.join(10)
+    assert errors == [errno.EAGAIN] * (count - MAX_WAITING)
+    written = sum((d.exec_path(eid) / f"w{i}").read_bytes() == b"w" for i in range(count))
+    assert written == MAX_WAITING
