@@ -215,7 +215,7 @@ class Node:
     """An inode of a view: a base entry (``entry``), an upper record (``upper``), or both."""
 
     __slots__ = ("ino", "view", "layer", "entry", "upper", "parent", "name", "pages",
-                 "new_pages", "dirty", "allocated")
+                 "new_pages", "dirty", "allocated", "record_bytes", "pending_bytes")
 
     def __init__(self, ino: int, view: View, entry: Entry | None, upper: UpperInode | None,
                  parent: int, name: bytes):
@@ -230,6 +230,8 @@ class Node:
         self.new_pages: set[int] = set()  # pages not yet written to the page map
         self.dirty = False  # upper record changed since it was last stored (view.dirty)
         self.allocated = 0  # bytes its upper data file takes on disk, as last seen
+        self.record_bytes = 0  # bytes its upper record took when last stored
+        self.pending_bytes = 0  # ... in the transaction being committed (_put_records)
 
     @property
     def mode(self) -> int:
@@ -265,6 +267,19 @@ def check_name(name: bytes) -> None:
         raise fs_error(errno.ENAMETOOLONG, f"name of {len(name)} bytes, at most {NAME_MAX}")
     if b"/" in name or b"\0" in name or name in (b"", b".", b".."):
         raise InvalidArgument(f"invalid name {name!r}")
+
+
+def _prefixed(cur, prefix: bytes, start: bytes | None = None
+              ) -> Iterator[tuple[bytes, bytes]]:
+    """The ``(key, value)`` pairs of LMDB cursor ``cur`` whose keys start with ``prefix``,
+    from key ``start`` (default: the first such key) on."""
+    if cur.set_range(prefix if start is None else start):
+        yield from itertools.takewhile(lambda kv: kv[0].startswith(prefix), cur.iternext())
+
+
+def _dentry_bytes(key: bytes) -> int:
+    """What a stored dentry takes, as an execution's usage counts it: its key and value."""
+    return len(key) + 8
 
 
 def _check_not_reserved(ex: Execution, parent: Node, name: bytes) -> None:
@@ -544,7 +559,8 @@ class Overlay:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
         upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
         self.executions[eid] = ex
-        self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
+        root = self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
+        root.record_bytes = len(value) if value else 0
         return ex
 
     def _new_layer(self, txn, ex: Execution) -> None:
@@ -553,9 +569,11 @@ class Overlay:
         self.next_layer += 1
         txn.put(b"next_layer", u64(self.next_layer), db=self.store.db["meta"])
         root = UpperInode.from_entry(ex.base.root)
-        txn.put(inode_key(ex.layer, ex.root_ino), root.pack(), db=self.store.db["inodes"])
+        packed = root.pack()
+        txn.put(inode_key(ex.layer, ex.root_ino), packed, db=self.store.db["inodes"])
         txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
-        self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
+        node = self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
+        node.record_bytes = len(packed)  # the root's record is not counted in upper_bytes
 
     def create_execution(self, snap: Snapshot, eid: str, access: Access = Access(),
                          policy: dict | None = None) -> Execution:
@@ -736,6 +754,7 @@ class Overlay:
                                  errno.EIO)
             upper = UpperInode.unpack(value)
             node = Node(ino, ex, upper.base, upper, parent, name)
+            node.record_bytes = len(value)
             if upper.base is not None and upper.base.link:
                 ex.link_inos[upper.base.link] = ino
         elif node.is_dir:
@@ -773,9 +792,7 @@ class Overlay:
             while True:  # a read transaction per batch: none is held across a step
                 with self.store.read() as txn:
                     cur = txn.cursor(db=self.store.db["dentries"])
-                    batch = list(itertools.islice(itertools.takewhile(
-                        lambda kv: kv[0].startswith(prefix),
-                        cur.iternext() if cur.set_range(start) else ()), LIST_STEP))
+                    batch = list(itertools.islice(_prefixed(cur, prefix, start), LIST_STEP))
                 for key, value in batch:
                     ino = from_u64(value)
                     if ino == WHITEOUT:
@@ -928,19 +945,25 @@ class Overlay:
             n = self.node(n.parent)
             self._writable(n)  # each directory on the way is recorded as changed too
         self._check_inode_quota(ex, len(chain))
+        # No room check: a copy-up comes before every removal too (a base name's whiteout),
+        # and what copies-up store is bounded by the base.
         uppers = [(n, UpperInode.from_entry(n.entry)) for n in reversed(chain)]
+        added = 0
         with self.store.write() as txn:  # one transaction: all of them or (ENOSPC) none
             for n, upper in uppers:
-                txn.put(inode_key(ex.layer, n.ino), upper.pack(), db=self.store.db["inodes"])
-                txn.put(dentry_key(ex.layer, n.parent, n.name), u64(n.ino),
-                        db=self.store.db["dentries"])
+                n.pending_bytes = len(packed := upper.pack())
+                txn.put(inode_key(ex.layer, n.ino), packed, db=self.store.db["inodes"])
+                key = dentry_key(ex.layer, n.parent, n.name)
+                txn.put(key, u64(n.ino), db=self.store.db["dentries"])
+                added += n.pending_bytes + _dentry_bytes(key)
                 if n.entry.link:
                     txn.put(link_key(ex.layer, n.entry.link), u64(n.ino),
                             db=self.store.db["links"])
             self._persist_counters(txn)
         for n, upper in uppers:
-            n.upper = upper
+            n.upper, n.record_bytes = upper, n.pending_bytes
         ex.upper_inodes += len(uppers)
+        ex.upper_bytes += added
         return node.upper
 
     @staticmethod
@@ -964,6 +987,13 @@ class Overlay:
                                          f"(--max-bytes)")
         return min(wanted, room)
 
+    def _check_room(self, ex: Execution, wanted: int) -> None:
+        """EDQUOT unless ``ex`` may still store all of ``wanted`` bytes (metadata: records,
+        names, extended attributes)."""
+        if self._room(ex, wanted) < wanted:
+            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its "
+                                         f"{ex.access.max_bytes} bytes (--max-bytes)")
+
     @staticmethod
     def _allocated(node: Node, fd: int) -> None:
         """Count what ``node``'s upper data file takes on disk now into its execution's
@@ -985,7 +1015,8 @@ class Overlay:
         for node in nodes:
             if node.upper is not None:
                 key = inode_key(node.view.layer, node.ino)
-                txn.put(key, node.upper.pack(), db=self.store.db["inodes"])
+                node.pending_bytes = len(packed := node.upper.pack())
+                txn.put(key, packed, db=self.store.db["inodes"])
                 if node.upper.nlink == 0:  # no name left; processes may still hold it
                     txn.put(key, b"", db=self.store.db["orphans"])
                 for page in node.new_pages:
@@ -995,11 +1026,15 @@ class Overlay:
 
     @staticmethod
     def _stored(nodes: Iterable[Node]) -> None:
+        """The transaction :meth:`_put_records` filled committed: the nodes are clean and
+        their records' bytes count into their executions' usage."""
         for node in nodes:
             if node.upper is not None:
                 node.new_pages.clear()
                 node.dirty = False
                 node.view.dirty.discard(node)
+                node.view.upper_bytes += node.pending_bytes - node.record_bytes
+                node.record_bytes = node.pending_bytes
 
     def _mark_dirty(self, node: Node) -> None:
         node.dirty = True
@@ -1042,18 +1077,25 @@ class Overlay:
             if child is not None:
                 nodes[child.ino] = child
         nodes.update((n.ino, n) for n in also)
+        if all(child is not None for _, _, child in names):  # only adds names: room for them
+            self._check_room(ex, 1)
         dentries = self.store.db["dentries"]
+        added = 0  # bytes of dentries, whiteouts included
         with self.store.write() as txn:
             for parent, name, child in names:
                 key = dentry_key(ex.layer, parent.ino, name)
+                added -= _dentry_bytes(key) if txn.get(key, db=dentries) is not None else 0
                 if child is not None:
                     txn.put(key, u64(child.ino), db=dentries)
                 elif parent.tree is not None and name in self.tree(parent.tree):
                     txn.put(key, u64(WHITEOUT), db=dentries)
                 else:
                     txn.delete(key, db=dentries)
+                    continue
+                added += _dentry_bytes(key)
             self._put_records(txn, nodes.values())
         self._stored(nodes.values())
+        ex.upper_bytes += added
         for parent, name, child in names:
             if child is None:
                 ex.dcache.pop((parent.ino, name), None)
@@ -1177,9 +1219,9 @@ class Overlay:
                                             self._upper_path(node.view, node.ino),
                                             self.upper_fds.take(node)))
                 # its blocks and record are as good as gone: the batch frees them soon
-                node.view.upper_bytes -= node.allocated
+                node.view.upper_bytes -= node.allocated + node.record_bytes
                 node.view.upper_inodes -= 1
-                node.allocated = 0
+                node.allocated = node.record_bytes = 0
             else:
                 self.upper_fds.close(node)
 
@@ -1383,6 +1425,7 @@ class Overlay:
         if name.startswith(b"system.posix_acl_"):
             raise fs_error(errno.EOPNOTSUPP, "POSIX ACLs are not supported")
         xattrs = self.copy_up(node).xattrs
+        self._check_room(node.view, len(name) + len(value))
         total = sum(len(k) + len(v) for k, v in xattrs.items() if k != name)
         if total + len(name) + len(value) > XATTR_BYTES:
             raise fs_error(errno.ENOSPC, f"the extended attributes of an inode hold at most "
@@ -1633,25 +1676,26 @@ class Overlay:
         self._mark_dirty(node)
 
     def count_usage(self) -> None:
-        """Count what each execution's layer uses (:attr:`Execution.upper_bytes`,
-        :attr:`Execution.upper_inodes`): a scan of its upper data files and a count of its
-        records, O(upper inodes).  The daemon calls it once at its start, after
-        :meth:`remove_orphans`; from then on every change keeps the counts."""
+        """Count what each execution's layer uses (:attr:`Execution.upper_bytes`: the blocks
+        of its upper data files, and the bytes of its records and dentries but for the
+        pristine root record's; :attr:`Execution.upper_inodes`: its records): a scan of its
+        upper data files, records and dentries, O(upper inodes and names).  The daemon calls
+        it once at its start, after :meth:`remove_orphans`; from then on every change keeps
+        the counts."""
         for ex in self.executions.values():
-            ex.upper_bytes = 0
+            ex.upper_bytes = -len(UpperInode.from_entry(ex.base.root).pack())
             with contextlib.suppress(FileNotFoundError), \
                     os.scandir(f"{self.upper_root}/{ex.layer}") as it:
                 for e in it:
                     ex.upper_bytes += e.stat().st_blocks * 512
             prefix = u64(ex.layer)
             with self.store.read() as txn:
-                cur = txn.cursor(db=self.store.db["inodes"])
-                ex.upper_inodes = 0
-                if cur.set_range(prefix):
-                    for key in cur.iternext(values=False):
-                        if not key.startswith(prefix):
-                            break
-                        ex.upper_inodes += 1
+                records = [len(value) for _, value in
+                           _prefixed(txn.cursor(db=self.store.db["inodes"]), prefix)]
+                ex.upper_inodes = len(records)
+                ex.upper_bytes += sum(records) + sum(
+                    _dentry_bytes(key) for key, _ in
+                    _prefixed(txn.cursor(db=self.store.db["dentries"]), prefix))
 
 
 SLICE_S = 0.002  # seconds a walk runs on the trio thread before it lets other tasks run

@@ -30,6 +30,7 @@ from test_kernel_cache import _map_and_store
 from test_snapshots import write_tree
 
 MIB = 1 << 20
+BLOCK = 4096  # the data file system's block: what the last write of a quota may pass it by
 TRACEBACK_LINES = (r"Traceback|^\s|^\S*Error|^rametfs\.faults\.InjectedFault|"
                    r"internal error|failed; restarting|failed$")
 
@@ -395,33 +396,61 @@ def _harness_record(d: Daemon, eid: str) -> dict:
 
 
 def test_max_bytes_bounds_the_disk_an_execution_takes_and_others_write_on(daemon, tmp_path):
+    """The limit counts the blocks of written data and the bytes of records and names: a
+    write stops short at it (the last block may pass it), then EDQUOT."""
     snap = daemon.snapshot(write_tree(tmp_path / "src", {"base.bin": b"b" * 200_000}))
     eid = daemon.ctl(f"create {snap} --max-bytes {MIB}")["execution"]
     other = daemon.create(snap)
     ex, by = daemon.exec_path(eid), daemon.exec_path(other)
+    assert _harness_record(daemon, eid)["upper_bytes"] == 0  # the root's record is free
     proc = run("dd", "if=/dev/urandom", f"of={ex / 'big'}", "bs=64k", "count=100", check=False)
     assert proc.returncode == 1 and "Disk quota exceeded" in proc.stderr
     record = _harness_record(daemon, eid)
-    assert (record["max_bytes"], record["upper_bytes"]) == (MIB, MIB)
-    assert (ex / "big").stat().st_size == MIB  # short write up to the limit, then EDQUOT
-    with pytest.raises(OSError) as caught:
-        (ex / "more").write_bytes(b"x")
-    assert caught.value.errno == errno.EDQUOT
-    with pytest.raises(OSError) as caught:  # a copy-up of written pages counts too
-        with open(ex / "base.bin", "r+b") as f:
-            f.write(b"changed")
-    assert caught.value.errno == errno.EDQUOT
+    assert record["max_bytes"] == MIB and MIB <= record["upper_bytes"] < MIB + BLOCK
+    assert MIB - BLOCK < (ex / "big").stat().st_size < MIB  # the record and name took the rest
+    for change in (lambda: (ex / "more").write_bytes(b"x"),  # a new name
+                   lambda: _overwrite(ex / "base.bin"),  # a copy-up of its written page
+                   lambda: os.setxattr(ex / "big", "user.k", b"v")):  # record bytes
+        with pytest.raises(OSError) as caught:
+            change()
+        assert caught.value.errno == errno.EDQUOT
     (by / "big").write_bytes(os.urandom(2 * MIB))  # a bystander has no such limit
     os.unlink(ex / "big")  # freed once the kernel forgets it (reclaim)
-    wait_until(lambda: _harness_record(daemon, eid)["upper_bytes"] == 0, 10, "the blocks freed")
-    (ex / "again").write_bytes(os.urandom(MIB // 2))
-    assert _harness_record(daemon, eid)["upper_bytes"] == MIB // 2
+    # left: the records and names of base.bin's copy-up and of the root's changes
+    wait_until(lambda: _harness_record(daemon, eid)["upper_bytes"] < 1024, 10, "the blocks freed")
+    with open(ex / "again", "wb") as f:
+        f.write(os.urandom(MIB // 2))
+        os.fsync(f.fileno())  # its record (its size) stored now, not at the next flush
+    used = _harness_record(daemon, eid)["upper_bytes"]
+    assert MIB // 2 < used < MIB // 2 + 2048
     daemon.restart()  # the limit is stored; the use is counted again at the start
     record = _harness_record(daemon, eid)
-    assert (record["max_bytes"], record["upper_bytes"]) == (MIB, MIB // 2)
+    assert (record["max_bytes"], record["upper_bytes"]) == (MIB, used)
     daemon.exec_ctl(eid, "reset")
     assert _harness_record(daemon, eid)["upper_bytes"] == 0
-    (ex / "after-reset").write_bytes(os.urandom(MIB))
+    (ex / "after-reset").write_bytes(os.urandom(MIB // 2))
+
+
+def _overwrite(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.write(b"changed")
+
+
+def test_names_and_links_count_against_max_bytes(daemon, tmp_path):
+    """A hard link makes no inode but stores a name: a million links under a small inode
+    limit added 77 MB to the store.  Each counts its dentry's bytes."""
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    eid = daemon.ctl(f"create {snap} --max-bytes 65536 --max-inodes 10")["execution"]
+    ex = daemon.exec_path(eid)
+    (ex / "d").mkdir()
+    (ex / "d" / "target").write_bytes(b"")
+    made = 0
+    with pytest.raises(OSError) as caught:
+        for made in range(10_000):
+            os.link(ex / "d" / "target", ex / "d" / f"link{made:05d}")
+    assert caught.value.errno == errno.EDQUOT
+    assert 1000 < made < 65536 // 32  # each link: 16 + 9 bytes of key, 8 of value
+    assert _harness_record(daemon, eid)["upper_bytes"] >= 65536 - 256
 
 
 def test_max_inodes_bounds_new_inodes_and_copies_up(daemon, tmp_path):
