@@ -151,6 +151,7 @@ def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob, cancel: CancelT
 
 ZERO_RUN = bytes(1 << 20)  # zeros fed to a digest for holes, not allocated per page
 MAX_INPUT_BYTES = 1 << 30  # of one recipe input's files (_input_spec)
+CAPTURE_BYTES = 4096  # what a capture's record and trees are counted as, besides its chunks
 
 
 def _read_pieces(store: Store, job: _FileJob, cancel: CancelToken = NO_CANCEL
@@ -395,8 +396,8 @@ class Capture:
 
 
 async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
-                  chosen: policy.Setting | None = None, cancel: CancelToken = NO_CANCEL
-                  ) -> Snapshot:
+                  chosen: policy.Setting | None = None, cancel: CancelToken = NO_CANCEL,
+                  charged: bool = False) -> Snapshot:
     """Turn the current state of ``ex`` into a new snapshot whose parent is ``ex.head``.
 
     The policy applied is the one the harness ``chosen`` (None: none, everything is kept).
@@ -404,7 +405,9 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
     InvalidArgument (EINVAL: the policy, see ``Capture.plan``), NoSpace (ENOSPC),
     IntegrityError (EIO), for an execution marked failed RametError (EIO), or Cancelled
     (ECANCELED) once ``cancel`` is (its worker threads stop within a page); nothing is
-    listed unless the whole snapshot is stored.
+    listed unless the whole snapshot is stored.  A ``charged`` capture (one the execution
+    asked for itself) counts what it stores against the execution's ``--max-bytes``
+    (``Overlay.charge``: EDQUOT past it, before the snapshot is recorded).
     """
     started = time.monotonic_ns()
     overlay.check_not_failed(ex)
@@ -413,6 +416,8 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
         plan = await in_slices(cap.plan_steps(chosen))
         await cap.hash()
         await cap.digest_inputs()
+        if charged:
+            overlay.charge(ex, cap.writer.new_bytes + CAPTURE_BYTES)
         snap = cap.commit(plan, [ex.head], label, message, started)
         await trio.to_thread.run_sync(overlay.store.sync)
         return snap

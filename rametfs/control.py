@@ -324,14 +324,16 @@ class Control:
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), ex.policy), self._token(ex))
+                             policy.choose(args.get("policy"), ex.policy), self._token(ex),
+                             charged=not self.running[ex.id].harness)
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), None), self._token(ex))
+                             policy.choose(args.get("policy"), None), self._token(ex),
+                             charged=not self.running[ex.id].harness)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
@@ -475,6 +477,7 @@ class Control:
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
                 "state": state, "created_ns": ex.created_ns,
                 "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
+                "captured_bytes": ex.captured_bytes,
                 "max_bytes": ex.access.max_bytes, "max_inodes": ex.access.max_inodes,
                 "last": execution_reply(self.last.get(ex.id))}
 

@@ -191,6 +191,7 @@ class Execution(View):
         # records (copied up or new); counted at start (Overlay.count_usage), then kept.
         self.upper_bytes = 0
         self.upper_inodes = 1  # the root's record
+        self.captured_bytes = 0  # stored by captures it asked for since its reset (charge)
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
         # changed (Overlay.clock).
@@ -608,7 +609,7 @@ class Overlay:
         stale = self._stale_entries(ex, keep_root_entry=True)
         old = ex.layer
         ex.failure = None
-        ex.upper_bytes, ex.upper_inodes = 0, 1
+        ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
         self._drop_layer_nodes(ex)
         with self.store.write() as txn:
             txn.put(u64(old), b"", db=self.store.db["dead"])
@@ -981,11 +982,22 @@ class Overlay:
         limit = ex.access.max_bytes
         if limit is None:
             return wanted
-        room = limit - ex.upper_bytes
+        room = limit - ex.upper_bytes - ex.captured_bytes
         if room <= 0 < wanted:
             raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its {limit} bytes "
                                          f"(--max-bytes)")
         return min(wanted, room)
+
+    def charge(self, ex: Execution, stored: int) -> None:
+        """Count ``stored`` bytes a capture ``ex`` asked for itself puts in the store against
+        its ``--max-bytes`` until its next reset (:attr:`Execution.captured_bytes`); EDQUOT
+        when they do not fit, and then nothing is counted.  So an agent's checkpoints cannot
+        fill the store, while the harness's captures are never refused."""
+        if self._room(ex, stored) < stored:
+            raise fs_error(errno.EDQUOT, f"execution {ex.id}: the capture stores {stored} "
+                                         f"new bytes, more than is left of its "
+                                         f"{ex.access.max_bytes} (--max-bytes)")
+        ex.captured_bytes += stored
 
     def _check_room(self, ex: Execution, wanted: int) -> None:
         """EDQUOT unless ``ex`` may still store all of ``wanted`` bytes (metadata: records,

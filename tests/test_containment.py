@@ -800,3 +800,26 @@ def test_past_max_waiting_requests_of_one_execution_get_eagain(long_work):
     assert errors == [errno.EAGAIN] * (count - MAX_WAITING)
     written = sum((d.exec_path(eid) / f"w{i}").read_bytes() == b"w" for i in range(count))
     assert written == MAX_WAITING
+
+
+def test_an_agents_own_captures_count_against_its_max_bytes(daemon, tmp_path):
+    """`head -c 1M /dev/urandom > blob; echo checkpoint > .ramet/ctl` in a loop filled a
+    store (292 checkpoints, 300 MB) while the execution used 1 MB: what the execution's own
+    captures store counts against its limit until its reset; the harness's never is."""
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    eid = daemon.ctl(f"create {snap} --max-bytes {4 * MIB}")["execution"]
+    blob = daemon.exec_path(eid) / "blob"
+    rounds = 0
+    with pytest.raises(OSError) as caught:
+        for rounds in range(1, 20):
+            blob.write_bytes(os.urandom(MIB))
+            daemon.exec_ctl(eid, "checkpoint")
+    assert caught.value.errno == errno.EDQUOT and rounds in (2, 3)
+    assert "the capture stores" in caught.value.reply["error"]
+    record = _harness_record(daemon, eid)
+    assert MIB * (rounds - 1) <= record["captured_bytes"] <= 4 * MIB
+    assert daemon.ctl(f"checkpoint {eid}")["ok"]  # the harness's capture is not charged
+    daemon.exec_ctl(eid, "reset")
+    assert _harness_record(daemon, eid)["captured_bytes"] == 0
+    blob.write_bytes(os.urandom(MIB))
+    assert daemon.exec_ctl(eid, "checkpoint")["ok"]
