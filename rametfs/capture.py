@@ -419,7 +419,7 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
         if charged:
             overlay.charge(ex, cap.writer.new_bytes + CAPTURE_BYTES)
         snap = cap.commit(plan, [ex.head], label, message, started)
-        await trio.to_thread.run_sync(overlay.store.sync)
+        await overlay.sync_store()
         return snap
 
 

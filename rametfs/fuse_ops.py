@@ -597,12 +597,12 @@ class Operations(pyfuse3.Operations):
             await self.overlay.sync_data(node)
             if self.overlay.is_live(node) and node.upper.nlink > 0:
                 self.overlay.save(node)
-            await trio.to_thread.run_sync(self.overlay.store.sync)
+            await self.overlay.sync_store()
 
     @_errors
     async def fsyncdir(self, fh, datasync):
         self.overlay.flush_all()
-        await trio.to_thread.run_sync(self.overlay.store.sync)
+        await self.overlay.sync_store()
 
     @_errors
     async def statfs(self, ctx):

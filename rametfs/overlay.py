@@ -66,6 +66,7 @@ LIST_STEP = 1024  # names a listing makes per step (listdir_steps)
 # request tasks (rametfs.daemon.MAX_REQUEST_TASKS, 4,096).
 MAX_WAITING = 512
 MAX_CHANGES = 1 << 18  # change-clock entries kept per execution (about 150 bytes each)
+THREADS_PER_VIEW = 4  # worker threads one execution's (or snapshot's) requests may hold
 SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
 MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
 
@@ -144,6 +145,9 @@ class View:
 
     def __init__(self, root_ino: int):
         self.root_ino = root_ino
+        # Worker threads its requests may hold at once (fsync, hydration): 200 threads of
+        # one execution fsyncing took every thread of trio's pool from the others.
+        self.threads = trio.CapacityLimiter(THREADS_PER_VIEW)
         self.inos: set[int] = {root_ino}
         self.dcache: dict[tuple[int, bytes], int] = {}  # (parent ino, name) -> ino
         self.link_inos: dict[int, int] = {}  # base hard-link group -> ino
@@ -433,6 +437,10 @@ class Overlay:
         # Empty files for new upper data files; the daemon keeps it filled (rametfs.precreate).
         self.precreated: Precreated | None = None
         self.hydrating: dict[bytes, trio.Event] = {}
+        # Group commits of the store (sync_store): calls counted, the last call a finished
+        # flush covers, and the flush running (None: none).
+        self.sync_calls = self.synced = 0
+        self.syncing: trio.Event | None = None
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
         self.clock = 0  # counts changes to executions (Execution.changes)
@@ -1519,9 +1527,28 @@ class Overlay:
         except FileNotFoundError:
             return  # nothing written yet
         try:
-            await trio.to_thread.run_sync(os.fsync, fd)
+            await trio.to_thread.run_sync(os.fsync, fd, limiter=node.view.threads)
         finally:
             os.close(fd)
+
+    async def sync_store(self) -> None:
+        """Flush the store to disk (``Store.sync``, in a worker thread) as one group commit:
+        a caller that arrives while a flush runs waits for the next one, which serves every
+        caller that came meanwhile (600 fsyncs a second made 600 flushes)."""
+        self.sync_calls += 1
+        mine = self.sync_calls
+        while self.synced < mine:
+            if self.syncing is not None:
+                await self.syncing.wait()
+                continue
+            self.syncing = trio.Event()
+            covers = self.sync_calls
+            try:
+                await trio.to_thread.run_sync(self.store.sync)
+                self.synced = covers
+            finally:
+                self.syncing.set()
+                self.syncing = None
 
     def _pages(self, node: Node) -> set[int]:
         if node.pages is None:
@@ -1546,10 +1573,11 @@ class Overlay:
         return (u.base is not None and u.base.is_reg and u.base_limit == u.base.size == u.size
                 and not self._pages(node))
 
-    async def _hydrate(self, cid: bytes) -> int:
+    async def _hydrate(self, cid: bytes, threads: trio.CapacityLimiter) -> int:
         """A held descriptor of base content ``cid`` decompressed in the shared cache
-        (rametfs.store.cache); one thread builds it however many readers ask at once (a keyed
-        in-flight event), and none is needed when it is already there."""
+        (rametfs.store.cache); one thread (of ``threads``, the asking view's) builds it
+        however many readers ask at once (a keyed in-flight event), and none is needed when
+        it is already there."""
         while cid in self.hydrating:
             await self.hydrating[cid].wait()
         fd = self.store.cache.get(cid, hold=True)
@@ -1557,7 +1585,7 @@ class Overlay:
             return fd
         event = self.hydrating[cid] = trio.Event()
         try:
-            return await trio.to_thread.run_sync(self.store.open_hydrated, cid)
+            return await trio.to_thread.run_sync(self.store.open_hydrated, cid, limiter=threads)
         finally:
             del self.hydrating[cid]
             event.set()
@@ -1571,7 +1599,7 @@ class Overlay:
             return None
         fd = self.base_fds.get(cid)
         if fd is None:
-            fd = await self._hydrate(cid)
+            fd = await self._hydrate(cid, node.view.threads)
             other = self.base_fds.get(cid)  # another request may have opened it meanwhile
             if other is not None:
                 os.close(fd)

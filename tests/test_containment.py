@@ -823,3 +823,35 @@ def test_an_agents_own_captures_count_against_its_max_bytes(daemon, tmp_path):
     assert _harness_record(daemon, eid)["captured_bytes"] == 0
     blob.write_bytes(os.urandom(MIB))
     assert daemon.exec_ctl(eid, "checkpoint")["ok"]
+
+
+async def test_store_flushes_are_group_commits(tmp_path):
+    """Overlay.sync_store: ten callers at once make at most two flushes, and each returns
+    only after a flush that started after its call."""
+    import trio
+
+    from rametfs.overlay import Overlay
+    from rametfs.store import Store
+    store = Store(tmp_path / "data")
+    overlay = Overlay(store)
+    flushes = []
+
+    def flush() -> None:
+        flushes.append(time.monotonic())
+        time.sleep(0.05)
+
+    store.sync = flush
+    returned = []
+
+    async def caller() -> None:
+        called = time.monotonic()
+        await overlay.sync_store()
+        returned.append((called, time.monotonic()))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            nursery.start_soon(caller)
+    assert len(flushes) <= 2 and len(returned) == 10
+    for called, done in returned:  # a flush started after the call and ended before return
+        assert any(called <= started and started + 0.05 <= done for started in flushes)
+    store.close()
