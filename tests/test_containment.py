@@ -855,3 +855,35 @@ async def test_store_flushes_are_group_commits(tmp_path):
     for called, done in returned:  # a flush started after the call and ended before return
         assert any(called <= started and started + 0.05 <= done for started in flushes)
     store.close()
+
+
+def test_rmdir_knows_emptiness_without_listing(shared_daemon, tmp_path):
+    """Whiteouts, upper names and base names, each way: ENOTEMPTY exactly when a name is
+    left (rametfs.overlay.Overlay._is_empty_dir counts, it does not list)."""
+    src = write_tree(tmp_path / "src", {"d/a": b"a", "d/b": b"b", "e/x": b"x"})
+    eid = shared_daemon.create(shared_daemon.snapshot(src))
+    root = shared_daemon.exec_path(eid)
+
+    def rmdir_errno(path: Path) -> int:
+        try:
+            os.rmdir(path)
+        except OSError as exc:
+            return exc.errno
+        return 0
+
+    os.unlink(root / "d" / "a")
+    assert rmdir_errno(root / "d") == errno.ENOTEMPTY  # b is left
+    os.unlink(root / "d" / "b")
+    (root / "d" / "a").write_bytes(b"again")  # a base name made again over its whiteout
+    assert rmdir_errno(root / "d") == errno.ENOTEMPTY
+    os.unlink(root / "d" / "a")
+    assert rmdir_errno(root / "d") == 0  # every base name whited out
+    (root / "new").mkdir()
+    (root / "new" / "f").write_bytes(b"")
+    assert rmdir_errno(root / "new") == errno.ENOTEMPTY
+    os.unlink(root / "new" / "f")
+    assert rmdir_errno(root / "new") == 0
+    os.rename(root / "e" / "x", root / "x")  # renamed away: e is empty
+    assert rmdir_errno(root / "e") == 0
+    assert sorted(os.listdir(root)) == ["x"]
+    shared_daemon.ctl(f"release {eid}")
