@@ -331,6 +331,7 @@ class Operations(pyfuse3.Operations):
             if v is not None and name in v.files:  # a control file: its content made now
                 ino = (await self._control_file(v.files[name], caller)).ino
             else:
+                await self.overlay.prefetch(parent_inode)
                 ino = self._lookup_ino(parent_inode, name, caller)
         except NotFound:
             if parent_inode in self.virtual:

@@ -887,3 +887,46 @@ def test_rmdir_knows_emptiness_without_listing(shared_daemon, tmp_path):
     assert rmdir_errno(root / "e") == 0
     assert sorted(os.listdir(root)) == ["x"]
     shared_daemon.ctl(f"release {eid}")
+
+
+async def test_a_big_base_tree_is_decoded_off_the_trio_thread(tmp_path):
+    """Overlay.prefetch: a stored tree of 200,000 names (several MB) is decoded in a worker
+    thread while other tasks run, then served from the cache."""
+    import stat as st
+
+    import trio
+
+    from rametfs.overlay import BIG_TREE_BYTES, Overlay
+    from rametfs.store import EMPTY_CONTENT, Store
+    from rametfs.store.importer import put_directory
+    from rametfs.store.trees import Entry
+    store = Store(tmp_path / "data")
+    names = [b"file-%07d" % i for i in range(200_000)]
+    with store.write() as txn:
+        big = put_directory(store, txn, [Entry(n, st.S_IFREG | 0o644, 0, 0, 0, 0, EMPTY_CONTENT,
+                                                (), 0, 1) for n in names], st.S_IFDIR | 0o755,
+                            0, 0, 0).renamed(b"big")
+        root = put_directory(store, txn, [big], st.S_IFDIR | 0o755, 0, 0, 0)
+        snap = store.put_snapshot(txn, root, [], "", "", "test", {})
+    assert store.tree_bytes(big.ref) >= BIG_TREE_BYTES
+    overlay = Overlay(store)
+    ex = overlay.create_execution(snap, "e")
+    d = overlay.lookup(ex.root_ino, b"big")
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.sleep(0)
+        before = turns
+        await overlay.prefetch(d.ino)
+        during = turns - before
+        nursery.cancel_scope.cancel()
+    assert during > 10 and big.ref in overlay.trees  # the other task ran while it decoded
+    assert overlay.lookup(d.ino, b"file-0123456").name == b"file-0123456"
+    store.close()

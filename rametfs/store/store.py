@@ -278,6 +278,12 @@ class Store:
                 raise IntegrityError(f"tree {tid.hex()} is missing")
             return decode_tree(value)
 
+    def tree_bytes(self, tid: bytes) -> int:
+        """Bytes of tree ``tid``'s stored value (what decoding it costs); 0 when missing."""
+        with self.env.begin(db=self.db["trees"], buffers=True) as txn:
+            value = txn.get(tid)
+            return 0 if value is None else len(value)
+
     def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
         tid, value = encode_tree(entries)
