@@ -80,8 +80,8 @@ class PoolTimeout(RametError, TimeoutError):
 
 
 class RestoreError(RametError):
-    """A step of :meth:`Ramet.restore` failed (errno EIO: an input changed or a command
-    failed; ETIMEDOUT).  ``execution`` is the restored execution, left for inspection;
+    """A step of :meth:`Ramet.restore` failed (errno EIO: an input missing or changed, or
+    a command failed; EFBIG: an input too large; ETIMEDOUT).  ``execution`` is the restored execution, left for inspection;
     ``steps`` every :class:`rametfs.restore.Step` taken, the failed one last."""
 
     def __init__(self, code: int, message: str, execution: Execution, steps: list) -> None:
