@@ -199,20 +199,14 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
     Stop it with `rametfs umount MOUNTPOINT`.  Without the patched pyfuse3 it runs in plain
     mode, and says so on stderr (rametfs build-pyfuse3).
     """
-    # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
     from rametfs import errors
-    from rametfs.daemon import PLAIN_MODE_NOTE, check_can_serve, plain_mode_reason, run_daemon
     data = os.path.abspath(data)
     with contextlib.suppress(OSError):  # a file there, or a dead mount: the check says so
         os.makedirs(mountpoint, exist_ok=True)  # as mkdir -p
     mountpoint = os.path.realpath(mountpoint)
-    reason = plain_mode_reason()
-    # Said once: here, unless the log (where the daemon says it too) is this stderr.
-    if reason is not None and (background or log_file) and not _is_stderr(log_file):
-        click.echo(f"rametfs: {PLAIN_MODE_NOTE.format(reason=reason)}", err=True)
     try:
         if background:
-            check_can_serve(data, mountpoint)  # here, not in the log of a daemon serving
+            mounts.check_can_serve(data, mountpoint)  # here, not in a serving daemon's log
             os.makedirs(data, mode=0o700, exist_ok=True)
             log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
             argv = [sys.executable, "-m", "rametfs", "mount", "--data", data, mountpoint,
@@ -222,8 +216,13 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
             for flag, value in (("--max-file-size", max_file_size),
                                 ("--cache-max-bytes", cache_max_bytes)):
                 argv += [flag, str(value)] if value is not None else []
-            _start_detached(argv, mountpoint, log_file)
+            if not _start_detached(argv, mountpoint, log_file)["open_less"]:
+                _say_plain_mode()
             return
+        # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
+        from rametfs.daemon import run_daemon
+        if log_file and not _is_stderr(log_file):  # else the log, this stderr, says it
+            _say_plain_mode()
         logging.basicConfig(
             level=logging.DEBUG if debug else logging.INFO, filename=log_file,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -238,6 +237,15 @@ main.add_command(click.Command("serve", callback=mount.callback, params=mount.pa
                                short_help="The same as mount."))
 
 
+def _say_plain_mode() -> None:
+    """Say on stderr, in one line, that the daemon runs in plain mode, if it does: what is
+    slower and the command that fixes it."""
+    from rametfs.daemon import PLAIN_MODE_NOTE, plain_mode_reason  # (it imports pyfuse3)
+    reason = plain_mode_reason()
+    if reason is not None:
+        click.echo(f"rametfs: {PLAIN_MODE_NOTE.format(reason=reason)}", err=True)
+
+
 def _is_stderr(path: str | None) -> bool:
     """Whether this process's stderr is the file at ``path`` (a detached daemon's log)."""
     try:
@@ -247,8 +255,9 @@ def _is_stderr(path: str | None) -> bool:
     return there is not None and (out.st_dev, out.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
-    """Start the daemon in its own session; return once the mount answers with its pid.
+def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> dict:
+    """Start the daemon in its own session; return its root status once the mount answers
+    with its pid.
 
     Raises RametError when the daemon exits first or is not ready within WAIT_SECONDS
     (then it is terminated); either way the tail of its log is in the message.
@@ -261,8 +270,9 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
                                  start_new_session=True, cwd="/")
     deadline = time.monotonic() + WAIT_SECONDS
     while child.poll() is None:
-        if os.path.ismount(mountpoint) and _ready(mountpoint, child.pid):
-            return
+        status = _ready(mountpoint, child.pid) if os.path.ismount(mountpoint) else None
+        if status is not None:
+            return status
         if time.monotonic() > deadline:
             child.terminate()
             child.wait()
@@ -274,15 +284,16 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
                      f"{log_file} ends with:\n{_tail(log_file, start)}")
 
 
-def _ready(mountpoint: str, pid: int) -> bool:
-    """Whether the mount's root status is daemon ``pid``'s (another daemon may be mounted
-    there: the new one then exits) and its bind of ``snapshots/`` is settled."""
+def _ready(mountpoint: str, pid: int) -> dict | None:
+    """The mount's root status if it is daemon ``pid``'s (another daemon may be mounted
+    there: the new one then exits) and its bind of ``snapshots/`` is settled, else None."""
     try:
         with open(os.path.join(mountpoint, protocol.CONTROL_DIR, protocol.STATUS)) as f:
             status = json.load(f)
-        return status["pid"] == pid and status["snapshots_bind"] != "pending"
+        ready = status["pid"] == pid and status["snapshots_bind"] != "pending"
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
+    return status if ready else None
 
 
 def _tail(path: str, start: int, lines: int = 20) -> str:

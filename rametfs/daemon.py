@@ -8,8 +8,6 @@ mounted but dead on purpose: an empty-looking directory invites tools to delete 
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import math
 import os
@@ -23,7 +21,7 @@ from .control import Control
 from .errors import RametError
 from .faults import FAULTS
 from .fuse_ops import OPEN_LESS, Operations
-from .mounts import FSTYPE, bind_snapshots_read_only, mount_at
+from .mounts import bind_snapshots_read_only, check_mountpoint, take_data_lock
 from .overlay import MAX_FILE_SIZE, Overlay
 from .pools import LEASED
 from .precreate import Precreated, keep_filled
@@ -37,67 +35,15 @@ DIRTY_INTERVAL_S = 1.0
 MAX_REQUEST_TASKS = 4096  # FUSE requests handled at once (pyfuse3 worker tasks)
 
 
-def _check_mountpoint(mountpoint: str) -> None:
-    if mount_at(mountpoint) is not None:  # from the mount table: a dead FUSE mount too
-        raise RametError(f"{mountpoint} is already a mountpoint", errno.EBUSY)
-    if not os.path.lexists(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} does not exist", errno.ENOENT)
-    if not os.path.isdir(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} is not a directory", errno.ENOTDIR)
-    if os.listdir(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} is not empty", errno.ENOTEMPTY)
-
-
-LOCK_FILE = "daemon.lock"
-
-
-def _take_lock(data_dir: str) -> int:
-    """A descriptor holding the flock of ``<data_dir>/daemon.lock`` (made if missing), its
-    content untouched.  Raises RametError (EBUSY) naming the daemon that holds it (its pid
-    and mountpoint, which it wrote there) and how to end it."""
-    fd = os.open(os.path.join(data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid, _, where = os.pread(fd, 4096, 0).decode(errors="replace").partition("\n")
-        os.close(fd)
-        raise RametError(_in_use(data_dir, pid.strip() or "?", where.strip()),
-                         errno.EBUSY) from None
-    return fd
-
-
-def _in_use(data_dir: str, pid: str, mountpoint: str) -> str:
-    message = f"{data_dir} is in use by the rametfs daemon pid {pid}"
-    if not mountpoint:
-        return message
-    top = mount_at(mountpoint)
-    if top is not None and top.fstype == FSTYPE:
-        return f"{message}, serving {mountpoint}: rametfs umount {mountpoint} stops it"
-    return (f"{message}, which served {mountpoint}: that is no longer mounted here, but a "
-            f"copy made in another mount namespace (a sandbox, unshare -m) keeps the daemon "
-            f"serving; rametfs umount --force {mountpoint} ends it (or kill {pid})")
-
-
 def _lock_data_dir(data_dir: str, mountpoint: str) -> int:
     """Take ``<data_dir>/daemon.lock`` (flock, held while the returned descriptor is open)
     and write this daemon's pid and ``mountpoint`` in it: two daemons on one store would
-    hand out the same inode numbers.  EBUSY if taken (:func:`_take_lock`)."""
+    hand out the same inode numbers.  EBUSY if taken (rametfs.mounts.take_data_lock)."""
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
-    fd = _take_lock(data_dir)
+    fd = take_data_lock(data_dir)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n{mountpoint}\n".encode(), 0)
     return fd
-
-
-def check_can_serve(data_dir: str, mountpoint: str) -> None:
-    """Raise now the RametError :func:`run_daemon` would raise at its start for
-    ``data_dir`` and ``mountpoint`` (another daemon holds the data directory, EBUSY; the
-    mountpoint is missing, not a directory, mounted or not empty), holding nothing after:
-    ``serve --background`` checks first, as the daemon's own errors go to its log file."""
-    if os.path.isdir(data_dir):
-        os.close(_take_lock(data_dir))
-    _check_mountpoint(os.path.realpath(mountpoint))
 
 
 def plain_mode_reason() -> str | None:
@@ -276,7 +222,7 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     mountpoint = os.path.realpath(mountpoint)
     lock = _lock_data_dir(data_dir, mountpoint)
     try:
-        _check_mountpoint(mountpoint)
+        check_mountpoint(mountpoint)
     except RametError:
         os.close(lock)
         raise

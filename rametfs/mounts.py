@@ -1,6 +1,7 @@
 """The read-only bind mount of ``snapshots/`` over itself, made by the daemon and taken down
 by ``rametfs umount``; the kernel's mount table; and what keeps a mount or its daemon alive
-(processes using it, copies in other mount namespaces) and how to end its FUSE connection.
+(processes using it, copies in other mount namespaces) and how to end its FUSE connection;
+where a daemon may serve (its mountpoint, and its data directory's lock, which names it).
 
 In open-less mode the kernel sends no open, so the daemon cannot refuse a snapshot file
 opened for writing, and a shared writable mmap of it changes the kernel's cached pages.  A
@@ -22,10 +23,13 @@ libfuse do) takes both.
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import os
 import tempfile
 from dataclasses import dataclass
 
+from .errors import RametError
 from .protocol import SNAPSHOTS_DIR
 
 FSTYPE = "fuse.rametfs"  # the daemon mounts with subtype=rametfs
@@ -276,3 +280,61 @@ def abort_connection(dev: str) -> None:
 def _write_abort(path: str) -> None:
     with open(path, "w") as f:
         f.write("1")
+
+
+# ----- where a daemon may serve ------------------------------------------------------------
+
+def check_mountpoint(mountpoint: str) -> None:
+    """RametError when a daemon cannot mount at ``mountpoint``: ENOENT missing, ENOTDIR
+    not a directory, EBUSY mounted (from the mount table: a dead FUSE mount too),
+    ENOTEMPTY not empty."""
+    if mount_at(mountpoint) is not None:
+        raise RametError(f"{mountpoint} is already a mountpoint", errno.EBUSY)
+    if not os.path.lexists(mountpoint):
+        raise RametError(f"mountpoint {mountpoint} does not exist", errno.ENOENT)
+    if not os.path.isdir(mountpoint):
+        raise RametError(f"mountpoint {mountpoint} is not a directory", errno.ENOTDIR)
+    if os.listdir(mountpoint):
+        raise RametError(f"mountpoint {mountpoint} is not empty", errno.ENOTEMPTY)
+
+
+LOCK_FILE = "daemon.lock"
+
+
+def take_data_lock(data_dir: str) -> int:
+    """A descriptor holding the flock of ``<data_dir>/daemon.lock`` (made if missing; the
+    daemon holds it while it serves the store), its content untouched.  Raises RametError
+    (EBUSY) naming the daemon that holds it (its pid and mountpoint, which it wrote there)
+    and how to end it."""
+    fd = os.open(os.path.join(data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid, _, where = os.pread(fd, 4096, 0).decode(errors="replace").partition("\n")
+        os.close(fd)
+        raise RametError(_in_use(data_dir, pid.strip() or "?", where.strip()),
+                         errno.EBUSY) from None
+    return fd
+
+
+def _in_use(data_dir: str, pid: str, mountpoint: str) -> str:
+    message = f"{data_dir} is in use by the rametfs daemon pid {pid}"
+    if not mountpoint:
+        return message
+    top = mount_at(mountpoint)
+    if top is not None and top.fstype == FSTYPE:
+        return f"{message}, serving {mountpoint}: rametfs umount {mountpoint} stops it"
+    return (f"{message}, which served {mountpoint}: that is no longer mounted here, but a "
+            f"copy made in another mount namespace (a sandbox, unshare -m) keeps the daemon "
+            f"serving; rametfs umount --force {mountpoint} ends it (or kill {pid})")
+
+
+def check_can_serve(data_dir: str, mountpoint: str) -> None:
+    """Raise now the RametError the daemon would raise at its start for ``data_dir`` and
+    ``mountpoint`` (another daemon holds the data directory, EBUSY; the mountpoint is
+    missing, not a directory, mounted or not empty), holding nothing after: ``mount
+    --background`` checks first, as the daemon's own errors go to its log file."""
+    if os.path.isdir(data_dir):
+        os.close(take_data_lock(data_dir))
+    check_mountpoint(os.path.realpath(mountpoint))
