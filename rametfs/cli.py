@@ -399,14 +399,14 @@ def _wait_for_daemon(pid: int, dev: str, mountpoint: str, force: bool) -> None:
     ``force`` the connection is ended at once for them, or after CANCELLED_GRACE_S for a
     lazily detached mount still in use.  ETIMEDOUT after WAIT_SECONDS."""
     start = time.monotonic()
-    copies_since = None
+    copies_since, aborted = None, False
     while not _exited(pid, _COPIES_POLL_S):
         now = time.monotonic()
         copies = mounts.copies_elsewhere(dev=dev)
-        if force and (copies or now - start > CANCELLED_GRACE_S):
+        if force and not aborted and (copies or now - start > CANCELLED_GRACE_S):
             _abort(dev)
-            force = False
-        elif copies and not force:
+            aborted = True
+        elif copies and not aborted:
             copies_since = copies_since or now
             if now - copies_since > COPIES_GRACE_S:
                 raise RametError(errno.EBUSY, f"unmounted {mountpoint} here, but its daemon "
@@ -662,7 +662,7 @@ def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | N
                policy: str | None) -> None:
     """Snapshot EXECUTION, keeping its base; print the id (everything, unless --policy)."""
     click.echo(target(ramet, execution).checkpoint(label=label, message=message,
-                                                     policy=policy))
+                                                   policy=policy))
 
 
 @main.command()

@@ -213,9 +213,15 @@ def test_open_less_mode_says_nothing_and_ls_names_it(d):
 
 
 def test_the_patch_ships_in_the_wheel_for_build_pyfuse3(tmp_path):
-    # rametfs build-pyfuse3 works from a pip install: the patch is package data.
+    # rametfs build-pyfuse3 works from a pip install: the patch is package data.  Built
+    # from a copy, as setuptools builds in the source tree.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "rametfs", source / "rametfs",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source)
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-        "-w", tmp_path, ROOT)
+        "-w", tmp_path, source)
     wheel, = tmp_path.glob("rametfs-*.whl")
     names = subprocess.run([sys.executable, "-m", "zipfile", "-l", wheel], text=True,
                            capture_output=True, check=True).stdout
