@@ -247,7 +247,9 @@ def test_root_commands_on_one_execution(allow_other_daemon, base, made):
     for line, err, message in [
             ("promote no-such-execution", errno.ENOENT, "no execution 'no-such-execution'"),
             ("status no-such-execution", errno.ENOENT, "no execution 'no-such-execution'"),
-            ("reset", errno.EINVAL, "reset: expected <execution>, got 0 argument(s)"),
+            ("reset", errno.EINVAL, "reset: expected <execution>, got 0 argument(s): on the "
+             "root ctl, reset names its execution first (reset <execution-id> ...); an "
+             "execution's own .ramet/ctl takes reset alone"),
             (f"diff {ex.id} --mode deep", errno.EINVAL, "diff: unknown option '--mode'")]:
         with pytest.raises(OSError) as caught:
             d.ctl(line)

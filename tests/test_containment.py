@@ -382,10 +382,12 @@ def test_other_spellings_of_a_snapshot_id_are_not_found(shared_daemon, tmp_path)
     snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f\n"}))
     snapshots = shared_daemon.mnt / protocol.SNAPSHOTS_DIR
     assert (snapshots / snap / "f").read_bytes() == b"f\n"
-    for spelling in (snap.upper(), " " + snap, snap + " ", snap[:32], "0x" + snap[2:],
-                     snap[:-1] + "G"):
+    for spelling in (snap.upper(), " " + snap, snap + " ", snap[:32].upper(), "0x" + snap[2:],
+                     snap[:-1] + "G", snap[:7]):
         with pytest.raises(FileNotFoundError):
             os.stat(snapshots / spelling)
+    link = snapshots / snap[:32]  # a prefix: a symlink to the id, never a view of its own
+    assert os.readlink(link) == snap and os.stat(link).st_ino == os.stat(snapshots / snap).st_ino
 
 
 # ----- quotas --------------------------------------------------------------------------------
