@@ -13,8 +13,9 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import blake3
 import trio
@@ -25,9 +26,10 @@ from .errors import Cancelled, InvalidArgument, NotFound, RametError
 from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
+from .store.entries import directory_entry, link_id
 from .store.extents import data_extents, pages_of
 from .store.format import link_key
-from .store.trees import subtree_paths
+from .store.trees import subtree_paths, tree_id
 from .store.writer import ChunkWriter
 from .treewalk import Steps, postorder, preorder, run_steps
 
@@ -198,8 +200,7 @@ def _link_of(ex: Execution, node: Node) -> int:
         return 0
     if u.base is not None and u.base.link:
         return u.base.link
-    seed = f"{ex.id}/{ex.layer}/{node.ino}".encode()
-    return int.from_bytes(blake3.blake3(seed).digest()[:8], "big") >> 1
+    return link_id(f"{ex.id}/{ex.layer}/{node.ino}".encode())
 
 
 class Capture:
@@ -338,29 +339,26 @@ class Capture:
                 first = first.exceptions[0]
             raise first from None
 
-    def _entry(self, txn, name: bytes, item) -> Entry:
-        """The entry of plan ``item`` named ``name``, its trees stored in ``txn`` (subtrees
-        first, bottom-up)."""
+    def _entry(self, put_tree: Callable[[list[Entry]], bytes], name: bytes, item) -> Entry:
+        """The entry of plan ``item`` named ``name``, each tree's id from ``put_tree(entries)``
+        (which stores it, or only computes it), subtrees first, bottom-up."""
         def children(pair: tuple[bytes, object]) -> list | None:
             _, it = pair
             return it.children if isinstance(it, (_DirPlan, _BaseDirPlan)) else None
 
         return postorder((name, item), children,
-                         lambda pair, entries: self._one_entry(txn, *pair, entries))
+                         lambda pair, entries: self._one_entry(put_tree, *pair, entries))
 
-    def _one_entry(self, txn, name: bytes, item, entries: list[Entry] | None) -> Entry:
+    def _one_entry(self, put_tree: Callable[[list[Entry]], bytes], name: bytes, item,
+                   entries: list[Entry] | None) -> Entry:
         """The entry of one plan item; ``entries`` those of a directory's children."""
         if isinstance(item, Entry):
             return item.renamed(name)
         if entries is not None:
-            tid = self.overlay.store.put_tree(txn, entries)
             u = (ov.UpperInode.from_entry(item.entry) if isinstance(item, _BaseDirPlan)
                  else item.node.upper or ov.UpperInode.from_entry(item.node.entry))
-            has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
-            return Entry(name, u.mode, u.uid, u.gid, u.mtime_ns, 0, tid,
-                         tuple(sorted(u.xattrs.items())), 0,
-                         2 + sum(1 for e in entries if e.is_dir),
-                         FLAG_HAS_LINKS if has_links else 0)
+            return directory_entry(entries, put_tree(entries), u.mode, u.uid, u.gid,
+                                   u.mtime_ns, tuple(sorted(u.xattrs.items())), name)
         node, job = item
         u = node.upper
         if job is not None:
@@ -386,7 +384,7 @@ class Capture:
             stats.update(policy.policy_stats(self.policy, self.classified))
             recipes = policy.recipe_records(self.policy, self.classified, self.digests)
         with store.write() as txn:
-            root = self._entry(txn, b"", plan)
+            root = self._entry(partial(store.put_tree, txn), b"", plan)
             stats.update(store.tree_totals(txn, root.ref))
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
             return store.put_snapshot(txn, root, parents, label, message,
@@ -501,11 +499,7 @@ async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_C
         cap = Capture(overlay, ex, cancel)
         plan = await in_slices(cap.plan_steps())
         await cap.hash()
-        txn = overlay.store.env.begin(write=True)
-        try:
-            return cap._entry(txn, b"", plan)
-        finally:
-            txn.abort()  # the trees were only needed for their ids
+        return cap._entry(tree_id, b"", plan)
 
 
 # -- policies ---------------------------------------------------------------------------------

@@ -71,6 +71,12 @@ def encode_tree(entries: list[Entry]) -> tuple[bytes, bytes]:
     return blake3.blake3(value).digest(), value
 
 
+def tree_id(entries: list[Entry]) -> bytes:
+    """The id of the tree of ``entries`` (:func:`encode_tree`'s), stored or not: a tree's id
+    without a transaction."""
+    return encode_tree(entries)[0]
+
+
 def decode_tree(value: bytes) -> dict[bytes, Entry]:
     """Parse a stored tree into ``{name: Entry}``, in name order."""
     return {item[0]: Entry.unpack(item) for item in msgpack.unpackb(value, raw=True)}
