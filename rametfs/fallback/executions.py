@@ -30,13 +30,13 @@ from pathlib import Path
 from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
+from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
 from ..longpath import cached, short
 from ..store import Entry, Store, import_git, import_tree
 from ..store.entries import directory_entry
 from ..store.trees import tree_id
 from . import clone, manifest, scan, sync
-from .diff import diff_trees
 from .pools import Pools
 
 # LMDB must not be opened twice in one process: one Store per data directory, shared by
