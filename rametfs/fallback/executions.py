@@ -17,7 +17,6 @@ Errors are rametfs.errors classes with their errno, or OSError from the file sys
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import os
@@ -31,12 +30,13 @@ from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
 from ..core.pools import verification_json
+from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
 from ..longpath import cached
 from ..store import Entry, Store, import_git, import_tree
-from ..store.trees import encode_tree
+from ..store.entries import directory_entry
+from ..store.trees import tree_id
 from . import clone, manifest, scan, sync
-from .diff import diff_trees
 from .pools import Pools
 
 # LMDB must not be opened twice in one process: one Store per data directory, shared by
@@ -388,12 +388,14 @@ class Fallback:
         for name in parts[:-1]:
             path.append(now.tree(self.store, path[-1].ref)[name])
         entry = new
-        for directory, name in zip(reversed(path), reversed(parts)):  # bottom-up
-            entries = now.tree(self.store, directory.ref)
+        for up, name in zip(reversed(path), reversed(parts)):  # bottom-up
+            entries = now.tree(self.store, up.ref)
             entries[name] = entry.renamed(name)
-            tid, _ = encode_tree(list(entries.values()))
-            now.trees[tid] = list(entries.values())
-            entry = dataclasses.replace(directory, ref=tid)
+            children = list(entries.values())
+            tid = tree_id(children)
+            now.trees[tid] = children
+            entry = directory_entry(children, tid, up.mode, up.uid, up.gid, up.mtime_ns,
+                                    up.xattrs, up.name)
         return entry
 
     def _json(self, meta: manifest.Meta) -> dict:

@@ -47,15 +47,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import blake3
 import msgpack
 
 from ..errors import InvalidArgument, NoSpace, NotFound, RametError
 from ..nofollow import DIR_FLAGS, FILE_FLAGS, GONE, same_file
 from ..protocol import CONTROL_DIR, ON_CHANGE
 from .format import clamp_time_ns, source_key
+from .entries import directory_entry, link_id
 from .store import EMPTY_CONTENT, Snapshot, Store
-from .trees import FLAG_HAS_LINKS, Entry
+from .trees import Entry
 from .writer import ChunkWriter
 
 READ_AHEAD_FILES = 64  # files opened and waiting for a reader thread, at most (open fds)
@@ -466,8 +466,7 @@ class DirectoryImporter:
                 stack.append(iter(child.children))
             elif st.st_nlink > 1:
                 links.setdefault((st.st_dev, st.st_ino), []).append(child)
-        self.link_ids = {key: int.from_bytes(blake3.blake3(nodes[0].path()).digest()[:8],
-                                             "big") >> 1
+        self.link_ids = {key: link_id(nodes[0].path())
                          for key, nodes in links.items() if len(nodes) > 1}
         self.link_counts = {key: len(nodes) for key, nodes in links.items()}
 
@@ -509,14 +508,9 @@ class DirectoryImporter:
 def put_directory(store: Store, txn, entries: list[Entry], mode: int, uid: int, gid: int,
                   mtime_ns: int, xattrs: tuple[tuple[bytes, bytes], ...] = ()) -> Entry:
     """Store the tree of ``entries`` (their subtrees already stored) in ``txn``; returns the
-    directory's own entry (name ``b""``, ``mode`` the full st_mode, ``mtime_ns`` in ns), with
-    its link count (2 + subdirectories) and :data:`FLAG_HAS_LINKS` when a hard link lies
-    below."""
-    ndirs = sum(1 for e in entries if e.is_dir)
-    has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
-    tid = store.put_tree(txn, entries)
-    return Entry(b"", mode, uid, gid, mtime_ns, 0, tid, xattrs, 0, 2 + ndirs,
-                 FLAG_HAS_LINKS if has_links else 0)
+    directory's own entry, named ``b""`` (rametfs.store.entries.directory_entry)."""
+    return directory_entry(entries, store.put_tree(txn, entries), mode, uid, gid, mtime_ns,
+                           xattrs)
 
 
 def import_tree(store: Store, source: str | os.PathLike, label: str = "", message: str = "",
