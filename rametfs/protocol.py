@@ -104,9 +104,11 @@ returned the same way by the daemon.  ``drop`` releases every execution of the p
 forgets it.  ``release`` of a pool member takes it out of its pool, which shrinks by one
 (EBUSY while a lease on it runs; an ended lease holds nothing).
 
-One command runs on an execution at a time (EBUSY while another does), except that
-``reset``, ``release`` and ``return`` of it (and an expired lease's return) cancel the one
-running and wait until it has stopped; so does::
+One command runs on an execution at a time, and the harness comes first: a command written
+to the root ``ctl`` on an execution cancels one its own ``ctl`` runs (and waits until it has
+stopped), while the execution's own commands are EBUSY as long as a harness command runs on
+it.  Within one scope a second command is EBUSY, except that ``reset``, ``release`` and
+``return`` (and an expired lease's return) cancel the one running; so does::
 
     cancel [--execution ID]                   -> {"ok", "cancelled": [execution ids]}
 
@@ -149,7 +151,7 @@ harness acts on an execution whatever its ``--control``::
 Their replies are those above, with the store-wide figures an execution's own files leave out
 (below).  ``diff`` paths are the names' bytes decoded as UTF-8 with surrogate escapes.
 
-Answers are bounded (:data:`MAX_ANSWER_BYTES` by default; ``rametfs serve
+Answers are bounded (:data:`MAX_ANSWER_BYTES` by default; ``rametfs mount
 --max-answer-bytes``): a diff (``.ramet/diff``, as its text; ``diff <id>``, as the
 ``.ramet/diff`` text of the same paths), a preview (``.ramet/preview``, the ``preview``
 commands: as the JSON report) or any other reply longer than that fails with EFBIG (``the
@@ -225,7 +227,8 @@ EXECUTION_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_COMMAND_BYTES = 64 * 1024
 MAX_ANSWER_BYTES = 64 * 1024 * 1024  # default of one control file answer or reply (EFBIG)
 LAST_REPLY_BYTES = 16 * 1024  # of the JSON of the ``last`` reply a status shows whole
-SHOWN_BYTES = 256  # of a command or word a message, the log or ``.ramet/error`` shows
+MAX_ECHO_CHARS = 200  # of a command or word a message, the log or ``.ramet/error`` shows
+MAX_ERROR_CHARS = 2000  # of an error message kept for ``.ramet/error`` and the log
 MAX_COMMAND_PARTS = 4096  # words, spaces, quoted strings and escapes of one command (EINVAL)
 MAX_LABEL_BYTES = 256  # of a --label (UTF-8)
 MAX_MESSAGE_BYTES = 16 * 1024  # of a --message (UTF-8): room for a --policy in the same command
@@ -386,21 +389,18 @@ def split_command(line: str) -> list[str]:
     return words
 
 
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
+def shown(text: str, limit: int = MAX_ECHO_CHARS, quoted: bool = False) -> str:
+    """``text`` (what a client sent, bytes decoded with U+FFFD for what is not UTF-8) safe to
+    show in a message, the log or ``.ramet/error``: its first ``limit`` characters, each that
+    is not printable (control and format characters, U+FFFD) as its Python escape
+    (``quoted``: as ``repr`` of that part shows it), then ``... (N characters)`` when it is
+    longer: one line of at most about ``10 * limit`` characters, whatever was sent."""
+    def one(c: str) -> str:
+        return c if c.isprintable() and c != "\ufffd" else \
+            c.encode("unicode_escape").decode("ascii")
 
-
-def shown(text: bytes | str, limit: int = SHOWN_BYTES, quoted: bool = False) -> str:
-    """``text`` (what a client sent) as a message, the log or ``.ramet/error`` shows it: its
-    first ``limit`` bytes (of ``str``: characters; invalid UTF-8 as U+FFFD), control
-    characters and surrogates escaped as ``repr`` escapes them (``quoted``: as ``repr`` of
-    that part), then ``... (N bytes)`` when it is longer: one line of at most about
-    ``6 * limit`` characters, whatever was sent."""
-    if isinstance(text, bytes):
-        head, unit = text[:limit].decode(errors="replace"), "bytes"
-    else:
-        head, unit = text[:limit], "characters"
-    head = repr(head) if quoted else _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], head)
-    return head if len(text) <= limit else f"{head}... ({len(text)} {unit})"
+    head = repr(text[:limit]) if quoted else "".join(map(one, text[:limit]))
+    return head + (f"... ({len(text)} characters)" if len(text) > limit else "")
 
 
 def check_text(command: str, label: str | None, message: str | None) -> None:
