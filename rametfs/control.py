@@ -85,7 +85,8 @@ def _parse(text: str, table: dict) -> tuple[str, dict[str, str]]:
         if table is protocol.EXECUTION_COMMANDS and name in (protocol.DIFF, protocol.STATUS):
             raise InvalidArgument(f"{name}: read this execution's .ramet/{name} "
                                   "instead") from None
-        if table is protocol.EXECUTION_COMMANDS and name in protocol.ROOT_COMMANDS:
+        if table is protocol.EXECUTION_COMMANDS and name in protocol.ROOT_COMMANDS \
+                and name not in protocol.EXECUTION_COMMANDS:
             raise InvalidArgument(
                 f"{name}: a command of the root .ramet/ctl, at the top of the mount (the "
                 f"harness's), not of an execution's; this one takes "
@@ -297,7 +298,9 @@ class Control:
         message = (f"{protocol.shown(command.strip())}: "
                    f"{protocol.shown(str(exc), protocol.MAX_ERROR_CHARS)}")
         if (skipped := self.logs.take("failed", scope)) is not None:
-            log.info("command failed: %s%s", message, _skipped(skipped))
+            log.info("command failed (%s): %s%s",
+                     f"execution {scope}" if scope != ROOT_SCOPE else "root ctl", message,
+                     _skipped(skipped))
         return message + "\n"
 
     def refuse_read_only(self, ex: Execution, command: bytes) -> None:

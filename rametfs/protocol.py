@@ -359,8 +359,8 @@ _OPEN_ESCAPE = re.compile(r'"(?:[^"\\]|\\.)*\\', re.S)  # a double quote ending 
 def split_command(line: str) -> list[str]:
     """The words of ``line``, exactly as ``shlex.split(line)`` gives them, in C for the most
     part and in at most :data:`MAX_COMMAND_PARTS` steps: shlex reads a character at a time
-    in Python (a 64 KiB word took it 170 ms of the daemon's one thread here, this 0.4 ms; the
-    most parts take about 4 ms).  Raises ProtocolError (EINVAL) for an unclosed quote or a
+    in Python (a quoted 64 KiB word took it 69 ms of the daemon's one thread here, this
+    0.02 ms; 4,096 parts take both about 1 ms).  Raises ProtocolError (EINVAL) for an unclosed quote or a
     trailing backslash (with shlex's words for them), or for more parts."""
     words: list[str] = []
     word: list[str] | None = None  # the parts of the word being read, None between words
