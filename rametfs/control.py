@@ -23,7 +23,7 @@ from typing import Awaitable, Callable
 import trio
 
 from . import mounts, policy, protocol
-from .authority import HARNESS, Access, Caller, R
+from .authority import HARNESS, Access, Caller
 from .capture import CancelToken, capture, diff_in_slices, preview
 from .core import pools
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
@@ -602,8 +602,9 @@ class Control:
     def root_status(self, caller: Caller = HARNESS) -> bytes:
         """The root ``.ramet/status`` as ``caller`` may read it: whole for the harness; for
         another uid only the executions whose ``r`` bit it has (as their own ``status`` shows
-        them) and their base and head snapshots, without store-wide figures or sources.
-        Another uid's costs what it shows: its snapshots are looked up by id; the harness's
+        them, oldest first) and their base and head snapshots, without store-wide figures
+        or sources.  Another uid's costs what it shows: its executions are found by the
+        index of readers (authority.ReadIndex), its snapshots looked up by id; the harness's
         decodes the snapshots only when one was added (:meth:`_snapshots_json`)."""
         common = {"mount": self.mountpoint, "version": "0.1.0", "open_less": self.open_less,
                   "snapshots_bind": self._snapshots_bind()}
@@ -613,7 +614,9 @@ class Control:
                 "snapshots": self._snapshots_json(),
                 "executions": [self.execution_json(ex) for ex in self.overlay.executions.values()],
                 "pools": self.pools.to_json(), "last": self.root_last})
-        visible = [ex for ex in self.overlay.executions.values() if ex.access.allows(caller, R)]
+        visible = sorted((self.overlay.executions[eid]
+                          for eid in self.overlay.readers.readable(caller)),
+                         key=lambda ex: (ex.created_ns, ex.id))
         seen = {ex.base.id: ex.base for ex in visible}
         for sid in {ex.head for ex in visible} - seen.keys():
             with contextlib.suppress(NotFound):

@@ -42,7 +42,7 @@ from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 import msgpack
 import trio
 
-from .authority import Access
+from .authority import Access, ReadIndex
 from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
 from .precreate import Precreated
 from .protocol import CONTROL_DIR
@@ -414,6 +414,7 @@ class Overlay:
         self.nodes: dict[int, Node] = {}
         self.snapshot_views: dict[str, SnapshotView] = {}
         self.executions: dict[str, Execution] = {}
+        self.readers = ReadIndex()  # who may read which execution (its r bit)
         self.trees: OrderedDict[bytes, dict[bytes, Entry]] = OrderedDict()  # least used first
         self.tree_entries = 0  # of the trees kept
         with store.read() as txn:
@@ -595,6 +596,7 @@ class Overlay:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
         upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
         self.executions[eid] = ex
+        self.readers.add(eid, ex.access)
         root = self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
         root.record_bytes = len(value) if value else 0
         return ex
@@ -626,6 +628,7 @@ class Overlay:
             self._new_layer(txn, ex)
             self._persist_counters(txn)
         self.executions[eid] = ex
+        self.readers.add(eid, ex.access)
         return ex
 
     def execution(self, eid: str) -> Execution:
@@ -676,6 +679,7 @@ class Overlay:
             txn.put(u64(ex.layer), b"", db=self.store.db["dead"])
             txn.delete(ex.id.encode(), db=self.store.db["executions"])
         del self.executions[ex.id]
+        self.readers.remove(ex.id)
         ex.layer = RELEASED
         self.dead_layers.set()
         return stale
