@@ -1115,3 +1115,24 @@ def test_a_command_of_too_many_parts_is_einval_before_it_is_split(owned):
     assert caught.value.errno == errno.EINVAL
     assert caught.value.reply["error"] == "promote: expected no arguments, got 2000 argument(s)"
     assert d.exec_status(eid)["head"] == d.exec_status(eid)["base"]
+
+
+def test_a_status_shows_a_large_last_reply_by_its_scalars(shared_daemon, tmp_path):
+    """The ``last`` reply an execution's status (and the root status) shows is whole up to
+    16 KiB of JSON, else its scalar fields and the names of the others: a status stays small
+    whatever the agent ran last."""
+    src = tmp_path / "src"
+    src.mkdir()
+    d = shared_daemon
+    eid = d.create(d.snapshot(src))
+    try:
+        for i in range(600):
+            (d.exec_path(eid) / _name(i % 100).replace("f", f"g{i // 100}", 1)).write_bytes(b"")
+        reply = d.exec_ctl(eid, "preview")
+        assert len(json.dumps(reply)) > protocol.LAST_REPLY_BYTES
+        assert len(reply["preview"]["paths"]) == 600
+        assert d.exec_status(eid)["last"] == {"ok": True, "omitted": ["preview"]}
+        small = d.exec_ctl(eid, "reset")
+        assert d.exec_status(eid)["last"] == small  # whole
+    finally:
+        d.ctl(f"release {eid}")
