@@ -24,8 +24,9 @@ Layout (paths relative to the mountpoint)::
 
 A command is one line written to a ``ctl`` file, split as ``shlex.split`` splits it
 (:func:`split_command`), so arguments with spaces are quoted; it is at most
-:data:`MAX_COMMAND_BYTES` bytes (E2BIG, checked before anything else).  The ``write()`` returns once the command is done: the
-written length on success, else -1 with a precise errno (:data:`EINVAL` malformed,
+:data:`MAX_COMMAND_BYTES` bytes (E2BIG, checked before anything else) and
+:data:`MAX_COMMAND_PARTS` parts (EINVAL).  The ``write()`` returns once the command is done:
+the written length on success, else -1 with a precise errno (:data:`EINVAL` malformed,
 :data:`ENOENT` unknown id or path, :data:`EBUSY` busy, :data:`ENOSPC` no room, :data:`EIO`
 store failure, :data:`EACCES` not allowed: see "Who may do what").  After the write, reading the same open file descriptor from offset 0 gives
 the reply as one JSON object followed by a newline: ``{"ok": true, ...}`` or
@@ -360,8 +361,9 @@ def split_command(line: str) -> list[str]:
     """The words of ``line``, exactly as ``shlex.split(line)`` gives them, in C for the most
     part and in at most :data:`MAX_COMMAND_PARTS` steps: shlex reads a character at a time
     in Python (a quoted 64 KiB word took it 69 ms of the daemon's one thread here, this
-    0.02 ms; 4,096 parts take both about 1 ms).  Raises ProtocolError (EINVAL) for an unclosed quote or a
-    trailing backslash (with shlex's words for them), or for more parts."""
+    0.02 ms; 4,096 parts take both about 1 ms).  Raises ProtocolError (EINVAL) for an
+    unclosed quote or a trailing backslash (with shlex's words for them), or for more
+    parts."""
     words: list[str] = []
     word: list[str] | None = None  # the parts of the word being read, None between words
     for count, m in enumerate(_PART.finditer(line), 1):
