@@ -10,14 +10,19 @@ execution id).  Each test runs real bubblewrap as uid 65534 on a daemon served w
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import pty
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import termios
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -165,12 +170,16 @@ def test_the_root_holds_only_the_system_directories(ex):
     result = sh(ex, "ls -A /; echo; ls -A /home /root /srv /mnt /media /opt /var; echo; "
                     "stat -c '%a %U' /var/tmp /tmp; echo x > /var/tmp/x && cat /var/tmp/x; "
                     "find / -path /proc -prune -o -type s -print 2>/dev/null")
-    system = sorted(name for name in SYSTEM if os.path.lexists(f"/{name}"))
-    top = sorted([*system, "dev", "home", "media", "mnt", "opt", "proc", "root", "run", "srv",
-                  "tmp", "var", "workspace"])
-    assert result.stdout == ("\n".join(top) + "\n\n/home:\n\n/media:\n\n/mnt:\n\n/opt:\n\n"
+    assert result.stdout == ("\n".join(sandbox_root()) + "\n\n/home:\n\n/media:\n\n/mnt:\n\n/opt:\n\n"
                              "/root:\n\n/srv:\n\n/var:\ntmp\n\n1777 root\n1777 root\nx\n")
     # find printed no socket (it exits 1: some directories of /etc are closed to the uid)
+
+
+def sandbox_root() -> list[str]:
+    """The names ``ls -A /`` shows in the sandbox, sorted."""
+    system = [name for name in SYSTEM if os.path.lexists(f"/{name}")]
+    return sorted([*system, "dev", "home", "media", "mnt", "opt", "proc", "root", "run", "srv",
+                   "tmp", "var", "workspace"])
 
 
 def test_ro_binds_show_a_host_path_read_only_and_nothing_else(ex):
@@ -326,3 +335,188 @@ def test_mountinfo_of_a_fallback_execution_shows_its_host_path(tmp_path):
         root, _, fstype, source = as_bound(str(ex.path))[0]
         assert workspace == (root, "/workspace", fstype, source)
         assert workspace[0].endswith(f"/data/fallback/executions/{ex.id}")
+
+
+# ----- 3. a hostile command against the harness and the host ---------------------------------
+
+def test_a_secret_in_env_is_in_no_cmdline_on_the_host(ex):
+    """``env=`` values reach the command's environment only: every ``/proc/*/cmdline`` of the
+    host, read while the sandbox runs, lacks them (before ``--args``, bwrap's own cmdline,
+    readable by every host uid, held ``--setenv TOKEN <value>``).  ``argv`` does show: it is
+    the command's own cmdline."""
+    secret, marker = f"secret-{os.urandom(8).hex()}", f"marker-{os.urandom(8).hex()}"
+    script = (f": {marker}; touch ready; while [ ! -e go ]; do sleep 0.05; done; "
+              'printf %s "$TOKEN"')
+    argv = ["sh", "-c", script]
+    sandbox = Bubblewrap(env={"TOKEN": secret})
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(sandbox.run, ex, argv, 30)
+        try:
+            deadline = time.monotonic() + 20
+            while not (ex.path / "ready").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            cmdlines = host_cmdlines()
+            shown = {pid: line for pid, line in cmdlines.items() if marker in line}
+            environs = [environ(pid) for pid in shown]
+        finally:
+            (ex.path / "go").touch()
+        result = running.result()
+    assert (result.exit_code, result.stdout, result.stderr) == (0, secret, "")
+    assert [pid for pid, line in cmdlines.items() if secret in line] == []
+    # bwrap, its init in the sandbox (a fork of it), and the command setpriv became
+    fd = min(shown.values()).split("\0")[2]  # bwrap's --args descriptor
+    bwrap = "\0".join(["bwrap", "--args", fd, "--", *sandbox._drop(argv)]) + "\0"
+    assert fd.isdigit() and sorted(shown.values()) == [bwrap, bwrap, "\0".join(argv) + "\0"]
+    assert sum(f"TOKEN={secret}" in text for text in environs) == 1  # the command's own
+
+
+def host_cmdlines() -> dict[str, str]:
+    """``/proc/<pid>/cmdline`` of every host process (NUL-separated), as root sees them."""
+    lines = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            lines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    return lines
+
+
+def environ(pid: str) -> str:
+    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+
+
+# Probe, as the sandbox's uid, what it can reach of processes and of the paths outside.
+PROCESSES = r"""
+import ctypes, errno, json, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def outcome(call):
+    try:
+        return call()
+    except OSError as e:
+        return errno.errorcode[e.errno]
+def ptrace_attach(pid):
+    return "attached" if libc.ptrace(16, pid, None, None) == 0 else errno.errorcode[ctypes.get_errno()]
+host = int(sys.argv[1])  # a host process of the sandbox's uid
+seen = {
+    "pids": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+    "init root": outcome(lambda: os.readlink("/proc/1/root")),
+    "init cwd": outcome(lambda: os.readlink("/proc/1/cwd")),
+    "init root listing": outcome(lambda: os.listdir("/proc/1/root")),
+    "init fds": outcome(lambda: os.listdir("/proc/1/fd")),
+    "own root": os.readlink("/proc/self/root"),
+    "own fds": {fd: outcome(lambda: os.readlink(f"/proc/self/fd/{fd}"))
+                for fd in os.listdir("/proc/self/fd")},
+    "above the workspace": outcome(lambda: sorted(os.listdir("/workspace/../.."))),
+    "the mount's executions": outcome(lambda: os.listdir("/workspace/../executions")),
+    "ptrace init": ptrace_attach(1),
+    "kill init": outcome(lambda: os.kill(1, signal.SIGKILL)),
+    "signal the host process": outcome(lambda: os.kill(host, 0)),
+    "ptrace the host process": ptrace_attach(host),
+    "kill everyone": outcome(lambda: os.kill(-1, signal.SIGKILL)),
+}
+print(json.dumps(seen))
+"""
+
+
+def test_processes_and_paths_outside_are_out_of_reach(ex):
+    """``/proc/1`` (bwrap's init, root) and the host's processes: a host process of the
+    sandbox's own uid is neither seen nor signalled, not even by ``kill(-1, SIGKILL)``; the
+    sandbox's root is where ``..`` and ``/proc/self/root`` end."""
+    host = subprocess.Popen(["sleep", "60"], user=NOBODY, group=NOBODY)
+    try:
+        result = Bubblewrap().run(ex, ["/usr/bin/python3", "-c", PROCESSES, str(host.pid)],
+                                  timeout=30)
+        assert (result.exit_code, result.stderr) == (0, "")
+        assert host.poll() is None  # kill(-1) reached only the sandbox's processes
+    finally:
+        host.kill()
+        host.wait()
+    seen = json.loads(result.stdout)
+    assert seen == {
+        "pids": ["1", "2"], "init root": "EACCES", "init cwd": "EACCES",
+        "init root listing": "EACCES", "init fds": "EACCES", "own root": "/",
+        "own fds": {"0": "/dev/null", "1": seen["own fds"]["1"], "2": seen["own fds"]["2"],
+                    "3": "ENOENT"},  # 3: the listing's own descriptor, closed by then
+        "above the workspace": sandbox_root(), "the mount's executions": "ENOENT",
+        "ptrace init": "EPERM", "kill init": "EPERM", "signal the host process": "ESRCH",
+        "ptrace the host process": "ESRCH", "kill everyone": "ESRCH"}
+    assert [seen["own fds"][fd][:6] for fd in "12"] == ["pipe:[", "pipe:["]
+
+
+# A file handle for /etc and the descriptor it is opened with (open_by_handle_at(2): what
+# "shocker" used to leave a container for any inode of the host file system), then, in a
+# user namespace of the command's own (root there), an unmount of a bind and a mount over
+# the workspace.  Prints each outcome.
+HANDLES = r"""
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def outcome(result):
+    return "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()]
+class FileHandle(ctypes.Structure):
+    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int),
+                ("f_handle", ctypes.c_char * 128)]
+handle, mount_id = FileHandle(128), ctypes.c_int()
+named = libc.name_to_handle_at(-100, b"/etc", ctypes.byref(handle), ctypes.byref(mount_id), 0)
+opened = libc.open_by_handle_at(os.open("/etc", os.O_RDONLY), ctypes.byref(handle), os.O_RDONLY)
+print(os.getuid(), outcome(named), outcome(opened))
+if sys.argv[1:] == ["userns"]:
+    print(outcome(libc.umount2(b"/usr", 2)), outcome(libc.umount2(b"/workspace", 2)))
+    print(outcome(libc.mount(b"none", b"/workspace", b"tmpfs", 0, None)))
+    open("/workspace/over", "w").close()
+    print(sorted(os.listdir("/workspace")))
+"""
+
+
+def test_file_handles_and_user_namespaces_leave_the_view_as_it_is(ex):
+    """The kernel here lets a command create user namespaces (the sandbox has no user
+    namespace of its own to forbid them in); root in one is root over nothing the sandbox
+    shows: bwrap's binds are locked to the sandbox's mount namespace (umount: EINVAL), a
+    mount changes only the new namespace's view, and ``open_by_handle_at`` needs
+    CAP_DAC_READ_SEARCH in the file system's namespace (EPERM in both)."""
+    plain = Bubblewrap().run(ex, ["/usr/bin/python3", "-c", HANDLES], timeout=30)
+    nested = Bubblewrap().run(ex, ["unshare", "-Urm", "/usr/bin/python3", "-c", HANDLES,
+                                   "userns"], timeout=30)
+    assert (plain.exit_code, plain.stdout, plain.stderr) == (0, "65534 ok EPERM\n", "")
+    assert (nested.exit_code, nested.stdout, nested.stderr) == (
+        0, "0 ok EPERM\nEINVAL EINVAL\nok\n['over']\n", "")
+    assert os.listdir(ex.path) == ["README"] and ex.diff() == []
+
+
+# TIOCSTI (ioctl_tty(2)) pushes a byte into a terminal's input as if typed there: into the
+# harness's shell, were the terminal the command's controlling one.
+TIOCSTI = r"""
+import errno, fcntl, os, termios
+def outcome(call):
+    try:
+        call()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+print(outcome(lambda: fcntl.ioctl(0, termios.TIOCSTI, b"!")),
+      outcome(lambda: os.open("/dev/tty", os.O_RDWR)))
+"""
+
+
+def test_a_terminal_of_the_harness_takes_no_injected_input(ex):
+    """:meth:`Bubblewrap.command` run by hand on the harness's terminal (its controlling
+    one): with bwrap's ``--new-session`` the command is in a session of its own, so TIOCSTI
+    on the inherited terminal is EPERM and ``/dev/tty`` ENXIO; the same line without
+    ``--new-session`` injects (``dev.tty.legacy_tiocsti`` is 1 here), as the control shows."""
+    command = Bubblewrap().command(ex, ["/usr/bin/python3", "-c", TIOCSTI])
+    assert "--new-session" in command
+    assert on_a_terminal(command) == "EPERM ENXIO\n"
+    if Path("/proc/sys/dev/tty/legacy_tiocsti").read_text() == "1\n":
+        assert on_a_terminal([a for a in command if a != "--new-session"]) == "ok ok\n"
+
+
+def on_a_terminal(argv: list[str]) -> str:
+    """Run ``argv`` with a new pseudo-terminal as its stdin and controlling terminal; its
+    stdout."""
+    leader, follower = pty.openpty()
+    try:
+        result = subprocess.run(argv, stdin=follower, capture_output=True, text=True,
+                                timeout=30, start_new_session=True,
+                                preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert (result.returncode, result.stderr) == (0, "")
+    return result.stdout
