@@ -27,10 +27,11 @@ hidden.
 
 bwrap reads its options from a memfd (``--args FD``), so the sandbox's ``/proc/1/cmdline``
 (bwrap's init) reads ``bwrap --args N -- setpriv ... -- ARGV``: no host path, no execution
-id.  Its ``/proc/self/mountinfo`` still shows each bind's root, the bound directory's path
-within its file system: ``/executions/<id>`` for the workspace on a rametfs mount; in fallback
-mode the execution's path within the host file system that holds the data directory
-(docs/security.md, "The bubblewrap sandbox").
+id, no ``env`` value (those reach only the command's ``environ``; ``ARGV`` is every host
+uid's to read, so a secret goes in ``env``).  Its ``/proc/self/mountinfo`` still shows each
+bind's root, the bound directory's path within its file system: ``/executions/<id>`` for the
+workspace on a rametfs mount; in fallback mode the execution's path within the host file
+system that holds the data directory (docs/security.md, "The bubblewrap sandbox").
 
 The command runs as ``uid``:``gid`` (default 65534, nobody) with no capabilities and
 ``no_new_privs``: bwrap runs as root, keeps only CAP_SETUID and CAP_SETGID, and ``setpriv``
