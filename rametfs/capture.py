@@ -13,21 +13,24 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import blake3
 import trio
 
 from . import overlay as ov
 from . import policy
+from .core import diff as core_diff
 from .errors import Cancelled, InvalidArgument, NotFound, RametError
 from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
+from .store.entries import directory_entry, link_id
 from .store.extents import data_extents, pages_of
 from .store.format import link_key
-from .store.trees import subtree_paths
+from .store.trees import tree_id
 from .store.writer import ChunkWriter
 from .treewalk import Steps, postorder, preorder, run_steps
 
@@ -151,6 +154,7 @@ def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob, cancel: CancelT
 
 ZERO_RUN = bytes(1 << 20)  # zeros fed to a digest for holes, not allocated per page
 MAX_INPUT_BYTES = 1 << 30  # of one recipe input's files (_input_spec)
+CAPTURE_BYTES = 4096  # what a capture's record and trees are counted as, besides its chunks
 
 
 def _read_pieces(store: Store, job: _FileJob, cancel: CancelToken = NO_CANCEL
@@ -198,8 +202,7 @@ def _link_of(ex: Execution, node: Node) -> int:
         return 0
     if u.base is not None and u.base.link:
         return u.base.link
-    seed = f"{ex.id}/{ex.layer}/{node.ino}".encode()
-    return int.from_bytes(blake3.blake3(seed).digest()[:8], "big") >> 1
+    return link_id(f"{ex.id}/{ex.layer}/{node.ino}".encode())
 
 
 class Capture:
@@ -338,29 +341,26 @@ class Capture:
                 first = first.exceptions[0]
             raise first from None
 
-    def _entry(self, txn, name: bytes, item) -> Entry:
-        """The entry of plan ``item`` named ``name``, its trees stored in ``txn`` (subtrees
-        first, bottom-up)."""
+    def _entry(self, put_tree: Callable[[list[Entry]], bytes], name: bytes, item) -> Entry:
+        """The entry of plan ``item`` named ``name``, each tree's id from ``put_tree(entries)``
+        (which stores it, or only computes it), subtrees first, bottom-up."""
         def children(pair: tuple[bytes, object]) -> list | None:
             _, it = pair
             return it.children if isinstance(it, (_DirPlan, _BaseDirPlan)) else None
 
         return postorder((name, item), children,
-                         lambda pair, entries: self._one_entry(txn, *pair, entries))
+                         lambda pair, entries: self._one_entry(put_tree, *pair, entries))
 
-    def _one_entry(self, txn, name: bytes, item, entries: list[Entry] | None) -> Entry:
+    def _one_entry(self, put_tree: Callable[[list[Entry]], bytes], name: bytes, item,
+                   entries: list[Entry] | None) -> Entry:
         """The entry of one plan item; ``entries`` those of a directory's children."""
         if isinstance(item, Entry):
             return item.renamed(name)
         if entries is not None:
-            tid = self.overlay.store.put_tree(txn, entries)
             u = (ov.UpperInode.from_entry(item.entry) if isinstance(item, _BaseDirPlan)
                  else item.node.upper or ov.UpperInode.from_entry(item.node.entry))
-            has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
-            return Entry(name, u.mode, u.uid, u.gid, u.mtime_ns, 0, tid,
-                         tuple(sorted(u.xattrs.items())), 0,
-                         2 + sum(1 for e in entries if e.is_dir),
-                         FLAG_HAS_LINKS if has_links else 0)
+            return directory_entry(entries, put_tree(entries), u.mode, u.uid, u.gid,
+                                   u.mtime_ns, tuple(sorted(u.xattrs.items())), name)
         node, job = item
         u = node.upper
         if job is not None:
@@ -386,7 +386,7 @@ class Capture:
             stats.update(policy.policy_stats(self.policy, self.classified))
             recipes = policy.recipe_records(self.policy, self.classified, self.digests)
         with store.write() as txn:
-            root = self._entry(txn, b"", plan)
+            root = self._entry(partial(store.put_tree, txn), b"", plan)
             stats.update(store.tree_totals(txn, root.ref))
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
             return store.put_snapshot(txn, root, parents, label, message,
@@ -395,8 +395,8 @@ class Capture:
 
 
 async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
-                  chosen: policy.Setting | None = None, cancel: CancelToken = NO_CANCEL
-                  ) -> Snapshot:
+                  chosen: policy.Setting | None = None, cancel: CancelToken = NO_CANCEL,
+                  charged: bool = False) -> Snapshot:
     """Turn the current state of ``ex`` into a new snapshot whose parent is ``ex.head``.
 
     The policy applied is the one the harness ``chosen`` (None: none, everything is kept).
@@ -404,7 +404,9 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
     InvalidArgument (EINVAL: the policy, see ``Capture.plan``), NoSpace (ENOSPC),
     IntegrityError (EIO), for an execution marked failed RametError (EIO), or Cancelled
     (ECANCELED) once ``cancel`` is (its worker threads stop within a page); nothing is
-    listed unless the whole snapshot is stored.
+    listed unless the whole snapshot is stored.  A ``charged`` capture (one the execution
+    asked for itself) counts what it stores against the execution's ``--max-bytes``
+    (``Overlay.charge``: EDQUOT past it, before the snapshot is recorded).
     """
     started = time.monotonic_ns()
     overlay.check_not_failed(ex)
@@ -413,15 +415,16 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
         plan = await in_slices(cap.plan_steps(chosen))
         await cap.hash()
         await cap.digest_inputs()
+        if charged:
+            overlay.charge(ex, cap.writer.new_bytes + CAPTURE_BYTES)
         snap = cap.commit(plan, [ex.head], label, message, started)
-        await trio.to_thread.run_sync(overlay.store.sync)
+        await overlay.sync_store()
         return snap
 
 
 def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
-    """What changed against the base: ``[(letter, path)]`` with ``A`` added, ``M`` modified,
-    ``D`` deleted, paths relative to the execution root (directories end in ``/``), sorted.
-    """
+    """What changed against the base: ``[(letter, path)]`` (rametfs.core.diff's rules),
+    paths relative to the execution root; only copied-up directories are read."""
     return run_steps(diff_steps(overlay, ex))
 
 
@@ -434,61 +437,43 @@ async def diff_in_slices(overlay: Overlay, ex: Execution) -> list[tuple[str, byt
 
 def diff_steps(overlay: Overlay, ex: Execution) -> Steps[list[tuple[str, bytes]]]:
     """:func:`diff` as steps (rametfs.treewalk.run_steps): one per directory compared."""
-    out: list[tuple[str, bytes]] = []
-    descend_links = _has_upper_links(overlay, ex)
+    return core_diff.diff_steps(ex.base.root, overlay.tree, overlay.node(ex.root_ino),
+                                _NodeSide(overlay, _has_upper_links(overlay, ex)))
 
-    def node_paths(node: Node, path: bytes) -> Iterator[bytes]:
-        def below(item: tuple[Node, bytes]):
-            n, p = item
-            return [(c, p + b"/" + name) for name, c in overlay.listdir(n.ino)] if n.is_dir \
-                else None
-        for n, p in preorder([(node, path)], below):
-            yield p + (b"/" if n.is_dir else b"")
 
-    def changed(node: Node, b: Entry) -> bool:
+class _NodeSide:
+    """rametfs.core.diff.TreeSide over an execution's nodes, answered from their metadata
+    (``Overlay.base_only``), never hashing: only copied-up directories are walked, and with
+    a hard-link group copied up (``descend_links``) those holding a hard link too."""
+
+    def __init__(self, overlay: Overlay, descend_links: bool):
+        self.overlay = overlay
+        self.descend_links = descend_links
+
+    def children(self, directory: Node) -> Mapping[bytes, Node]:
+        return dict(self.overlay.listdir(directory.ino))
+
+    @staticmethod
+    def attrs(node: Node) -> core_diff.Attrs:
         u = node.upper
-        if u is None:  # as in the base; under another name of its inode (link group) too
-            return node.entry != b and not (b.link and node.entry.link == b.link)
-        same_owner = (u.mode == b.mode and u.uid == b.uid and u.gid == b.gid
-                      and tuple(sorted(u.xattrs.items())) == b.xattrs)
-        if b.is_dir:  # its mtime moves with every change inside: not a change of its own
-            return not same_owner
-        same_attrs = same_owner and u.mtime_ns == b.mtime_ns
-        if b.is_symlink:
-            return not same_attrs or u.target != b.ref
-        if b.is_reg:
-            return (not same_attrs or u.base is None or u.base.ref != b.ref
-                    or not overlay.base_only(node))
-        return not same_attrs or u.rdev != b.size
+        if u is None:
+            return core_diff.entry_attrs(node.entry)
+        return u.mode, u.uid, u.gid, tuple(sorted(u.xattrs.items())), u.mtime_ns
 
-    def pairs(item: tuple[Node, Entry, bytes]) -> Iterator[tuple[Node, Entry, bytes]]:
-        """Compare one copied-up directory with its base; yields the pairs of directories
-        below it to compare in turn (the walk does so before this one goes on)."""
-        node, base, path = item
-        if node.upper is None and not (descend_links and base.flags & FLAG_HAS_LINKS):
-            return
-        base_entries = overlay.tree(base.ref)
-        current = dict(overlay.listdir(node.ino))
-        for name in sorted(set(base_entries) | set(current)):
-            b, c = base_entries.get(name), current.get(name)
-            p = path + name
-            if c is None:
-                out.extend(("D", x) for x in subtree_paths(b, p, overlay.tree))
-            elif b is None:
-                out.extend(("A", x) for x in node_paths(c, p))
-            elif c.is_dir and b.is_dir:
-                if changed(c, b):
-                    out.append(("M", p + b"/"))
-                yield c, b, p + b"/"
-            elif c.is_dir != b.is_dir or stat.S_IFMT(c.mode) != stat.S_IFMT(b.mode):
-                out.extend(("D", x) for x in subtree_paths(b, p, overlay.tree))
-                out.extend(("A", x) for x in node_paths(c, p))
-            elif changed(c, b):
-                out.append(("M", p))
-
-    for _ in preorder([(overlay.node(ex.root_ino), ex.base.root, b"")], pairs):
-        yield
-    return out
+    def differs(self, node: Node, base: Entry) -> bool:
+        u = node.upper
+        if u is None:  # its base entry (maybe another name's of its link group)
+            e = node.entry
+            if e.is_dir and self.descend_links and e.flags & FLAG_HAS_LINKS:
+                return True  # a name of a group copied up elsewhere may lie below
+            return core_diff.Stored.differs(e, base)
+        if stat.S_ISDIR(u.mode):
+            return True
+        if stat.S_ISREG(u.mode):
+            return u.base is None or u.base.ref != base.ref or not self.overlay.base_only(node)
+        if stat.S_ISLNK(u.mode):
+            return u.target != base.ref
+        return u.rdev != base.size
 
 
 async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_CANCEL
@@ -501,11 +486,7 @@ async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_C
         cap = Capture(overlay, ex, cancel)
         plan = await in_slices(cap.plan_steps())
         await cap.hash()
-        txn = overlay.store.env.begin(write=True)
-        try:
-            return cap._entry(txn, b"", plan)
-        finally:
-            txn.abort()  # the trees were only needed for their ids
+        return cap._entry(tree_id, b"", plan)
 
 
 # -- policies ---------------------------------------------------------------------------------

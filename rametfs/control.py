@@ -63,9 +63,50 @@ class Running:
     trio side) and token (for its worker threads); ``done`` is set once it has stopped."""
 
     command: str
+    harness: bool  # run from the root scope (else from the execution's own ctl)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     token: CancelToken = field(default_factory=CancelToken)
     done: trio.Event = field(default_factory=trio.Event)
+
+
+MAX_ECHO_CHARS = 200  # of a command written, shown in .ramet/error
+MAX_ERROR_CHARS = 2000  # of an error message kept for .ramet/error
+
+
+def shown(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` safe to show: each character that is not printable (control and format
+    characters, U+FFFD of undecodable bytes) as its Python escape, cut at ``limit``
+    characters."""
+    def one(c: str) -> str:
+        return c if c.isprintable() and c != "\ufffd" else \
+            c.encode("unicode_escape").decode("ascii")
+
+    out = "".join(map(one, text[:limit]))
+    return out + (f"... ({len(text)} characters)" if len(text) > limit else "")
+
+
+def _parse(text: str, table: dict) -> tuple[str, dict[str, str]]:
+    """:func:`protocol.parse_command` of ``text`` for ``table`` (the root's or an
+    execution's), whose error, for a command of the other scope, says where it belongs."""
+    try:
+        return protocol.parse_command(text, table)
+    except protocol.ProtocolError as exc:
+        words = text.split()
+        name = words[0] if words else ""
+        if table is protocol.EXECUTION_COMMANDS and name in (protocol.DIFF, protocol.STATUS):
+            raise InvalidArgument(f"{name}: read this execution's .ramet/{name} "
+                                  "instead") from None
+        if table is protocol.EXECUTION_COMMANDS and name in protocol.ROOT_COMMANDS:
+            raise InvalidArgument(
+                f"{name}: a command of the root .ramet/ctl, at the top of the mount (the "
+                f"harness's), not of an execution's; this one takes "
+                f"{', '.join(sorted(protocol.EXECUTION_COMMANDS))}") from None
+        if table is protocol.ROOT_COMMANDS and name in protocol.ROOT_EXECUTION_COMMANDS \
+                and (len(words) == 1 or words[1].startswith("--")):
+            raise InvalidArgument(f"{exc}: on the root ctl, {name} names its execution first "
+                                  f"({name} <execution-id> ...); an execution's own "
+                                  f".ramet/ctl takes {name} alone") from None
+        raise
 
 
 class Control:
@@ -117,7 +158,7 @@ class Control:
         text = command.decode(errors="replace")
         try:
             try:
-                name, args = protocol.parse_command(self._text(command), protocol.ROOT_COMMANDS)
+                name, args = _parse(self._text(command), protocol.ROOT_COMMANDS)
                 reply = await self.root_handlers[name](args)
             except Exception as exc:
                 raise self._as_rametfs(exc, text) from None
@@ -134,13 +175,12 @@ class Control:
         text = command.decode(errors="replace")
         try:
             try:
-                name, args = protocol.parse_command(self._text(command),
-                                                    protocol.EXECUTION_COMMANDS)
+                name, args = _parse(self._text(command), protocol.EXECUTION_COMMANDS)
                 if "policy" in args:
                     raise RametError(f"{name}: the policy is the harness's (create --policy, "
                                      f"or the root ctl); an execution cannot give its own",
                                      errno.EACCES)
-                reply = await self._on_execution(ex, name, args)
+                reply = await self._on_execution(ex, name, args, harness=False)
             except Exception as exc:
                 raise self._as_rametfs(exc, text) from None
         except RametError as exc:
@@ -149,11 +189,12 @@ class Control:
             raise
         return execution_reply(reply)
 
-    async def _on_execution(self, ex: Execution, name: str, args: dict) -> dict:
-        """Run execution command ``name`` on ``ex``, from either scope, alone on it
-        (:meth:`_alone`); the reply, whole, becomes the execution's ``last``.  An unexpected
-        exception (a bug) marks ``ex`` failed (Overlay.fail)."""
-        async with self._alone(ex, name):
+    async def _on_execution(self, ex: Execution, name: str, args: dict, harness: bool
+                            ) -> dict:
+        """Run execution command ``name`` on ``ex``, from the root scope (``harness``) or its
+        own, alone on it (:meth:`_alone`); the reply, whole, becomes the execution's
+        ``last``.  An unexpected exception (a bug) marks ``ex`` failed (Overlay.fail)."""
+        async with self._alone(ex, name, harness):
             try:
                 reply = await self.execution_handlers[name](ex, args)
             except (RametError, protocol.ProtocolError):
@@ -165,16 +206,22 @@ class Control:
         return reply
 
     @contextlib.asynccontextmanager
-    async def _alone(self, ex: Execution, command: str) -> AsyncIterator[Running]:
-        """Run the block as ``command`` on ``ex``, the only command running on it.  While
-        another runs: a ``reset``, ``release`` or ``return`` cancels it (and waits until it
-        has stopped: a capture's worker threads stop within a page), anything else is Busy
-        (EBUSY).  A block that was cancelled raises Cancelled (ECANCELED) naming why."""
+    async def _alone(self, ex: Execution, command: str, harness: bool = True
+                     ) -> AsyncIterator[Running]:
+        """Run the block as ``command`` on ``ex`` from the root scope (``harness``) or the
+        execution's own, the only command running on it.  While another runs, the harness
+        comes first: its command cancels one the execution's own ``ctl`` runs, and the
+        execution's never cancels the harness's (Busy, EBUSY); within one scope a ``reset``,
+        ``release`` or ``return`` cancels the one running, anything else is Busy.  A cancel
+        waits until the command has stopped (a capture's worker threads stop within a
+        page).  A block that was cancelled raises Cancelled (ECANCELED) naming why."""
         while (other := self.running.get(ex.id)) is not None:
-            if command not in ENDS_COMMANDS:
+            if other.harness and not harness or \
+                    other.harness == harness and command not in ENDS_COMMANDS:
                 raise Busy(f"execution {ex.id!r} is running {other.command}")
-            await self.cancel(ex.id, f"the {command} of execution {ex.id}")
-        run = self.running[ex.id] = Running(command)
+            await self.cancel(ex.id, f"the {command} of execution {ex.id}"
+                                     + ("" if harness == other.harness else " by the harness"))
+        run = self.running[ex.id] = Running(command, harness)
         done = False
         try:
             with run.scope:
@@ -215,7 +262,7 @@ class Control:
     async def _root_on_execution(self, name: str, args: dict) -> dict:
         """Root ``<name> <execution-id> ...``: the execution command on that execution."""
         ex = self.overlay.execution(args.pop("execution"))
-        return await self._on_execution(ex, name, args)
+        return await self._on_execution(ex, name, args, harness=True)
 
     @staticmethod
     def _text(command: bytes) -> str:
@@ -244,16 +291,52 @@ class Control:
 
     @staticmethod
     def _failed(exc: Exception, text: str) -> str:
-        message = f"{text.strip()}: {exc}"
+        """The ``.ramet/error`` text of a failed command: the command as written and the
+        error, each printable (:func:`shown`), so no bytes an agent wrote reach a
+        terminal raw."""
+        message = f"{shown(text.strip())}: {shown(str(exc), MAX_ERROR_CHARS)}"
         log.info("command failed: %s", message)
         return message + "\n"
 
+    def refuse_read_only(self, ex: Execution, command: bytes) -> None:
+        """Keep, for ``ex``'s ``.ramet/error`` and the ``last`` of its status, why a write
+        to its ``ctl`` or ``promote`` that reached the daemon was refused: its control files
+        are read-only (``--control read``).  ``command`` is what was written, or what was
+        done (the truncation of ``echo cmd > ctl`` comes first).  (A writer the kernel
+        refuses by the file's mode at the open never reaches the daemon: only root's
+        writes come here.)"""
+        exc = RametError("this execution's control files are read-only (--control read); "
+                         "the harness acts on it through the root ctl", errno.EACCES)
+        self.errors[ex.id] = self._failed(exc, command.decode(errors="replace"))
+        self.last[ex.id] = self._error_reply(exc)
+
     # -- root commands -------------------------------------------------------------------
+
+    def _check_source(self, command: str, path: str) -> None:
+        """InvalidArgument (EINVAL) for a source path that is relative (with the absolute
+        form to give) or in this mount (an execution has promote and checkpoint).  Strings
+        only: a stat of this mount from the trio thread would wait for itself."""
+        if not os.path.isabs(path):
+            raise InvalidArgument(f"{command}: path {path!r} is not absolute: the daemon has "
+                                  f"no working directory of yours; give it from /, as in "
+                                  f"{command} \"$PWD/{path}\" (the CLI and the wrapper do)")
+        norm = os.path.normpath(path)
+        if os.path.commonpath([norm, self.mountpoint]) != self.mountpoint:
+            return
+        parts = os.path.relpath(norm, self.mountpoint).split(os.sep)
+        if parts[0] == protocol.EXECUTIONS_DIR and len(parts) > 1:
+            raise InvalidArgument(f"{command}: {path} is in execution {parts[1]} of this mount: "
+                                  f"promote {parts[1]} (its new head) or checkpoint "
+                                  f"{parts[1]} (its base stays) snapshots it, storing only what "
+                                  "changed")
+        raise InvalidArgument(f"{command}: {path} is in this rametfs mount"
+                              + (f", in snapshot {parts[1]}: that is a snapshot already"
+                                 if parts[0] == protocol.SNAPSHOTS_DIR and len(parts) > 1
+                                 else ""))
 
     async def _snapshot(self, args: dict) -> dict:
         path = args["path"]
-        if not os.path.isabs(path):
-            raise InvalidArgument(f"snapshot: path {path!r} is not absolute")
+        self._check_source("snapshot", path)
         snap = await trio.to_thread.run_sync(import_tree, self.overlay.store, path,
                                              args.get("label", ""), args.get("message", ""),
                                              args.get("on-change", protocol.ON_CHANGE[0]))
@@ -261,8 +344,7 @@ class Control:
 
     async def _snapshot_git(self, args: dict) -> dict:
         repo = args["repo"]
-        if not os.path.isabs(repo):
-            raise InvalidArgument(f"snapshot-git: path {repo!r} is not absolute")
+        self._check_source("snapshot-git", repo)
         with_git_dir = protocol.yes_no("snapshot-git", "gitdir", args.get("gitdir"))
         snap = await trio.to_thread.run_sync(
             import_git, self.overlay.store, repo, args.get("rev", "HEAD"), with_git_dir,
@@ -271,7 +353,7 @@ class Control:
 
     async def _create(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
-        eid = args.get("name") or secrets.token_hex(6)
+        eid = args["name"] if "name" in args else secrets.token_hex(6)  # "": EINVAL below
         if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
             raise InvalidArgument(f"create: execution name {eid!r} must match "
                                   f"{protocol.EXECUTION_NAME_RE.pattern}")
@@ -316,14 +398,16 @@ class Control:
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), ex.policy), self._token(ex))
+                             policy.choose(args.get("policy"), ex.policy), self._token(ex),
+                             charged=not self.running[ex.id].harness)
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), None), self._token(ex))
+                             policy.choose(args.get("policy"), None), self._token(ex),
+                             charged=not self.running[ex.id].harness)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
@@ -467,6 +551,7 @@ class Control:
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
                 "state": state, "created_ns": ex.created_ns,
                 "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
+                "captured_bytes": ex.captured_bytes,
                 "max_bytes": ex.access.max_bytes, "max_inodes": ex.access.max_inodes,
                 "last": execution_reply(self.last.get(ex.id))}
 

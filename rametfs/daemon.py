@@ -8,8 +8,6 @@ mounted but dead on purpose: an empty-looking directory invites tools to delete 
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import math
 import os
@@ -22,8 +20,8 @@ import trio
 from .control import Control
 from .errors import RametError
 from .faults import FAULTS
-from .fuse_ops import Operations
-from .mounts import bind_snapshots_read_only
+from .fuse_ops import OPEN_LESS, Operations
+from .mounts import bind_snapshots_read_only, check_mountpoint, take_data_lock
 from .overlay import MAX_FILE_SIZE, Overlay
 from .precreate import Precreated, keep_filled
 from .store import Store
@@ -36,31 +34,30 @@ DIRTY_INTERVAL_S = 1.0
 MAX_REQUEST_TASKS = 4096  # FUSE requests handled at once (pyfuse3 worker tasks)
 
 
-def _check_mountpoint(mountpoint: str) -> None:
-    if not os.path.isdir(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} is not a directory", errno.ENOENT)
-    if os.path.ismount(mountpoint):
-        raise RametError(f"{mountpoint} is already a mountpoint", errno.EBUSY)
-    if os.listdir(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} is not empty", errno.ENOTEMPTY)
-
-
-def _lock_data_dir(data_dir: str) -> int:
-    """Take ``<data_dir>/daemon.lock`` (flock, held while the returned descriptor is open):
-    two daemons on one store would hand out the same inode numbers.  EBUSY if taken."""
+def _lock_data_dir(data_dir: str, mountpoint: str) -> int:
+    """Take ``<data_dir>/daemon.lock`` (flock, held while the returned descriptor is open)
+    and write this daemon's pid and ``mountpoint`` in it: two daemons on one store would
+    hand out the same inode numbers.  EBUSY if taken (rametfs.mounts.take_data_lock)."""
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(data_dir, "daemon.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise RametError(f"{data_dir} is in use by another rametfs daemon (pid {holder})",
-                         errno.EBUSY) from None
+    fd = take_data_lock(data_dir)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{os.getpid()}\n{mountpoint}\n".encode(), 0)
     return fd
+
+
+def plain_mode_reason() -> str | None:
+    """Why the FUSE adapter runs in plain mode (tools/pyfuse3/README.md), or None in
+    open-less mode."""
+    if OPEN_LESS:
+        return None
+    if os.environ.get("RAMETFS_OPEN_LESS") == "0":
+        return "RAMETFS_OPEN_LESS=0 is set"
+    return "this pyfuse3 lacks the open-less patch"
+
+
+PLAIN_MODE_NOTE = ("plain mode ({reason}): warm git status is 5-10x slower and cold 2x than in "
+                   "open-less mode; `rametfs build-pyfuse3` builds the patched pyfuse3 into "
+                   "this Python, about a minute (tools/pyfuse3/README.md)")
 
 
 RESTART_DELAYS_S = (1.0, 2.0, 5.0, 15.0, 60.0)  # before a failed task's 1st, 2nd ... restart
@@ -225,12 +222,17 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
 
     Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
     ``fusermount3 -u -z``).  ``faults`` enables the ``fault`` command (rametfs.faults).  Raises
-    RametError when the mountpoint is missing (ENOENT), mounted (EBUSY) or not empty
-    (ENOTEMPTY), another daemon serves ``data_dir`` (EBUSY), or the store cannot be opened.
+    RametError when another daemon serves ``data_dir`` (EBUSY, naming it), the mountpoint
+    is missing (ENOENT), not a directory (ENOTDIR), mounted (EBUSY) or not empty
+    (ENOTEMPTY), or the store cannot be opened.
     """
     mountpoint = os.path.realpath(mountpoint)
-    _check_mountpoint(mountpoint)
-    lock = _lock_data_dir(data_dir)
+    lock = _lock_data_dir(data_dir, mountpoint)
+    try:
+        check_mountpoint(mountpoint)
+    except RametError:
+        os.close(lock)
+        raise
     try:
         _serve_store(data_dir, mountpoint, allow_other, debug,
                      MAX_FILE_SIZE if max_file_size is None else max_file_size,
@@ -255,9 +257,13 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
     if debug:
         options.add("debug")
     pyfuse3.init(ops, mountpoint, options)
-    log.info("serving %s at %s (pid %d); files up to %d bytes; hydration cache %d of %d "
-             "bytes", store.root, mountpoint, os.getpid(), max_file_size, store.cache.bytes,
+    reason = plain_mode_reason()
+    log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
+             "of %d bytes", store.root, mountpoint, os.getpid(),
+             "open-less" if reason is None else "plain", max_file_size, store.cache.bytes,
              cache_max_bytes)
+    if reason is not None:
+        log.info("%s", PLAIN_MODE_NOTE.format(reason=reason))
     clean = False
     try:
         trio.run(_serve, overlay, ops.control)

@@ -103,9 +103,11 @@ returned the same way by the daemon.  ``drop`` releases every execution of the p
 forgets it.  ``release`` of a pool member takes it out of its pool, which shrinks by one
 (EBUSY while a lease on it runs; an ended lease holds nothing).
 
-One command runs on an execution at a time (EBUSY while another does), except that
-``reset``, ``release`` and ``return`` of it (and an expired lease's return) cancel the one
-running and wait until it has stopped; so does::
+One command runs on an execution at a time, and the harness comes first: a command written
+to the root ``ctl`` on an execution cancels one its own ``ctl`` runs (and waits until it has
+stopped), while the execution's own commands are EBUSY as long as a harness command runs on
+it.  Within one scope a second command is EBUSY, except that ``reset``, ``release`` and
+``return`` (and an expired lease's return) cancel the one running; so does::
 
     cancel [--execution ID]                   -> {"ok", "cancelled": [execution ids]}
 

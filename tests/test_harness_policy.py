@@ -320,8 +320,9 @@ def test_runtime_records_are_the_harnesss_and_checked(ramet, base):
             ctl_command(ex.path / ".ramet" / "ctl", f"runtime {ex.id} docker --uid 0 --gid 0 "
                                                     "--image x")
         assert (info.value.errno, info.value.reply["error"]) == (
-            errno.EINVAL, "unknown command 'runtime'; expected one of checkpoint, preview, "
-                          "promote, reset, verify")
+            errno.EINVAL, "runtime: a command of the root .ramet/ctl, at the top of the mount "
+                          "(the harness's), not of an execution's; this one takes checkpoint, "
+                          "preview, promote, reset, verify")
 
     ex.record_runtime("docker", 1000, 1001, "python:3.12-slim")
     write(ex.path, {"ramet.toml": WHO_RECIPE, "who/uid": "1\n"})

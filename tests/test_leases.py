@@ -116,7 +116,8 @@ def test_acquire_renew_ebusy_timeout_and_ls(daemon, source):
 
             listing = cli_ls(daemon.mnt)
             row, = [line for line in listing.splitlines() if line.startswith(ex.id)]
-            assert row.split()[5:8] == ["leased", "agents", pool.holder]
+            assert row.split()[5:9] == [f"{os.getuid()}:{os.getgid()}/0700/full", "leased",
+                                        "agents", pool.holder]
             assert f"(pid {os.getpid()}@{socket.gethostname()})" in row
             assert row.split()[-2] == "in"
             assert [line.split() for line in listing.splitlines()[-2:]] == [

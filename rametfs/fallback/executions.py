@@ -17,12 +17,10 @@ Errors are rametfs.errors classes with their errno, or OSError from the file sys
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import os
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -32,12 +30,13 @@ from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
 from ..core.pools import verification_json
+from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
-from ..longpath import cached, short
+from ..longpath import cached
 from ..store import Entry, Store, import_git, import_tree
-from ..store.trees import encode_tree
+from ..store.entries import directory_entry
+from ..store.trees import tree_id
 from . import clone, manifest, scan, sync
-from .diff import diff_trees
 from .pools import Pools
 
 # LMDB must not be opened twice in one process: one Store per data directory, shared by
@@ -241,7 +240,7 @@ class Fallback:
                     base = self.store.snapshot(meta.base)
                     problems += _policy.shared_problems(pol, diff_trees(
                         base.root, now.root, lambda tid: now.tree(self.store, tid)))
-                problems += _policy.input_problems(pol, classified, _exists(root))
+                problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
         return _policy.preview_report(pol, classified, problems)
 
     def reset(self, eid: str) -> dict:
@@ -340,7 +339,7 @@ class Fallback:
             if pol is not None:
                 root_entry = self._apply(pol, classified, meta, rootb, now)
                 stats.update(_policy.policy_stats(pol, classified))
-                digests = {p: _policy.path_digest(rootb + b"/" + os.fsencode(p))
+                digests = {p: _policy.path_digest(rootb, p)
                            for name in classified.outputs for p in pol.recipes[name].inputs}
                 recipes = _policy.recipe_records(pol, classified, digests)
             with self.store.write() as txn:
@@ -367,7 +366,7 @@ class Fallback:
         if pol.patterns[_policy.SHARED]:
             problems += _policy.shared_problems(pol, diff_trees(
                 base.root, now.root, lambda tid: now.tree(self.store, tid)))
-        problems += _policy.input_problems(pol, classified, _exists(root))
+        problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
         if problems:
             raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
                                   + "; ".join(problems))
@@ -389,12 +388,14 @@ class Fallback:
         for name in parts[:-1]:
             path.append(now.tree(self.store, path[-1].ref)[name])
         entry = new
-        for directory, name in zip(reversed(path), reversed(parts)):  # bottom-up
-            entries = now.tree(self.store, directory.ref)
+        for up, name in zip(reversed(path), reversed(parts)):  # bottom-up
+            entries = now.tree(self.store, up.ref)
             entries[name] = entry.renamed(name)
-            tid, _ = encode_tree(list(entries.values()))
-            now.trees[tid] = list(entries.values())
-            entry = dataclasses.replace(directory, ref=tid)
+            children = list(entries.values())
+            tid = tree_id(children)
+            now.trees[tid] = children
+            entry = directory_entry(children, tid, up.mode, up.uid, up.gid, up.mtime_ns,
+                                    up.xattrs, up.name)
         return entry
 
     def _json(self, meta: manifest.Meta) -> dict:
@@ -471,12 +472,3 @@ def _load_policy(root: bytes, chosen: _policy.Setting | None) -> _policy.Policy 
         return _policy.load(f.read(_policy.MAX_POLICY_BYTES), _policy.POLICY_FILE)
 
 
-def _exists(root: bytes):
-    """``exists(path)`` for rametfs.policy.input_problems, under the directory ``root``."""
-    def exists(path: str) -> bool | None:
-        try:
-            with short(root + b"/" + os.fsencode(path)) as p:
-                return stat.S_ISDIR(os.lstat(p).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-    return exists
