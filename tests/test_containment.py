@@ -752,7 +752,9 @@ def test_the_harness_comes_first_and_the_agent_never_cancels_it(long_work):
 
 
 def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(long_work):
-    """A create that waited for the promote must not land in the layer the reset made."""
+    """A create that waited for the promote must not land in the layer the reset made: it is
+    ESTALE, or (woken by the cancel before the reset swapped the layer) it lands in the old
+    layer, which the reset then drops: either way the new layer does not hold it."""
     d, eid, _ = long_work
     promote = _Promote(d, eid)
     errors: list[OSError] = []
@@ -769,7 +771,7 @@ def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(long_work)
     d.ctl(f"reset {eid}")
     promote.cancelled(f"the reset of execution {eid} by the harness")
     waiter.join(10)
-    assert [e.errno for e in errors] == [errno.ESTALE]
+    assert [e.errno for e in errors] in ([errno.ESTALE], [])
     assert sorted(os.listdir(d.exec_path(eid))) == ["f"]
 
 
