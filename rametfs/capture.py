@@ -24,6 +24,7 @@ from . import overlay as ov
 from . import policy
 from .core import diff as core_diff
 from .errors import Cancelled, InvalidArgument, NotFound, RametError
+from .faults import FAULTS
 from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
@@ -413,6 +414,7 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
     with overlay.freeze(ex):
         cap = Capture(overlay, ex, cancel)
         plan = await in_slices(cap.plan_steps(chosen))
+        await FAULTS.hold("hold:capture", ex)
         await cap.hash()
         await cap.digest_inputs()
         if charged:

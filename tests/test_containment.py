@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, ctl_command, pid_alive, read_reply, run, serving, wait_until
+from conftest import (Daemon, allowed_log, ctl_command, pid_alive, read_reply, run, serving,
+                      wait_until)
 from rametfs import protocol
 from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
 from rametfs.fuse_ops import OPEN_LESS
@@ -559,6 +560,19 @@ def long_work(daemon, tmp_path):
     return daemon, eid, [s["id"] for s in daemon.status()["snapshots"]]
 
 
+@pytest.fixture
+def held_work(tmp_path, request):
+    """``(daemon, execution id, snapshot ids before)``: a daemon served with ``--faults``
+    whose captures of the execution wait (``fault hold:capture``) until the test disarms the
+    site or a command cancels them, however fast the machine."""
+    with serving(tmp_path, ("--faults",), allowed_log(request)) as d:
+        snap = d.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+        eid = d.create(snap)
+        (d.exec_path(eid) / "new").write_bytes(b"new")
+        d.ctl(f"fault hold:capture --execution {eid}")
+        yield d, eid, [s["id"] for s in d.status()["snapshots"]]
+
+
 @pytest.mark.parametrize("command", ["reset {eid}", "release {eid}", "cancel --execution {eid}",
                                      "cancel"])
 def test_a_long_promote_is_cancelled_and_stores_nothing(long_work, command):
@@ -621,10 +635,10 @@ def test_umount_cancels_a_long_promote_and_unmounts(long_work):
     assert [s["id"] for s in d.status()["snapshots"]] == before
 
 
-def test_writers_waiting_on_a_frozen_execution_do_not_stall_the_others(long_work):
+def test_writers_waiting_on_a_frozen_execution_do_not_stall_the_others(held_work):
     """Each request waiting for a promote to end holds one of the daemon's request tasks:
     150 of them (pyfuse3's default was 99 tasks) leave the bystander served."""
-    d, eid, _ = long_work
+    d, eid, _ = held_work
     other = d.create(d.status()["snapshots"][-1]["id"])
     for i in range(150):  # files of their own: writes to one file take its lock in the kernel
         (d.exec_path(eid) / f"waiting{i}").write_bytes(b"")
@@ -731,10 +745,10 @@ def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemo
     shared_daemon.ctl(f"release {eid}")
 
 
-def test_the_harness_comes_first_and_the_agent_never_cancels_it(long_work):
+def test_the_harness_comes_first_and_the_agent_never_cancels_it(held_work):
     """A harness command cancels the one the execution's own ctl runs; the execution's own
     commands, its reset included, are EBUSY while the harness's runs."""
-    d, eid, before = long_work
+    d, eid, before = held_work
     promote = _Promote(d, eid)
     reply = d.ctl(f"verify {eid}")  # the harness's: the agent's promote goes
     promote.cancelled(f"the verify of execution {eid} by the harness")
@@ -747,15 +761,17 @@ def test_the_harness_comes_first_and_the_agent_never_cancels_it(long_work):
             d.exec_ctl(eid, line)
         assert caught.value.errno == errno.EBUSY
         assert caught.value.reply["error"] == f"execution {eid!r} is running checkpoint"
+    d.ctl("fault hold:capture --count 0")
     harness.join(60)
     assert len(d.status()["snapshots"]) == len(before) + 1
 
 
-def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(long_work):
+def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(held_work):
     """A create that waited for the promote must not land in the layer the reset made: it is
     ESTALE, or (woken by the cancel before the reset swapped the layer) it lands in the old
-    layer, which the reset then drops: either way the new layer does not hold it."""
-    d, eid, _ = long_work
+    layer, which the reset then drops: either way the new layer does not hold it.  In the
+    execution's root too, whose inode a reset keeps (it landed in the new layer)."""
+    d, eid, _ = held_work
     promote = _Promote(d, eid)
     errors: list[OSError] = []
 
@@ -775,9 +791,9 @@ def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(long_work)
     assert sorted(os.listdir(d.exec_path(eid))) == ["f"]
 
 
-def test_past_max_waiting_requests_of_one_execution_get_eagain(long_work):
+def test_past_max_waiting_requests_of_one_execution_get_eagain(held_work):
     from rametfs.overlay import MAX_WAITING
-    d, eid, _ = long_work
+    d, eid, _ = held_work
     other = d.create(d.status()["snapshots"][-1]["id"])
     count = MAX_WAITING + 40
     for i in range(count):
