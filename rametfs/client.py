@@ -358,7 +358,7 @@ class Execution:
 
     def checkpoint(self, label: str | None = None, message: str | None = None,
                    policy: str | os.PathLike | None = None) -> str:
-        """Save the current tree as a new snapshot without moving the base; return its id.
+        """Save the current tree as a new snapshot without moving the head; return its id.
         Everything is kept unless a ``policy`` is given (as :meth:`promote` takes it)."""
         reply = self.ramet._backend.command(self.id, "checkpoint", label=label,
                                             message=message, policy=_policy_text(policy))
@@ -373,9 +373,19 @@ class Execution:
         return self.ramet._backend.command(self.id, "preview",
                                            policy=_policy_text(policy))["preview"]
 
-    def reset(self) -> str:
-        """Drop every change since the base; return the base snapshot id."""
-        return self.ramet._backend.command(self.id, "reset")["snapshot"]
+    def reset(self, to: str | None = None, base: bool = False) -> str:
+        """Drop every change since the head (the last promote, else the base it was created
+        from) and return the head's snapshot id.  ``to`` (a snapshot id or unique prefix)
+        rebases it onto that snapshot instead, and ``base`` onto its base; either becomes its
+        head (what :meth:`diff`, :meth:`verify` and the next promote refer to).  O(1) in FUSE
+        mode whatever the target.
+
+        Errors: EINVAL both given, ENOENT unknown snapshot, EACCES ``to`` through the
+        execution's own control file (a sandbox's: which snapshot it stands on is the
+        harness's).
+        """
+        return self.ramet._backend.command(self.id, "reset", to=to,
+                                           base=protocol.YES if base else None)["snapshot"]
 
     def record_runtime(self, name: str, uid: int, gid: int, image: str | None = None) -> None:
         """Record that sandbox ``name`` (``"bubblewrap"`` or ``"docker"``, with ``image``)
@@ -387,18 +397,18 @@ class Execution:
                                          image=image)
 
     def diff(self) -> list[tuple[str, str]]:
-        """What changed against the base: sorted ``(status, path)`` pairs, status one of
+        """What changed against the head (see :meth:`reset`): sorted ``(status, path)`` pairs, status one of
         ``"A"``, ``"M"``, ``"D"``, path relative to :attr:`path` (a name that is not UTF-8
         is decoded as ``os.fsdecode`` does: ``os.fsencode`` gives its bytes back)."""
         return self.ramet._backend.diff(self.id)
 
     def verify(self, deep: bool = False) -> list[tuple[str, str]]:
-        """How the tree differs from the base, as ``(status, path)`` pairs; empty when it
-        equals the base, as it must after :meth:`reset`.
+        """How the tree differs from the head, as ``(status, path)`` pairs; empty when it
+        equals the head, as it must after :meth:`reset`.
 
         Fallback mode checks the manifest (a path it cannot vouch for counts as different);
         ``deep`` reads and hashes every file.  FUSE mode compares the root tree id the
-        execution would promote to with its base's, rehashing files that hold changed
+        execution would promote to with its head's, rehashing files that hold changed
         bytes; ``deep`` also rehashes every base byte it serves.  A ready execution of a
         pool that differs is quarantined by the daemon (never handed out again).
         """

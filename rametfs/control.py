@@ -25,12 +25,12 @@ import trio
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import pools
+from .core import heads, pools
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .overlay import Execution, Overlay, in_slices
 from .treewalk import Steps
-from .store import import_git, import_tree
+from .store import Snapshot, import_git, import_tree
 from .store.catalog import Lease
 from .verify import ROOT, verify
 
@@ -175,6 +175,11 @@ class Control:
                     raise RametError(f"{name}: the policy is the harness's (create --policy, "
                                      f"or the root ctl); an execution cannot give its own",
                                      errno.EACCES)
+                if "to" in args:
+                    raise RametError("reset --to: which snapshot an execution stands on is "
+                                     "the harness's (the root ctl: reset <execution-id> --to "
+                                     "SNAPSHOT); an execution resets to its head, or to its "
+                                     "base with --base yes", errno.EACCES)
                 reply = await self._on_execution(ex, name, args, harness=False)
             except Exception as exc:
                 raise self._as_rametfs(exc, ex.id, command) from None
@@ -405,7 +410,7 @@ class Control:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
                              policy.choose(args.get("policy"), ex.policy), self._token(ex),
                              charged=not self.running[ex.id].harness)
-        self.overlay.set_head(ex, snap.id)
+        self.overlay.set_head(ex, snap)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
@@ -416,12 +421,14 @@ class Control:
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
-        return {"ok": True, "snapshot": ex.base.id, "reset_ms": await self._reset_layer(ex)}
+        to = self.overlay.store.snapshot(heads.reset_target(args, ex.base.id, ex.head.id))
+        return {"ok": True, "snapshot": to.id, "reset_ms": await self._reset_layer(ex, to)}
 
-    async def _reset_layer(self, ex: Execution) -> float:
-        """Drop ``ex``'s changes and what the kernel caches of them; milliseconds taken."""
+    async def _reset_layer(self, ex: Execution, to: Snapshot) -> float:
+        """Drop ``ex``'s changes and what the kernel caches of them, giving it a fresh layer
+        over ``to``, its head from now on; milliseconds taken."""
         started = time.monotonic_ns()
-        await self.invalidate(self.overlay.reset(ex))
+        await self.invalidate(self.overlay.reset(ex, to))
         return round((time.monotonic_ns() - started) / 1e6, 3)
 
     def _forget_replies(self, eid: str) -> None:
@@ -506,7 +513,7 @@ class Control:
         if not self.overlay.pristine(ex):  # a process of an earlier holder wrote after return
             log.info("pool %s: execution %s changed while ready: reset before its lease",
                      acquired.member.pool, ex.id)
-            await self._reset_layer(ex)
+            await self._reset_layer(ex, ex.base)
         return self.pools.acquired_reply(
             acquired, os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id))
 
@@ -548,7 +555,7 @@ class Control:
             if ended is not None and self.pools.lease(eid) != ended:
                 return None
             self.pools.held(eid, holder)
-            reset_ms = await self._reset_layer(ex)
+            reset_ms = await self._reset_layer(ex, ex.base)  # the pool's snapshot
             try:
                 result = (await verify(self.overlay, ex, mode, run.token)).to_json()
                 reason = pools.quarantine_reason(result)
@@ -582,7 +589,7 @@ class Control:
         state = ("failed" if ex.failure is not None else
                  "promoting" if running is not None and running.command in CAPTURES
                  else self.pools.member_json(ex.id)["state"])
-        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
+        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head.id,
                 "state": state, "created_ns": ex.created_ns,
                 "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
                 "captured_bytes": ex.captured_bytes,
@@ -617,10 +624,7 @@ class Control:
         visible = sorted((self.overlay.executions[eid]
                           for eid in self.overlay.readers.readable(caller)),
                          key=lambda ex: (ex.created_ns, ex.id))
-        seen = {ex.base.id: ex.base for ex in visible}
-        for sid in {ex.head for ex in visible} - seen.keys():
-            with contextlib.suppress(NotFound):
-                seen[sid] = self.overlay.store.snapshot(sid)
+        seen = {snap.id: snap for ex in visible for snap in (ex.base, ex.head)}
         return _json_object({
             **common,
             "snapshots": [_local_stats(s.to_json(), "source")
@@ -705,7 +709,7 @@ class Control:
         return b"\0".join([new, *(paths if paths is not None else [b"/"])]) + b"\0"
 
     def promoted_text(self, ex: Execution) -> bytes:
-        sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
+        sid = self.promoted.get(ex.id) or (ex.head.id if ex.head.id != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
 
 

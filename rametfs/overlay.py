@@ -78,7 +78,9 @@ class UpperInode:
 
     Times in ns; ``size`` in bytes; ``base`` the origin base entry (None for a new inode);
     ``base_limit`` the number of leading bytes of the base content still visible (bytes);
-    ``tree`` the base subtree id of a directory that came from the base (None: opaque).
+    ``tree`` the base subtree id of a directory that came from the base (None: opaque);
+    ``content`` the content id a capture found the file's bytes to hold, until its bytes
+    change (None: not known), so a diff against the head that capture made needs no hash.
     """
 
     mode: int
@@ -95,11 +97,14 @@ class UpperInode:
     base: Entry | None = None
     base_limit: int = 0
     tree: bytes | None = None
+    content: bytes | None = None
 
     def pack(self) -> bytes:
         d = dict(self.__dict__)
         d["base"] = self.base.pack() if self.base else None
         d["xattrs"] = sorted(self.xattrs.items())
+        if d["content"] is None:  # absent unless a capture set it: records stay as small
+            del d["content"]
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -164,10 +169,12 @@ class SnapshotView(View):
 
 
 class Execution(View):
-    """``/executions/<id>``: a writable copy-on-write view of ``base``.
+    """``/executions/<id>``: a writable copy-on-write view of a snapshot.
 
-    ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
-    upper layer; while ``freezes`` counts captures or walks of it, its mutations wait;
+    ``base`` is the snapshot it was created from; ``head`` the one its next promote descends
+    from and its diff, verify and reset compare with (rametfs.core.heads); ``lower`` the one
+    its current upper layer lies over (the head at its last reset: a promote moves the head,
+    not the layer); ``layer`` numbers the current upper layer; while ``freezes`` counts captures or walks of it, its mutations wait;
     ``access`` who may use it and what its control files do (rametfs.authority), fixed at
     create; ``failure`` says why an internal error stopped it, until its next reset;
     ``policy`` is the persistence policy the harness stored with it (the record of a
@@ -177,12 +184,13 @@ class Execution(View):
 
     read_only = False
 
-    def __init__(self, eid: str, base: Snapshot, head: str, layer: int, root_ino: int,
-                 created_ns: int, access: Access):
+    def __init__(self, eid: str, base: Snapshot, head: Snapshot, lower: Snapshot, layer: int,
+                 root_ino: int, created_ns: int, access: Access):
         super().__init__(root_ino)
         self.id = eid
         self.base = base
         self.head = head
+        self.lower = lower
         self.layer = layer
         self.created_ns = created_ns
         self.access = access
@@ -209,7 +217,8 @@ class Execution(View):
         self.runtime: dict | None = None
 
     def record(self) -> bytes:
-        rec = {"base": self.base.id, "head": self.head, "layer": self.layer,
+        rec = {"base": self.base.id, "head": self.head.id, "lower": self.lower.id,
+               "layer": self.layer,
                "root_ino": self.root_ino, "created_ns": self.created_ns,
                **self.access.to_record()}
         rec.update((key, value) for key, value in (("policy", self.policy),
@@ -593,28 +602,30 @@ class Overlay:
 
     def _load_execution(self, eid: str, rec: dict) -> Execution:
         base = self.store.snapshot(rec["base"])
-        ex = Execution(eid, base, rec["head"], rec["layer"], rec["root_ino"], rec["created_ns"],
-                       Access.from_record(rec))
+        # A record from before "lower" was kept: its layer lies over its base.
+        lower = self.store.snapshot(rec["lower"]) if "lower" in rec else base
+        ex = Execution(eid, base, self.store.snapshot(rec["head"]), lower, rec["layer"],
+                       rec["root_ino"], rec["created_ns"], Access.from_record(rec))
         ex.policy, ex.runtime = rec.get("policy"), rec.get("runtime")
         with self.store.read() as txn:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
-        upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
+        upper = UpperInode.unpack(value) if value else UpperInode.from_entry(lower.root)
         self.executions[eid] = ex
         self.readers.add(eid, ex.access)
-        root = self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
+        root = self._add_node(Node(ex.root_ino, ex, lower.root, upper, 0, eid.encode()))
         root.record_bytes = len(value) if value else 0
         return ex
 
     def _new_layer(self, txn, ex: Execution) -> None:
-        """Give ``ex`` a fresh, empty upper layer whose root is its base's root."""
+        """Give ``ex`` a fresh, empty upper layer over ``ex.lower``, and store its record."""
         ex.layer = self.next_layer
         self.next_layer += 1
         txn.put(b"next_layer", u64(self.next_layer), db=self.store.db["meta"])
-        root = UpperInode.from_entry(ex.base.root)
+        root = UpperInode.from_entry(ex.lower.root)
         packed = root.pack()
         txn.put(inode_key(ex.layer, ex.root_ino), packed, db=self.store.db["inodes"])
         txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
-        node = self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
+        node = self._add_node(Node(ex.root_ino, ex, ex.lower.root, root, 0, ex.id.encode()))
         node.record_bytes = len(packed)  # the root's record is not counted in upper_bytes
 
     def create_execution(self, snap: Snapshot, eid: str, access: Access = Access(),
@@ -626,7 +637,7 @@ class Overlay:
         """
         if eid in self.executions:
             raise RametError(f"execution {eid!r} already exists", errno.EEXIST)
-        ex = Execution(eid, snap, snap.id, 0, self._alloc_ino(), time.time_ns(), access)
+        ex = Execution(eid, snap, snap, snap, 0, self._alloc_ino(), time.time_ns(), access)
         ex.policy = policy
         with self.store.write() as txn:
             self._new_layer(txn, ex)
@@ -641,8 +652,10 @@ class Overlay:
         except KeyError:
             raise NotFound(f"no execution {eid!r}") from None
 
-    def reset(self, ex: Execution) -> list[tuple[int, bytes]]:
-        """Drop the upper layer of ``ex``: O(1) visible; the old layer is deleted later.
+    def reset(self, ex: Execution, to: Snapshot) -> list[tuple[int, bytes]]:
+        """Drop the upper layer of ``ex`` and give it a fresh one over snapshot ``to``, which
+        becomes its head (rametfs.core.heads): O(1) visible whatever ``to`` is; the old layer
+        is deleted later.
 
         Returns the ``(parent ino, name)`` dentries and inode numbers the kernel may cache
         (as ``(ino, b"")`` pairs for inodes), for the adapter to invalidate.  The root keeps
@@ -653,6 +666,7 @@ class Overlay:
         ex.failure = None
         ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
         self._drop_layer_nodes(ex)
+        ex.head = ex.lower = to
         with self.store.write() as txn:
             txn.put(u64(old), b"", db=self.store.db["dead"])
             self._new_layer(txn, ex)
@@ -661,7 +675,8 @@ class Overlay:
 
     def pristine(self, ex: Execution) -> bool:
         """Whether ``ex``'s layer is as a reset leaves it: no change recorded since, no
-        dentry stored in it (one from before a daemon restart), its root record the base's."""
+        dentry stored in it (one from before a daemon restart), its root record its lower
+        snapshot's."""
         if ex.changes:
             return False
         prefix = u64(ex.layer)
@@ -670,7 +685,7 @@ class Overlay:
             if cur.set_range(prefix) and cur.key().startswith(prefix):
                 return False
         root = self.nodes[ex.root_ino].upper
-        return root is not None and root.pack() == UpperInode.from_entry(ex.base.root).pack()
+        return root is not None and root.pack() == UpperInode.from_entry(ex.lower.root).pack()
 
     def release(self, ex: Execution) -> list[tuple[int, bytes]]:
         """Delete execution ``ex`` and its upper layer (files still open turn stale).
@@ -701,8 +716,9 @@ class Overlay:
             entries += [key for key in view.dcache if key[0] == 0]
         return entries + [(ino, b"") for ino in view.inos]
 
-    def set_head(self, ex: Execution, sid: str) -> None:
-        ex.head = sid
+    def set_head(self, ex: Execution, snap: Snapshot) -> None:
+        """Make ``snap`` the head of ``ex`` (a promote of it); its layer stays."""
+        ex.head = snap
         self._save_record(ex)
 
     def set_runtime(self, ex: Execution, runtime: dict) -> None:
@@ -1732,6 +1748,7 @@ class Overlay:
         if len(data) > room:
             data = data[:room]
         u = self.copy_up(node)
+        self._bytes_change(node, u)
         fd = self._upper_fd(node)
         data = data[:self._room(ex, len(data))]  # a short write up to the limit
         end = off + len(data)
@@ -1771,6 +1788,14 @@ class Overlay:
         self._mark_dirty(node)
         return done - off
 
+    def _bytes_change(self, node: Node, u: UpperInode) -> None:
+        """``node``'s bytes are about to change: forget the content id a capture found them
+        to hold, storing the record at once (a crash must never leave that id vouching for
+        other bytes); after the first change since a capture this costs nothing."""
+        if u.content is not None:
+            u.content = None
+            self.save(node)
+
     def _check_size(self, node: Node, size: int) -> None:
         """EFBIG when ``size`` (bytes) grows ``node`` past :attr:`max_file_size`."""
         if size > self.max_file_size and size > node.size:
@@ -1782,6 +1807,7 @@ class Overlay:
         Raises EFBIG past :attr:`max_file_size`."""
         self._check_size(node, size)
         u = self.copy_up(node)
+        self._bytes_change(node, u)
         ex = node.view
         if size < u.size:
             if size < u.base_limit:
@@ -1814,7 +1840,7 @@ class Overlay:
         it once at its start, after :meth:`remove_orphans`; from then on every change keeps
         the counts."""
         for ex in self.executions.values():
-            ex.upper_bytes = -len(UpperInode.from_entry(ex.base.root).pack())
+            ex.upper_bytes = -len(UpperInode.from_entry(ex.lower.root).pack())
             with contextlib.suppress(FileNotFoundError), \
                     os.scandir(f"{self.upper_root}/{ex.layer}") as it:
                 for e in it:

@@ -269,7 +269,7 @@ ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first 
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "promote": ((), frozenset({"label", "message", "policy"})),
     "checkpoint": ((), frozenset({"label", "message", "policy"})),
-    "reset": ((), frozenset()),
+    "reset": ((), frozenset({"to", "base"})),
     "verify": ((), frozenset({"mode"})),
     "preview": ((), frozenset({"policy"})),
 }
