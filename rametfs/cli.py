@@ -648,7 +648,7 @@ def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, gro
 @ramet_options
 def promote(ramet: Ramet, execution: str, label: str | None, message: str | None,
             policy: str | None) -> None:
-    """Snapshot EXECUTION and carry on from it; print the id.
+    """Snapshot EXECUTION and make it its head (reset returns to it); print the id.
 
     A policy (--policy, else the one stored at create) leaves out ephemeral paths, stores
     rebuildable ones as recipes and checks shared ones against the base.  The tree's own
@@ -665,7 +665,7 @@ def promote(ramet: Ramet, execution: str, label: str | None, message: str | None
 @ramet_options
 def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | None,
                policy: str | None) -> None:
-    """Snapshot EXECUTION, keeping its base; print the id (everything, unless --policy)."""
+    """Snapshot EXECUTION, keeping its head; print the id (everything, unless --policy)."""
     click.echo(target(ramet, execution).checkpoint(label=label, message=message,
                                                    policy=policy))
 
@@ -731,10 +731,22 @@ def restore(ramet: Ramet, snapshot: str, name: str | None, runtime: str | None,
 
 @main.command()
 @execution_argument
+@click.option("--base", "to_base", is_flag=True,
+              help="Go back to the snapshot EXECUTION was created from instead.")
+@click.option("--to", metavar="SNAPSHOT",
+              help="Rebase EXECUTION onto SNAPSHOT instead (id or unique prefix; the "
+                   "harness's: EACCES from inside a sandbox).")
 @ramet_options
-def reset(ramet: Ramet, execution: str) -> None:
-    """Drop every change in EXECUTION since its base."""
-    target(ramet, execution).reset()
+def reset(ramet: Ramet, execution: str, to_base: bool, to: str | None) -> None:
+    """Drop every change in EXECUTION since its head; print the head's id.
+
+    The head is its last promote, else the snapshot it was created from (its base).  With
+    --base or --to, that snapshot becomes its head: diff, verify and the next promote refer
+    to it.  O(1) in FUSE mode, whatever the snapshot.
+    """
+    if to_base and to is not None:
+        raise click.UsageError("--base and --to name two snapshots; give one.")
+    click.echo(target(ramet, execution).reset(to=to, base=to_base))
 
 
 @main.command()
@@ -767,7 +779,7 @@ def release(ramet: Ramet, execution: str) -> None:
               help="Also reread the stored state and rehash every byte served from the base.")
 @ramet_options
 def verify(ramet: Ramet, execution: str, deep: bool) -> None:
-    """Check that EXECUTION equals its base; print each difference like diff.  Exit 1 when
+    """Check that EXECUTION equals its head; print each difference like diff.  Exit 1 when
     it differs (a ready pool execution that differs is quarantined)."""
     differences = target(ramet, execution).verify(deep=deep)
     for status, path in differences:
