@@ -212,8 +212,7 @@ class Ramet:
 
     def release(self, execution: str | Execution) -> None:
         """Drop an execution and its changes.  Errors: ENOENT unknown execution."""
-        execution_id = execution.id if isinstance(execution, Execution) else execution
-        self._backend.root_command("release", execution_id)
+        self._backend.root_command("release", _execution_id(execution))
 
     def cancel(self, execution: str | Execution | None = None) -> list[str]:
         """Cancel the command running on ``execution`` (None: on every execution) and wait
@@ -222,7 +221,7 @@ class Ramet:
         to cancel there.  Errors: ENOENT unknown execution."""
         if self.mode == "fallback":
             return []
-        execution_id = execution.id if isinstance(execution, Execution) else execution
+        execution_id = None if execution is None else _execution_id(execution)
         return self._backend.root_command("cancel", execution=execution_id)["cancelled"]
 
     def execution(self, execution_id: str) -> Execution:
@@ -293,6 +292,58 @@ class Ramet:
         return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify,
                              policy=policy, owner=owner, group=group, share=share,
                              control=control, max_bytes=max_bytes, max_inodes=max_inodes)
+
+    def open_pool(self, snapshot: str, size: int, *, name: str | None = None,
+                  policy: str | os.PathLike | None = None, owner: int | None = None,
+                  group: int | None = None, share: int | None = None,
+                  control: str | None = None, max_bytes: int | None = None,
+                  max_inodes: int | None = None) -> dict:
+        """Create a pool of ``size`` executions of ``snapshot`` kept by the daemon (fallback
+        mode: the data directory), or reattach to the pool ``name``, growing it to ``size``;
+        the settings and ``policy`` are every member's, as :meth:`create` takes them.  Unlike
+        :meth:`execution_pool` it holds nothing here: the pool stays until :meth:`drop_pool`.
+        Returns ``{"ok", "pool", "snapshot", "size", "created", "executions"}``.  Errors as
+        :meth:`execution_pool`'s."""
+        return self._backend.root_command("pool", snapshot, size=str(size), name=name,
+                                          policy=_policy_text(policy),
+                                          **_access(owner, group, share, control, max_bytes,
+                                                    max_inodes))
+
+    def acquire(self, pool: str, holder: str, ttl: float = DEFAULT_TTL,
+                pid: int | None = None, host: str | None = None) -> dict:
+        """Lease the ready execution of ``pool`` returned last to ``holder`` (a token the
+        caller chooses and gives again to :meth:`renew` and :meth:`return_execution`) for
+        ``ttl`` seconds, recording ``pid`` (default: this process) and ``host`` (default:
+        this host's name) for people.  Answers at once: ``{"ok", "execution", "path", "pool",
+        "snapshot", "lease"}``.  Errors: EBUSY none ready (poll; :meth:`ExecutionPool.acquire`
+        does), ENOENT unknown pool, EINVAL a bad ``ttl``."""
+        return self._backend.root_command(
+            "acquire", pool, holder=holder, ttl=str(ttl),
+            pid=str(os.getpid() if pid is None else pid),
+            host=socket.gethostname() if host is None else host)
+
+    def renew(self, execution: str | Execution, holder: str, ttl: float = DEFAULT_TTL
+              ) -> dict:
+        """Extend ``holder``'s lease on ``execution`` to ``ttl`` seconds from now; the lease
+        record (``{"holder", "pid", "host", "expires_ns", "acquired_ns"}``).  Errors: EBUSY
+        another holder's, EINVAL not leased (it ended: the execution went back to its pool),
+        ENOENT not in a pool."""
+        return self._backend.root_command("renew", _execution_id(execution), holder=holder,
+                                          ttl=str(ttl))["lease"]
+
+    def return_execution(self, execution: str | Execution, holder: str,
+                         verify: str = "root") -> dict:
+        """Give ``holder``'s leased ``execution`` back: it is reset to its pool's snapshot,
+        verified (``"root"`` or ``"deep"``) and made ready, or quarantined when it differs.
+        Returns ``{"ok", "execution", "pool", "state", "reset_ms", "verification"}``.  Errors
+        as :meth:`renew`."""
+        return self._backend.root_command("return", _execution_id(execution), holder=holder,
+                                          verify=verify)
+
+    def drop_pool(self, pool: str) -> list[str]:
+        """Release every execution of ``pool``, leased ones too, and forget it; the ids of
+        the executions released.  Errors: ENOENT unknown pool."""
+        return self._backend.root_command("drop", pool)["executions"]
 
     def pools(self) -> list[dict]:
         """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
@@ -627,6 +678,10 @@ def _policy_text(path: str | os.PathLike | None) -> str | None:
         raise RametError(code, f"policy {os.fspath(path)}: {exc}") from None
 
 
+def _execution_id(execution: str | Execution) -> str:
+    return execution.id if isinstance(execution, Execution) else execution
+
+
 def _given(options: dict[str, str | None]) -> dict[str, str]:
     return {key: value for key, value in options.items() if value is not None}
 
@@ -681,10 +736,9 @@ class ExecutionPool:
         self.verify = verify
         self.host = socket.gethostname()
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
-        reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
-                                            policy=_policy_text(policy),
-                                            **_access(owner, group, share, control,
-                                                      max_bytes, max_inodes))
+        reply = ramet.open_pool(snapshot, concurrency, name=name, policy=policy, owner=owner,
+                                group=group, share=share, control=control,
+                                max_bytes=max_bytes, max_inodes=max_inodes)
         self.name: str = reply["pool"]
         self.base: str = reply["snapshot"]
         self._owned = name is None
@@ -730,7 +784,7 @@ class ExecutionPool:
         if self._renewer is not None:
             self._renewer.join()
         if self._owned:
-            self._root("drop", self.name)
+            self.ramet.drop_pool(self.name)
             return
         first_error = None
         for execution in held:
@@ -746,9 +800,6 @@ class ExecutionPool:
         self._owned = True
         self.close()
 
-    def _root(self, command: str, *positional: str, **options: str | None) -> dict:
-        return self.ramet._backend.root_command(command, *positional, **options)
-
     def _take(self, timeout: float | None) -> Execution:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = _POLL_FIRST
@@ -756,8 +807,7 @@ class ExecutionPool:
             if self._closed:
                 raise RametError(errno.EINVAL, "the execution pool is closed")
             try:
-                reply = self._root("acquire", self.name, holder=self.holder, ttl=str(self.ttl),
-                                   pid=str(os.getpid()), host=self.host)
+                reply = self.ramet.acquire(self.name, self.holder, self.ttl, host=self.host)
             except RametError as exc:
                 if self._closed:  # closed (and maybe dropped) by another thread meanwhile
                     raise RametError(errno.EINVAL, "the execution pool is closed") from None
@@ -786,7 +836,7 @@ class ExecutionPool:
         self._return(execution)
 
     def _return(self, execution: Execution) -> dict:
-        return self._root("return", execution.id, holder=self.holder, verify=self.verify)
+        return self.ramet.return_execution(execution, self.holder, self.verify)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -794,7 +844,7 @@ class ExecutionPool:
                 held = list(self._held)
             for execution_id in held:
                 try:
-                    self._root("renew", execution_id, holder=self.holder, ttl=str(self.ttl))
+                    self.ramet.renew(execution_id, self.holder, self.ttl)
                     self.renew_error = None
                 except RametError as exc:  # the daemon may be restarting: try again later
                     with self._lock:
