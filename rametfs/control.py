@@ -28,9 +28,10 @@ from .capture import CancelToken, capture, diff_in_slices, preview
 from .core import pools
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
-from .overlay import Execution, Overlay
+from .overlay import Execution, Overlay, in_slices
 from .store import import_git, import_tree
 from .store.catalog import Lease
+from .treewalk import mapped_steps
 from .verify import ROOT, verify
 
 log = logging.getLogger(__name__)
@@ -429,9 +430,9 @@ class Control:
 
     async def _diff(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
-        return {"ok": True, "execution": ex.id,
-                "diff": [[letter, os.fsdecode(path)]
-                         for letter, path in await diff_in_slices(self.overlay, ex)]}
+        return {"ok": True, "execution": ex.id, "diff": await in_slices(mapped_steps(
+            lambda change: [change[0], os.fsdecode(change[1])],
+            await diff_in_slices(self.overlay, ex)))}
 
     async def _status(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
@@ -516,7 +517,8 @@ class Control:
             self.pools.held(eid, holder)
             reset_ms = await self._reset_layer(ex)
             try:
-                result = (await verify(self.overlay, ex, mode, run.token)).to_json()
+                verification = await verify(self.overlay, ex, mode, run.token)
+                result = await in_slices(verification.json_steps())
                 reason = pools.quarantine_reason(result)
             except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
                 result, reason = None, pools.failure_reason(mode, exc)
@@ -529,7 +531,8 @@ class Control:
 
     async def _verify(self, ex: Execution, args: dict) -> dict:
         mode = protocol.parse_verify_mode(args.get("mode", ROOT))
-        result = (await verify(self.overlay, ex, mode, self._token(ex))).to_json()
+        verification = await verify(self.overlay, ex, mode, self._token(ex))
+        result = await in_slices(verification.json_steps())
         reason = pools.quarantine_reason(result)
         settled = self.pools.verified(ex.id, reason)
         if settled is not None:
@@ -604,8 +607,9 @@ class Control:
         """``.ramet/diff``: ``<letter> <path>`` lines, each path quoted as ``git status
         --porcelain`` quotes it (rametfs.protocol.quote_path); made in slices of the trio
         thread."""
-        return "".join(f"{letter} {protocol.quote_path(path)}\n"
-                       for letter, path in await diff_in_slices(self.overlay, ex)).encode()
+        return "".join(await in_slices(mapped_steps(
+            lambda change: f"{change[0]} {protocol.quote_path(change[1])}\n",
+            await diff_in_slices(self.overlay, ex)))).encode()
 
     async def preview_text(self, ex: Execution) -> bytes:
         """``.ramet/preview``: the preview under the policy the harness stored with the
