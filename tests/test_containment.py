@@ -939,10 +939,11 @@ async def test_a_big_base_tree_is_decoded_off_the_trio_thread(tmp_path):
 
 BIG_NAMES = 100_000  # names of the one base directory the hostile execution copies up
 # The longest a bystander's request may wait while a hostile execution checkpoints, diffs or
-# verifies: the issue's 50 ms, with room for this 2-core machine's scheduling (the daemon's
-# trio thread shares the cores with the FUSE requests, worker threads and other tests).  Main
-# stalled every request 0.5-1.5 s on these sizes.
-STALL_S = 0.25
+# verifies: the issue's 50 ms with room for a 2-core machine shared with other jobs (the
+# daemon's trio thread shares the cores with the kernel, both test processes and whatever else
+# runs).  Measured: 0.05-0.07 s alone, up to 0.38 s at a load average of 7.5; main stalled
+# every request 1.1-10 s on these sizes.
+STALL_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -1000,7 +1001,7 @@ def test_a_checkpoint_of_a_huge_directory_never_stalls_a_bystander(shared_daemon
                                                                    big_dir_snapshot):
     """A checkpoint after one create in a base directory of 100,000 names plans, encodes and
     stores its tree of 100,001 entries in slices (rametfs.capture.Capture.commit): a
-    bystander's create or unlink never waits STALL_S (1.1 s on main)."""
+    bystander's create or unlink never waits STALL_S (1.1-3.8 s on main)."""
     d = shared_daemon
     hostile = d.create(big_dir_snapshot)
     (d.exec_path(hostile) / "big" / "new").write_bytes(b"new\n")
