@@ -106,12 +106,14 @@ def _names(old: Mapping[bytes, object], new: Mapping[bytes, object]) -> Iterator
             last = name
 
 
-def diff_steps(base: Entry, tree: TreeSteps, current: T, side: TreeSide[T]
-               ) -> Steps[list[Change]]:
-    """The changes from the root entry ``base`` (``tree`` gives its trees, as steps) to the top item
-    ``current`` of ``side``, as steps (rametfs.treewalk.run_steps): one per name compared
-    or listed, so a directory of any size is diffed in bounded steps."""
-    out: list[Change] = []
+def diff_steps(base: Entry, tree: TreeSteps, current: T, side: TreeSide[T],
+               out: list[Change] | None = None) -> Steps[list[Change]]:
+    """The changes from the root entry ``base`` (``tree`` gives its trees, as steps) to
+    the top item ``current`` of ``side``, as steps (rametfs.treewalk.run_steps): one per
+    name compared or listed, so a directory of any size is diffed in bounded steps.
+    ``out``: the list the changes are added to and returned (a caller's may bound it: only
+    its ``append`` and ``extend`` are called); a new one by default."""
+    out = [] if out is None else out
     stored = Stored(tree)
 
     def pairs(item: tuple[Entry, T, bytes]) -> Iterator[tuple[Entry, T, bytes] | None]:
