@@ -25,11 +25,12 @@ import trio
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller, R
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import pools
+from .core import lifecycle, pools
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .overlay import Execution, Overlay
-from .store import import_git, import_tree
+from .fallback import manifest
+from .store import gc, import_git, import_tree
 from .store.catalog import Lease
 from .verify import ROOT, verify
 
@@ -125,6 +126,8 @@ class Control:
         self.open_less = open_less
         self.snapshots_settled = False
         self.snapshots_bind_failure: str | None = None
+        self.snapshots_dir_ino: int | None = None  # the adapter's snapshots/, to invalidate
+        self.gc_progress: dict | None = None  # a running gc's {phase, done, total}
         self.root_last: dict | None = None
         self.root_error = ""
         self.last: dict[str, dict] = {}
@@ -141,7 +144,9 @@ class Control:
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
             "renew": self._renew, "return": self._return, "drop": self._drop,
-            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel}
+            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel,
+            "name": self._name, "unname": self._unname, "resolve": self._resolve,
+            "rm": self._rm, "gc": self._gc}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -394,6 +399,55 @@ class Control:
         return {"ok": True, "site": args["site"], "execution": args.get("execution"),
                 "count": count}
 
+    # -- snapshot lifecycle (rametfs.core.lifecycle, docs/lifecycle.md) --------------------
+
+    async def _name(self, args: dict) -> dict:
+        snap, previous = self.overlay.store.set_name(args["name"], args["snapshot"])
+        return {"ok": True, "name": args["name"], "snapshot": snap.id, "previous": previous}
+
+    async def _unname(self, args: dict) -> dict:
+        return {"ok": True, "name": args["name"],
+                "snapshot": self.overlay.store.delete_name(args["name"])}
+
+    async def _resolve(self, args: dict) -> dict:
+        return {"ok": True, "snapshot": self.overlay.store.snapshot(args["snapshot"]).id}
+
+    async def _rm(self, args: dict) -> dict:
+        force = protocol.yes_no("rm", "force", args.get("force"))
+        # On the trio thread, one transaction: no create or promote comes in between.
+        reply = lifecycle.remove_snapshots(
+            self.overlay.store, [args["snapshot"]], force,
+            [(ex.id, ex.base.id, ex.head) for ex in self.overlay.executions.values()])
+        stale: list[tuple[int, bytes]] = []
+        for sid in reply["removed"]:
+            view = self.overlay.snapshot_views.pop(sid, None)
+            if view is not None:
+                stale += [(view.root_ino, b"")]
+            if self.snapshots_dir_ino is not None:
+                stale.append((self.snapshots_dir_ino, sid.encode()))
+        await self.invalidate(stale)
+        return reply
+
+    async def _gc(self, args: dict) -> dict:
+        dry_run = protocol.yes_no("gc", "dry-run", args.get("dry-run"))
+        if protocol.yes_no("gc", "compact", args.get("compact")):
+            raise Busy("gc --compact rewrites the metadata file, which this daemon has open: "
+                       "stop it (rametfs umount), then run rametfs gc --compact --data DIR")
+        store = self.overlay.store
+
+        def progress(phase: str, done: int, total: int) -> None:  # in gc's worker thread
+            self.gc_progress = {"phase": phase, "done": done, "total": total}
+
+        try:
+            # A worker thread: marking reads every reached record (rametfs.store.gc).
+            report = await trio.to_thread.run_sync(
+                gc.collect, store, functools.partial(manifest.gc_roots, store.root),
+                dry_run, progress)
+        finally:
+            self.gc_progress = None
+        log.info("gc%s: %s", " (dry run)" if dry_run else "", report.to_json())
+        return {"ok": True, "gc": report.to_json()}
+
     # -- execution commands --------------------------------------------------------------
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
@@ -573,11 +627,11 @@ class Control:
                   "snapshots_bind": self._snapshots_bind()}
         if caller.harness:
             status = {"pid": os.getpid(), "data": str(self.overlay.store.root), **common,
-                      "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
+                      "snapshots": self.overlay.store.snapshots_json(),
                       "executions": [self.execution_json(ex)
                                      for ex in self.overlay.executions.values()],
                       "pools": self.pools.to_json(),
-                      "last": self.root_last}
+                      "last": self.root_last, "gc": self.gc_progress}
         else:
             visible = [ex for ex in self.overlay.executions.values()
                        if ex.access.allows(caller, R)]

@@ -163,6 +163,7 @@ class Operations(pyfuse3.Operations):
         self.overlay = overlay
         self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS,
                                faults=faults)
+        self.control.snapshots_dir_ino = SNAPSHOTS
         self.virtual: dict[int, Virtual] = {}
         self._add_virtual(Virtual(ROOT, stat.S_IFDIR | 0o755, "dir",
                                   children={**TOP, CONTROL_NAME: CONTROL}))
