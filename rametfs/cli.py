@@ -949,7 +949,11 @@ def gc(ramet: Ramet, dry_run: bool, compact: bool, as_json: bool) -> None:
         if ramet.mode != "fallback":
             raise click.UsageError("--compact is offline: give --mode fallback --data DIR of a "
                                    "data directory no daemon serves (rametfs umount first)")
-        lock = mounts.take_data_lock(str(ramet.data))  # EBUSY while a daemon serves it
+        from rametfs import errors
+        try:
+            lock = mounts.take_data_lock(str(ramet.data))  # EBUSY while a daemon serves it
+        except errors.RametError as exc:
+            raise RametError(exc.errno, f"gc --compact: {exc}") from None
     with _progress_bar() as progress:
         report = ramet.gc(dry_run=dry_run, progress=progress)
     if compact and not dry_run:
