@@ -189,11 +189,14 @@ message_option = click.option("--message", help="A longer description of the sna
 @click.option("--cache-max-bytes", type=click.IntRange(0), metavar="BYTES",
               help="Disk the hydration cache may take; unused content goes first (default: "
                    "a quarter of the data directory's file system).")
+@click.option("--max-answer-bytes", type=click.IntRange(4096), metavar="BYTES",
+              help="The longest answer of a control file: a diff, preview or reply past it "
+                   "is EFBIG, an fsmonitor answer says \"everything\" (default: 64 MiB).")
 @click.option("--faults", is_flag=True, hidden=True,
               help="Take the fault command (fault injection, for the test suite).")
 def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
           log_file: str | None, max_file_size: int | None,
-          cache_max_bytes: int | None, faults: bool) -> None:
+          cache_max_bytes: int | None, max_answer_bytes: int | None, faults: bool) -> None:
     """Mount rametfs at MOUNTPOINT (made if missing) and serve it until unmounted.
 
     Stop it with `rametfs umount MOUNTPOINT`.  Without the patched pyfuse3 it runs in plain
@@ -214,7 +217,8 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
             argv += ["--allow-other"] * allow_other + ["--debug"] * debug \
                 + ["--faults"] * faults
             for flag, value in (("--max-file-size", max_file_size),
-                                ("--cache-max-bytes", cache_max_bytes)):
+                                ("--cache-max-bytes", cache_max_bytes),
+                                ("--max-answer-bytes", max_answer_bytes)):
                 argv += [flag, str(value)] if value is not None else []
             if not _start_detached(argv, mountpoint, log_file)["open_less"]:
                 _say_plain_mode()
@@ -227,7 +231,8 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
             level=logging.DEBUG if debug else logging.INFO, filename=log_file,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         run_daemon(data, mountpoint, allow_other=allow_other, debug=debug,
-                   max_file_size=max_file_size, cache_max_bytes=cache_max_bytes, faults=faults)
+                   max_file_size=max_file_size, cache_max_bytes=cache_max_bytes,
+                   max_answer_bytes=max_answer_bytes, faults=faults)
     except errors.RametError as exc:
         raise RametError(exc.errno, str(exc)) from None
 

@@ -7,7 +7,10 @@ files as regular files: enough for everything that only reads them.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
+import random
+import shlex
 import time
 
 import pytest
@@ -225,3 +228,30 @@ def test_human_bytes(n, text):
 ])
 def test_human_age(seconds, text):
     assert human_age(seconds * 10**9) == text
+
+
+def test_split_command_splits_as_shlex_split():
+    """protocol.split_command gives shlex.split's words, or fails where it fails (with its
+    words for why), on every string of these characters up to 6 long and 20,000 random
+    ones up to 40."""
+    def split(split_fn, text):
+        try:
+            return split_fn(text)
+        except (ValueError, protocol.ProtocolError) as exc:
+            return str(exc).rsplit(": ", 1)[-1]
+
+    alphabet = "a \\'\"\n\t"
+    rng = random.Random(15)
+    texts = ["".join(t) for n in range(7) for t in itertools.product(alphabet, repeat=n)]
+    texts += ["".join(rng.choice(alphabet + "b#;é") for _ in range(rng.randrange(41)))
+              for _ in range(20_000)]
+    for text in texts:
+        assert split(protocol.split_command, text) == split(shlex.split, text), repr(text)
+
+
+def test_split_command_is_bounded_in_parts():
+    assert protocol.split_command("a " * 2048) == ["a"] * 2048  # 4,096 parts
+    with pytest.raises(protocol.ProtocolError, match="at most 4096 parts"):
+        protocol.split_command("a " * 2048 + "b")
+    word = "x" * (protocol.MAX_COMMAND_BYTES - 20)
+    assert protocol.split_command(f"promote --label '{word}'") == ["promote", "--label", word]
