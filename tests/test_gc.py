@@ -311,3 +311,52 @@ def _ignore_errors(fn, *args) -> None:
         fn(*args)
     except OSError:  # the daemon was killed under the command
         pass
+
+
+def test_through_the_mount_gc_waits_for_a_held_promote_and_keeps_what_it_and_an_import_reuse(
+        tmp_path):
+    """The daemon's gc, started while a promote is held inside its capture (fault site
+    ``hold:capture``: it began before the gc, so the gc waits for it; without that wait the
+    promote's reused garbage goes), with an import run meanwhile: the promote's and the
+    import's files have the bytes of forgotten snapshots' files; only a third forgotten
+    file's chunks and content are deleted, fsck is clean and both new snapshots read back
+    byte for byte.  (Pins during the mark and the sweep: the in-process test above.)"""
+    from conftest import serving
+    files = {name: hashlib.shake_256(name.encode()).digest(5 * PAGE + 7)
+             for name in ("promoted", "imported", "junk")}
+    with serving(tmp_path, ("--faults",)) as d:
+        base = d.snapshot(random_tree(tmp_path / "base", {"b": 10}, "b"))
+        for name, data in files.items():  # each a forgotten snapshot's only file
+            src = tmp_path / f"old-{name}"
+            src.mkdir()
+            (src / name).write_bytes(data)
+            d.ctl(protocol.format_command("rm", d.snapshot(src)))
+        eid = d.create(base)
+        (d.exec_path(eid) / "promoted").write_bytes(files["promoted"])
+        d.ctl(f"fault hold:capture --execution {eid}")
+        replies: dict = {}
+
+        def command(key: str, line: str) -> None:
+            replies[key] = d.ctl(line)
+
+        promote = threading.Thread(target=command, args=("promote", f"promote {eid}"))
+        promote.start()
+        wait_until(lambda: d.exec_status(eid)["state"] == "promoting", 30, "the promote")
+        gc_run = threading.Thread(target=command, args=("gc", "gc"))
+        gc_run.start()
+        wait_until(lambda: (d.status().get("gc") or {}).get("phase", "").startswith(
+            "waiting"), 30, "gc to wait for the promote")
+        src = tmp_path / "new-import"
+        src.mkdir()
+        (src / "imported").write_bytes(files["imported"])
+        imported = d.snapshot(src)  # during the gc: a writer that pins what it reuses
+        assert gc_run.is_alive()
+        d.ctl("fault hold:capture --count 0")
+        promote.join(60)
+        gc_run.join(60)
+        promoted = replies["promote"]["snapshot"]
+        report = replies["gc"]["gc"]
+        assert (report["chunks"], report["contents"]) == (6, 1)  # junk's alone
+        assert (d.snap_path(promoted) / "promoted").read_bytes() == files["promoted"]
+        assert (d.snap_path(imported) / "imported").read_bytes() == files["imported"]
+        assert fsck_problems(d.data_dir) == []
