@@ -474,7 +474,7 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
     """
     started = time.monotonic_ns()
     overlay.check_not_failed(ex)
-    with overlay.freeze(ex):
+    with overlay.freeze(ex), overlay.store.gc_guard.writing():  # a gc waits for it
         cap = Capture(overlay, ex, cancel)
         plan = await in_slices(cap.plan_steps(chosen))
         await FAULTS.hold("hold:capture", ex)

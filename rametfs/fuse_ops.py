@@ -179,6 +179,7 @@ class Operations(pyfuse3.Operations):
         self.overlay = overlay
         self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS,
                                faults=faults, max_answer_bytes=max_answer_bytes)
+        self.control.snapshots_dir_ino = SNAPSHOTS
         # Per caller key: its generations holding content of their own, oldest first, and
         # those bytes (GENERATION_ANSWERS); one answer made at a time (_one_answer).
         self.kept: dict[int, OrderedDict[int, None]] = {}
