@@ -1216,6 +1216,7 @@ class _Bystander:
         assert self.proc.returncode == 0
         ops, worst = out.split()
         self.ops, self.worst = int(ops), float(worst)
+        print(f"bystander: {self.ops} requests, the longest {self.worst:.3f} s")  # pytest -s
 
 
 def test_a_checkpoint_of_a_huge_directory_never_stalls_a_bystander(shared_daemon,
