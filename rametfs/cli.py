@@ -41,6 +41,9 @@ EXIT_CODES = {
 EXIT_OTHER = 1
 WAIT_SECONDS = 30.0
 _POLL_SECONDS = 0.05
+# The daemon allocates with glibc's malloc, which can give the memory of dropped nodes back
+# (rametfs.daemon.TRIM_NODES says why); a PYTHONMALLOC set by the caller is kept.
+DAEMON_ENV = {"PYTHONMALLOC": "malloc"}
 
 
 def exit_code(err: int | None) -> int:
@@ -157,6 +160,8 @@ def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug
             argv += [flag, str(value)] if value is not None else []
         _start_detached(argv, mountpoint, log_file)
         return
+    if "PYTHONMALLOC" not in os.environ:  # set at start-up only: run again with it
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, **DAEMON_ENV})
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO, filename=log_file,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -181,7 +186,8 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
         # cwd /: "python -m" puts the working directory first on the import path, and a
         # rametfs/ there must not be what runs.
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                 start_new_session=True, cwd="/")
+                                 start_new_session=True, cwd="/",
+                                 env={**DAEMON_ENV, **os.environ})
     deadline = time.monotonic() + WAIT_SECONDS
     while child.poll() is None:
         if os.path.ismount(mountpoint) and _ready(mountpoint, child.pid):
