@@ -388,9 +388,10 @@ def trio_thread_profile(path: Path, rate: float, top: int = 15) -> dict:
     --format raw`` output sampled at ``rate`` per second (idle samples, the loop waiting in
     epoll, are not recorded): ``busy_s``, the seconds it was running; ``self``: the
     innermost frames (with their lines) and their seconds; ``rametfs``: the seconds spent
-    in each rametfs function (its own and its callees' time), largest first.  Any work
-    there delays every request of every execution, since the trio thread serves them all
-    one at a time."""
+    in each rametfs function run by the event loop (its own and its callees' time; the
+    frames under trio's run loop, the daemon's start-up, left out), largest first.  Any
+    work there delays every request of every execution, since the trio thread serves them
+    all one at a time."""
     self_counts: dict[str, int] = {}
     total_counts: dict[str, int] = {}
     samples = 0
@@ -402,7 +403,8 @@ def trio_thread_profile(path: Path, rate: float, top: int = 15) -> dict:
         n = int(count)
         samples += n
         self_counts[frames[-1]] = self_counts.get(frames[-1], 0) + n
-        for f in {re.sub(r":\d+\)$", ")", f) for f in frames[1:] if "rametfs/" in f}:
+        loop = max((i for i, f in enumerate(frames) if "trio/_core/_run.py" in f), default=0)
+        for f in {re.sub(r":\d+\)$", ")", f) for f in frames[loop + 1:] if "rametfs/" in f}:
             total_counts[f] = total_counts.get(f, 0) + n
 
     def ranked(counts: dict[str, int]) -> list[list]:
