@@ -86,8 +86,9 @@ async def _guarded(name: str, task, *args) -> None:
             await trio.sleep(delay)
 
 
-# The memory of dropped nodes goes back to the system after every TRIM_NODES of them
-# (about 15 MB: a node with its records and names takes about 1.5 KB).  The daemon runs on
+# The memory of dropped nodes goes back to the system once they are all dropped, when at
+# least TRIM_NODES went since the last time (about 15 MB: a node with its records and
+# names takes about 1.5 KB).  The daemon runs on
 # glibc's malloc (``PYTHONMALLOC=malloc``, set by ``rametfs serve``): pymalloc keeps each
 # 1 MiB arena while one object in it lives, and every object allocated during a burst of
 # creates that outlives the reset (a precreated file's path, another execution's node)
@@ -95,8 +96,10 @@ async def _guarded(name: str, task, *args) -> None:
 # cycles of 20,000 files created and reset.  glibc frees chunks but keeps their pages until
 # ``malloc_trim``, which hands back every whole free page, wherever it is: 26, 27, 28 MB
 # (56, 64, 64 MB without it); docs/benchmarks.md, rss-cycles, has the 100,000-file figures.
-# malloc_trim holds the arena's lock while it works (about 0.5 ms per MB it gives back),
-# so it runs after each batch rather than once after the lot.
+# Not after each batch of drop_stale_nodes: a batch frees nodes all over the heap, and few
+# pages are wholly free before the last one (ten trims during a reset of 100,000 files gave
+# back 5 MB, one after them 150 MB).  It holds the arena's lock while it works: 50-70 ms
+# after 100,000 nodes on a loaded 2-core machine.
 TRIM_NODES = 10_000
 _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 
@@ -110,16 +113,16 @@ def _give_back_memory() -> None:
 
 async def _collect_dead_layers(overlay: Overlay) -> None:
     """Free what reset and release left behind, in the background: the nodes (their memory
-    given back every :data:`TRIM_NODES`), then the records and upper data of dead layers."""
+    given back, see :data:`TRIM_NODES`), then the records and upper data of dead layers."""
     dropped = 0  # nodes freed since the memory was last given back
     while True:
         overlay.dead_layers = trio.Event()
         while overlay.stale_inos:
             dropped += overlay.drop_stale_nodes()
-            if dropped >= TRIM_NODES:
-                dropped = 0
-                await trio.to_thread.run_sync(_give_back_memory)
             await trio.sleep(0)
+        if dropped >= TRIM_NODES:
+            dropped = 0
+            await trio.to_thread.run_sync(_give_back_memory)
         while (batch := overlay.collect_dead_layer()) is not None:
             FAULTS.check("task:dead-layers")
             layer, records_left = batch
