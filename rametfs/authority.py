@@ -1,5 +1,6 @@
-"""Who may do what with an execution: its owner, group and share mode, and what its own
-control files may do (``--control``).  docs/security.md, "Authority", is the model in full.
+"""Who may do what with an execution: its owner, group and share mode, what its own
+control files may do (``--control``), and how much it may store (``--max-bytes``,
+``--max-inodes``).  docs/security.md, "Authority", is the model in full.
 
 An execution is owned like a directory: an ``owner`` (uid), a ``group`` (gid) and ``share``,
 its permission bits (default 0700).  The bits of the caller's class (as POSIX chooses it: the
@@ -15,6 +16,10 @@ do anything, as root may with a directory.  ``control`` is what the execution's 
 files allow, whoever writes them: ``full`` (every execution command), ``read`` (the files read;
 a write to ``ctl`` or ``promote`` is EACCES) or ``none`` (no ``.ramet``: ENOENT).  The
 harness acts on any execution through the root ``ctl`` whatever its ``control``.
+
+``max_bytes`` and ``max_inodes`` bound what its upper layer takes (the disk blocks of its data
+files; its upper inode records, copies-up included), like ext4 project quotas: EDQUOT past
+them (rametfs.overlay).  None: no limit.
 
 Standard library only: the daemon and fallback mode share it.
 """
@@ -66,15 +71,19 @@ HARNESS = Caller(DAEMON_UID, DAEMON_GID)
 
 @dataclass(frozen=True)
 class Access:
-    """Who may use an execution, and what its control files do (see the module docstring).
+    """Who may use an execution, what its control files do and how much it may store (see
+    the module docstring).
 
-    ``share`` holds permission bits only (0 to 0o777) and always grants the owner ``rwx``.
+    ``share`` holds permission bits only (0 to 0o777) and always grants the owner ``rwx``;
+    ``max_bytes`` is in bytes.
     """
 
     owner: int = DAEMON_UID
     group: int = DAEMON_GID
     share: int = DEFAULT_SHARE
     control: str = protocol.CONTROL_FULL
+    max_bytes: int | None = None
+    max_inodes: int | None = None
 
     def bits(self, caller: Caller) -> int:
         """The permission bits that apply to ``caller``: 7 for the harness and the owner."""
@@ -113,35 +122,47 @@ class Access:
 
     def to_record(self) -> dict:
         return {"owner": self.owner, "group": self.group, "share": self.share,
-                "control": self.control}
+                "control": self.control, "max_bytes": self.max_bytes,
+                "max_inodes": self.max_inodes}
 
     @classmethod
     def from_record(cls, rec: dict) -> Access:
         """From a stored record; a record from before these settings existed reads as the
-        defaults (owned by the daemon's uid, 0700, control ``full``)."""
+        defaults (owned by the daemon's uid, 0700, control ``full``, no limits)."""
         return cls(rec.get("owner", DAEMON_UID), rec.get("group", DAEMON_GID),
-                   rec.get("share", DEFAULT_SHARE), rec.get("control", protocol.CONTROL_FULL))
+                   rec.get("share", DEFAULT_SHARE), rec.get("control", protocol.CONTROL_FULL),
+                   rec.get("max_bytes"), rec.get("max_inodes"))
 
     def describe(self) -> str:
-        """``owner 0, group 0, share 0700, control full``: for messages."""
+        """``owner 0, group 0, share 0700, control full, max_bytes None, max_inodes None``:
+        for messages."""
         return ", ".join(f"{key} {value}" for key, value in self.to_json().items())
 
     def to_json(self) -> dict:
-        """``{"owner", "group", "share", "control"}``, ``share`` as octal text (``"0750"``)."""
+        """``{"owner", "group", "share", "control", "max_bytes", "max_inodes"}``, ``share``
+        as octal text (``"0750"``), a limit None when there is none."""
         return {"owner": self.owner, "group": self.group, "share": f"{self.share:04o}",
-                "control": self.control}
+                "control": self.control, "max_bytes": self.max_bytes,
+                "max_inodes": self.max_inodes}
 
     def options(self) -> dict[str, str]:
         """As a command's options: the inverse of :meth:`given`."""
+        limits = {option: str(value) for option, value in (("max-bytes", self.max_bytes),
+                                                           ("max-inodes", self.max_inodes))
+                  if value is not None}
         return {"owner": str(self.owner), "group": str(self.group),
-                "share": f"{self.share:04o}", "control": self.control}
+                "share": f"{self.share:04o}", "control": self.control, **limits}
 
     def given(self, args: dict[str, str]) -> Access:
-        """This with the ``--owner``, ``--group``, ``--share`` and ``--control`` options of a
-        command applied; InvalidArgument (EINVAL) for a bad value."""
+        """This with the ``--owner``, ``--group``, ``--share``, ``--control``,
+        ``--max-bytes`` and ``--max-inodes`` options of a command applied; InvalidArgument
+        (EINVAL) for a bad value.  Option names may be spelt with ``_`` (Python keywords)."""
+        args = {key.replace("_", "-"): value for key, value in args.items()}
         return Access(_id(args, "owner", self.owner), _id(args, "group", self.group),
                       _share(args.get("share"), self.share),
-                      _control(args.get("control"), self.control))
+                      _control(args.get("control"), self.control),
+                      _limit(args, "max-bytes", self.max_bytes),
+                      _limit(args, "max-inodes", self.max_inodes))
 
 
 def _id(args: dict[str, str], option: str, default: int) -> int:
@@ -151,6 +172,16 @@ def _id(args: dict[str, str], option: str, default: int) -> int:
     # (uid_t) -1 means "no change" to chown(2): never an owner
     if not (text.isascii() and text.isdigit()) or int(text) >= 2**32 - 1:
         raise InvalidArgument(f"--{option} must be a numeric id below 4294967295, not {text!r}")
+    return int(text)
+
+
+def _limit(args: dict[str, str], option: str, default: int | None) -> int | None:
+    text = args.get(option)
+    if text is None:
+        return default
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) < 2**63:
+        raise InvalidArgument(f"--{option} must be a whole number from 1 to 2**63 - 1, "
+                              f"not {text!r}")
     return int(text)
 
 

@@ -2,7 +2,7 @@
 
 Only copied-up inodes are visited: a directory never copied up is its base subtree, reused by
 id (a Merkle tree), so a promote reads and hashes only what changed.  A capture is consistent
-at one point in time: the caller holds the execution's mutations (``Execution.frozen``) while
+at one point in time: the execution's mutations wait while it runs (``Overlay.freeze``), and
 it runs, so the plan taken on the trio thread and the pages hashed in worker threads agree.
 """
 
@@ -11,24 +11,28 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import blake3
 import trio
 
 from . import overlay as ov
 from . import policy
-from .errors import InvalidArgument, NotFound, RametError
-from .overlay import Execution, Node, Overlay, assemble, walk_names
+from .core import diff as core_diff
+from .errors import Cancelled, InvalidArgument, NotFound, RametError
+from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
+from .store.entries import directory_entry, link_id
 from .store.extents import data_extents, pages_of
 from .store.format import link_key
-from .store.trees import subtree_paths
+from .store.trees import tree_id
 from .store.writer import ChunkWriter
-from .treewalk import postorder, preorder
+from .treewalk import Steps, postorder, preorder, run_steps
 
 
 @dataclass
@@ -113,13 +117,35 @@ class _Reader:
         return sorted(pages)
 
 
-def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob) -> None:
+class CancelToken:
+    """Cancels a capture from the trio thread: worker threads :meth:`check` it between
+    pages, so they stop within a page of work."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+        self.reason = ""
+
+    def cancel(self, reason: str) -> None:
+        self.reason = reason
+        self._set.set()
+
+    def check(self) -> None:
+        """Raise Cancelled (ECANCELED) once :meth:`cancel` was called."""
+        if self._set.is_set():
+            raise Cancelled(f"cancelled by {self.reason}")
+
+
+NO_CANCEL = CancelToken()  # never cancelled
+
+
+def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob, cancel: CancelToken) -> None:
     """Chunk, hash and store the content of one changed file (blocking; a worker thread):
-    only its stored pages are read, the rest are holes."""
+    only its stored pages are read, the rest are holes; Cancelled once ``cancel`` is."""
     reader = _Reader(store, job)
     content = ContentBuilder()
     try:
         for page in reader.stored_pages():
+            cancel.check()
             content.add(page, reader.base_chunk(page) or writer.add(reader.page(page)))
     finally:
         reader.close()
@@ -127,11 +153,14 @@ def _hash_file(store: Store, writer: ChunkWriter, job: _FileJob) -> None:
 
 
 ZERO_RUN = bytes(1 << 20)  # zeros fed to a digest for holes, not allocated per page
+MAX_INPUT_BYTES = 1 << 30  # of one recipe input's files (_input_spec)
+CAPTURE_BYTES = 4096  # what a capture's record and trees are counted as, besides its chunks
 
 
-def _read_pieces(store: Store, job: _FileJob) -> Iterator[bytes | memoryview]:
+def _read_pieces(store: Store, job: _FileJob, cancel: CancelToken = NO_CANCEL
+                 ) -> Iterator[bytes | memoryview]:
     """A file's bytes in order: each stored page read, holes as views of :data:`ZERO_RUN`
-    (blocking)."""
+    (blocking); Cancelled once ``cancel`` is."""
     reader = _Reader(store, job)
     zeros = memoryview(ZERO_RUN)
     try:
@@ -139,20 +168,23 @@ def _read_pieces(store: Store, job: _FileJob) -> Iterator[bytes | memoryview]:
         for page in reader.stored_pages():
             start = page * PAGE_SIZE
             for at in range(pos, start, len(ZERO_RUN)):
+                cancel.check()
                 yield zeros[:min(len(ZERO_RUN), start - at)]
+            cancel.check()
             yield reader.page(page)
             pos = min(start + PAGE_SIZE, job.size)
         for at in range(pos, job.size, len(ZERO_RUN)):
+            cancel.check()
             yield zeros[:min(len(ZERO_RUN), job.size - at)]
     finally:
         reader.close()
 
 
-def _file_digest(store: Store, job: _FileJob) -> str:
+def _file_digest(store: Store, job: _FileJob, cancel: CancelToken) -> str:
     """BLAKE3 (hex) of a file's bytes (blocking): only stored pages are read, but BLAKE3
     (b3sum's digest, rametfs.policy.path_digest) hashes every byte of a hole too."""
     h = blake3.blake3()
-    for data in _read_pieces(store, job):
+    for data in _read_pieces(store, job, cancel):
         h.update(data)
     return h.hexdigest()
 
@@ -170,8 +202,7 @@ def _link_of(ex: Execution, node: Node) -> int:
         return 0
     if u.base is not None and u.base.link:
         return u.base.link
-    seed = f"{ex.id}/{ex.layer}/{node.ino}".encode()
-    return int.from_bytes(blake3.blake3(seed).digest()[:8], "big") >> 1
+    return link_id(f"{ex.id}/{ex.layer}/{node.ino}".encode())
 
 
 class Capture:
@@ -179,9 +210,10 @@ class Capture:
     ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.policy), ``plan()``
     leaves out ephemeral and rebuildable paths and takes shared ones from the base."""
 
-    def __init__(self, overlay: Overlay, ex: Execution):
+    def __init__(self, overlay: Overlay, ex: Execution, cancel: CancelToken = NO_CANCEL):
         self.overlay = overlay
         self.ex = ex
+        self.cancel = cancel
         self.jobs: dict[int, _FileJob] = {}  # ino -> job: hard links share one
         self.writer = ChunkWriter(overlay.store)
         self.descend_links = False
@@ -193,7 +225,12 @@ class Capture:
         self.digests: dict[str, str] = {}
 
     def plan(self, chosen: policy.Setting | None = None) -> Entry | _DirPlan:
-        """Walk the copied-up part of the execution; must run without an await in between.
+        """Walk the copied-up part of the execution (:meth:`plan_steps`, at once)."""
+        return run_steps(self.plan_steps(chosen))
+
+    def plan_steps(self, chosen: policy.Setting | None = None) -> Steps[Entry | _DirPlan]:
+        """Walk the copied-up part of the execution, as steps (one per directory); the
+        execution stays frozen (``Overlay.freeze``) from here to the commit.
 
         The policy is the one the harness ``chosen`` (None: none; see :func:`load_policy`).
         Raises InvalidArgument (EINVAL) for a malformed policy, or one this state breaks (a
@@ -203,19 +240,18 @@ class Capture:
         self.descend_links = _has_upper_links(self.overlay, self.ex)
         self.policy = load_policy(self.overlay, self.ex, chosen)
         if self.policy is not None:
-            self._classify()
+            yield from self._classify_steps()
         top = self._dir_plan(self.overlay.node(self.ex.root_ino), "")
         if isinstance(top, _DirPlan):
             for _ in preorder([(top, "")], self._fill):
-                pass
+                yield
         return top
 
-    def _classify(self) -> None:
+    def _classify_steps(self) -> Steps[None]:
         pol = self.policy
-        self.classified = policy.classify_tree(pol, _ViewTree(self.overlay),
-                                               self.overlay.node(self.ex.root_ino),
-                                               durable=False)
-        problems = _problems(self.overlay, self.ex, pol, self.classified)
+        self.classified = yield from policy.classify_steps(
+            pol, _ViewTree(self.overlay), self.overlay.node(self.ex.root_ino), durable=False)
+        problems = yield from _problem_steps(self.overlay, self.ex, pol, self.classified)
         if problems:
             raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
                                   + "; ".join(problems))
@@ -288,7 +324,7 @@ class Capture:
         """Hash the inputs of the recipes this promote stores (worker threads)."""
         for path, spec in self.inputs.items():
             self.digests[path] = await trio.to_thread.run_sync(
-                _spec_digest, self.overlay.store, spec)
+                _spec_digest, self.overlay.store, spec, self.cancel)
 
     async def hash(self) -> None:
         """Hash and store the changed files on every core."""
@@ -297,36 +333,34 @@ class Capture:
             async with trio.open_nursery() as nursery:
                 for job in self.jobs.values():
                     nursery.start_soon(lambda j=job: trio.to_thread.run_sync(
-                        _hash_file, self.overlay.store, self.writer, j, limiter=limiter))
+                        _hash_file, self.overlay.store, self.writer, j, self.cancel,
+                        limiter=limiter))
         except BaseExceptionGroup as group:  # the first failure stops them all: report it
             first = group
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             raise first from None
 
-    def _entry(self, txn, name: bytes, item) -> Entry:
-        """The entry of plan ``item`` named ``name``, its trees stored in ``txn`` (subtrees
-        first, bottom-up)."""
+    def _entry(self, put_tree: Callable[[list[Entry]], bytes], name: bytes, item) -> Entry:
+        """The entry of plan ``item`` named ``name``, each tree's id from ``put_tree(entries)``
+        (which stores it, or only computes it), subtrees first, bottom-up."""
         def children(pair: tuple[bytes, object]) -> list | None:
             _, it = pair
             return it.children if isinstance(it, (_DirPlan, _BaseDirPlan)) else None
 
         return postorder((name, item), children,
-                         lambda pair, entries: self._one_entry(txn, *pair, entries))
+                         lambda pair, entries: self._one_entry(put_tree, *pair, entries))
 
-    def _one_entry(self, txn, name: bytes, item, entries: list[Entry] | None) -> Entry:
+    def _one_entry(self, put_tree: Callable[[list[Entry]], bytes], name: bytes, item,
+                   entries: list[Entry] | None) -> Entry:
         """The entry of one plan item; ``entries`` those of a directory's children."""
         if isinstance(item, Entry):
             return item.renamed(name)
         if entries is not None:
-            tid = self.overlay.store.put_tree(txn, entries)
             u = (ov.UpperInode.from_entry(item.entry) if isinstance(item, _BaseDirPlan)
                  else item.node.upper or ov.UpperInode.from_entry(item.node.entry))
-            has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
-            return Entry(name, u.mode, u.uid, u.gid, u.mtime_ns, 0, tid,
-                         tuple(sorted(u.xattrs.items())), 0,
-                         2 + sum(1 for e in entries if e.is_dir),
-                         FLAG_HAS_LINKS if has_links else 0)
+            return directory_entry(entries, put_tree(entries), u.mode, u.uid, u.gid,
+                                   u.mtime_ns, tuple(sorted(u.xattrs.items())), name)
         node, job = item
         u = node.upper
         if job is not None:
@@ -352,7 +386,7 @@ class Capture:
             stats.update(policy.policy_stats(self.policy, self.classified))
             recipes = policy.recipe_records(self.policy, self.classified, self.digests)
         with store.write() as txn:
-            root = self._entry(txn, b"", plan)
+            root = self._entry(partial(store.put_tree, txn), b"", plan)
             stats.update(store.tree_totals(txn, root.ref))
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
             return store.put_snapshot(txn, root, parents, label, message,
@@ -361,109 +395,98 @@ class Capture:
 
 
 async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
-                  chosen: policy.Setting | None = None) -> Snapshot:
+                  chosen: policy.Setting | None = None, cancel: CancelToken = NO_CANCEL,
+                  charged: bool = False) -> Snapshot:
     """Turn the current state of ``ex`` into a new snapshot whose parent is ``ex.head``.
 
     The policy applied is the one the harness ``chosen`` (None: none, everything is kept).
     Mutations of ``ex`` wait while this runs (a consistent point in time).  Raises
     InvalidArgument (EINVAL: the policy, see ``Capture.plan``), NoSpace (ENOSPC),
-    IntegrityError (EIO) or, for an execution marked failed, RametError (EIO); nothing is
-    listed unless the whole snapshot is stored.
+    IntegrityError (EIO), for an execution marked failed RametError (EIO), or Cancelled
+    (ECANCELED) once ``cancel`` is (its worker threads stop within a page); nothing is
+    listed unless the whole snapshot is stored.  A ``charged`` capture (one the execution
+    asked for itself) counts what it stores against the execution's ``--max-bytes``
+    (``Overlay.charge``: EDQUOT past it, before the snapshot is recorded).
     """
     started = time.monotonic_ns()
     overlay.check_not_failed(ex)
-    ex.frozen = trio.Event()
-    try:
-        cap = Capture(overlay, ex)
-        plan = cap.plan(chosen)
+    with overlay.freeze(ex):
+        cap = Capture(overlay, ex, cancel)
+        plan = await in_slices(cap.plan_steps(chosen))
         await cap.hash()
         await cap.digest_inputs()
+        if charged:
+            overlay.charge(ex, cap.writer.new_bytes + CAPTURE_BYTES)
         snap = cap.commit(plan, [ex.head], label, message, started)
-        await trio.to_thread.run_sync(overlay.store.sync)
+        await overlay.sync_store()
         return snap
-    finally:
-        frozen, ex.frozen = ex.frozen, None
-        frozen.set()
 
 
 def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
-    """What changed against the base: ``[(letter, path)]`` with ``A`` added, ``M`` modified,
-    ``D`` deleted, paths relative to the execution root (directories end in ``/``), sorted.
-    """
-    out: list[tuple[str, bytes]] = []
-    descend_links = _has_upper_links(overlay, ex)
+    """What changed against the base: ``[(letter, path)]`` (rametfs.core.diff's rules),
+    paths relative to the execution root; only copied-up directories are read."""
+    return run_steps(diff_steps(overlay, ex))
 
-    def node_paths(node: Node, path: bytes) -> Iterator[bytes]:
-        def below(item: tuple[Node, bytes]):
-            n, p = item
-            return [(c, p + b"/" + name) for name, c in overlay.listdir(n.ino)] if n.is_dir \
-                else None
-        for n, p in preorder([(node, path)], below):
-            yield p + (b"/" if n.is_dir else b"")
 
-    def changed(node: Node, b: Entry) -> bool:
+async def diff_in_slices(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
+    """:func:`diff`, in slices of the trio thread (``Overlay.in_slices``), ``ex`` frozen
+    meanwhile so it is one point in time."""
+    with overlay.freeze(ex):
+        return await in_slices(diff_steps(overlay, ex))
+
+
+def diff_steps(overlay: Overlay, ex: Execution) -> Steps[list[tuple[str, bytes]]]:
+    """:func:`diff` as steps (rametfs.treewalk.run_steps): one per directory compared."""
+    return core_diff.diff_steps(ex.base.root, overlay.tree, overlay.node(ex.root_ino),
+                                _NodeSide(overlay, _has_upper_links(overlay, ex)))
+
+
+class _NodeSide:
+    """rametfs.core.diff.TreeSide over an execution's nodes, answered from their metadata
+    (``Overlay.base_only``), never hashing: only copied-up directories are walked, and with
+    a hard-link group copied up (``descend_links``) those holding a hard link too."""
+
+    def __init__(self, overlay: Overlay, descend_links: bool):
+        self.overlay = overlay
+        self.descend_links = descend_links
+
+    def children(self, directory: Node) -> Mapping[bytes, Node]:
+        return dict(self.overlay.listdir(directory.ino))
+
+    @staticmethod
+    def attrs(node: Node) -> core_diff.Attrs:
         u = node.upper
-        if u is None:  # as in the base; under another name of its inode (link group) too
-            return node.entry != b and not (b.link and node.entry.link == b.link)
-        same_owner = (u.mode == b.mode and u.uid == b.uid and u.gid == b.gid
-                      and tuple(sorted(u.xattrs.items())) == b.xattrs)
-        if b.is_dir:  # its mtime moves with every change inside: not a change of its own
-            return not same_owner
-        same_attrs = same_owner and u.mtime_ns == b.mtime_ns
-        if b.is_symlink:
-            return not same_attrs or u.target != b.ref
-        if b.is_reg:
-            return (not same_attrs or u.base is None or u.base.ref != b.ref
-                    or not overlay.base_only(node))
-        return not same_attrs or u.rdev != b.size
+        if u is None:
+            return core_diff.entry_attrs(node.entry)
+        return u.mode, u.uid, u.gid, tuple(sorted(u.xattrs.items())), u.mtime_ns
 
-    def pairs(item: tuple[Node, Entry, bytes]) -> Iterator[tuple[Node, Entry, bytes]]:
-        """Compare one copied-up directory with its base; yields the pairs of directories
-        below it to compare in turn (the walk does so before this one goes on)."""
-        node, base, path = item
-        if node.upper is None and not (descend_links and base.flags & FLAG_HAS_LINKS):
-            return
-        base_entries = overlay.tree(base.ref)
-        current = dict(overlay.listdir(node.ino))
-        for name in sorted(set(base_entries) | set(current)):
-            b, c = base_entries.get(name), current.get(name)
-            p = path + name
-            if c is None:
-                out.extend(("D", x) for x in subtree_paths(b, p, overlay.tree))
-            elif b is None:
-                out.extend(("A", x) for x in node_paths(c, p))
-            elif c.is_dir and b.is_dir:
-                if changed(c, b):
-                    out.append(("M", p + b"/"))
-                yield c, b, p + b"/"
-            elif c.is_dir != b.is_dir or stat.S_IFMT(c.mode) != stat.S_IFMT(b.mode):
-                out.extend(("D", x) for x in subtree_paths(b, p, overlay.tree))
-                out.extend(("A", x) for x in node_paths(c, p))
-            elif changed(c, b):
-                out.append(("M", p))
-
-    for _ in preorder([(overlay.node(ex.root_ino), ex.base.root, b"")], pairs):
-        pass
-    return out
+    def differs(self, node: Node, base: Entry) -> bool:
+        u = node.upper
+        if u is None:  # its base entry (maybe another name's of its link group)
+            e = node.entry
+            if e.is_dir and self.descend_links and e.flags & FLAG_HAS_LINKS:
+                return True  # a name of a group copied up elsewhere may lie below
+            return core_diff.Stored.differs(e, base)
+        if stat.S_ISDIR(u.mode):
+            return True
+        if stat.S_ISREG(u.mode):
+            return u.base is None or u.base.ref != base.ref or not self.overlay.base_only(node)
+        if stat.S_ISLNK(u.mode):
+            return u.target != base.ref
+        return u.rdev != base.size
 
 
-async def root_entry(overlay: Overlay, ex: Execution) -> Entry:
+async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_CANCEL
+                     ) -> Entry:
     """The root entry a promote of ``ex`` would make now (its ``ref`` the root tree id),
     recording no tree and no snapshot; changed files are re-chunked and their chunks stored,
-    as a promote stores them.  Mutations of ``ex`` wait while this runs."""
-    ex.frozen = trio.Event()
-    try:
-        cap = Capture(overlay, ex)
-        plan = cap.plan()
+    as a promote stores them.  Mutations of ``ex`` wait while this runs; Cancelled
+    (ECANCELED) once ``cancel`` is."""
+    with overlay.freeze(ex):
+        cap = Capture(overlay, ex, cancel)
+        plan = await in_slices(cap.plan_steps())
         await cap.hash()
-        txn = overlay.store.env.begin(write=True)
-        try:
-            return cap._entry(txn, b"", plan)
-        finally:
-            txn.abort()  # the trees were only needed for their ids
-    finally:
-        frozen, ex.frozen = ex.frozen, None
-        frozen.set()
+        return cap._entry(tree_id, b"", plan)
 
 
 # -- policies ---------------------------------------------------------------------------------
@@ -553,12 +576,13 @@ def load_policy(overlay: Overlay, ex: Execution,
                        policy.POLICY_FILE)
 
 
-def _problems(overlay: Overlay, ex: Execution, pol: policy.Policy,
-              classified: policy.Classified) -> list[str]:
-    """What stops a promote: changed shared paths, recipe inputs missing or not kept."""
+def _problem_steps(overlay: Overlay, ex: Execution, pol: policy.Policy,
+                   classified: policy.Classified) -> Steps[list[str]]:
+    """What stops a promote, as steps: changed shared paths, recipe inputs missing or not
+    kept."""
     problems = []
     if pol.patterns[policy.SHARED]:
-        problems += policy.shared_problems(pol, diff(overlay, ex))
+        problems += policy.shared_problems(pol, (yield from diff_steps(overlay, ex)))
 
     def exists(path: str) -> bool | None:
         node = _lookup_path(overlay, ex, path)
@@ -569,13 +593,22 @@ def _problems(overlay: Overlay, ex: Execution, pol: policy.Policy,
 
 def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
     """What to hash for input ``path`` (it exists: checked before): ``("f", job)``,
-    ``("l", target)``, ``("o",)`` or ``("d", [(path below, kind, job | target | None)])``."""
+    ``("l", target)``, ``("o",)`` or ``("d", [(path below, kind, job | target | None)])``.
+    Raises RametError (EFBIG) when its files hold more than :data:`MAX_INPUT_BYTES`: its
+    digest hashes every byte, holes too (b3sum's), so an agent's 16 TiB sparse file named
+    as an input would take hours."""
     node = _lookup_path(overlay, ex, path)
+    total = 0
 
     def item(n: Node) -> tuple:
+        nonlocal total
         if n.is_dir:
             return ("d", None)
         if stat.S_ISREG(n.mode):
+            total += n.size
+            if total > MAX_INPUT_BYTES:
+                raise RametError(f"promote stopped by the policy: recipe input {path} holds "
+                                 f"more than {MAX_INPUT_BYTES} bytes", errno.EFBIG)
             return ("f", _node_job(overlay, ex, n))
         if stat.S_ISLNK(n.mode):
             return ("l", overlay.readlink(n))
@@ -586,13 +619,13 @@ def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
     return ("d", [(rel, *item(n)) for rel, n in walk_names(overlay, node.ino)])
 
 
-def _spec_digest(store: Store, spec: tuple) -> str:
+def _spec_digest(store: Store, spec: tuple, cancel: CancelToken) -> str:
     """The digest of one input (rametfs.policy.path_digest's definition); blocking."""
     kind, what = spec
 
     def one(kind: str, what) -> str:
         if kind == "f":
-            return _file_digest(store, what)
+            return _file_digest(store, what, cancel)
         if kind == "l":
             return blake3.blake3(what).hexdigest()
         return "-"
@@ -602,11 +635,19 @@ def _spec_digest(store: Store, spec: tuple) -> str:
     return one(kind, what) if kind in ("f", "l") else blake3.blake3(b"").hexdigest()
 
 
-def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None) -> dict:
+async def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None) -> dict:
     """What a promote of ``ex`` under the policy ``chosen`` would keep
-    (rametfs.policy.preview_report); changes nothing.  Raises InvalidArgument (EINVAL) for
+    (rametfs.policy.preview_report); changes nothing.  Runs in slices of the trio thread
+    (``Overlay.in_slices``), ``ex`` frozen meanwhile.  Raises InvalidArgument (EINVAL) for
     a malformed policy."""
+    with overlay.freeze(ex):
+        return await in_slices(_preview_steps(overlay, ex, chosen))
+
+
+def _preview_steps(overlay: Overlay, ex: Execution, chosen: policy.Setting | None
+                   ) -> Steps[dict]:
     pol = load_policy(overlay, ex, chosen)
-    classified = policy.classify_tree(pol, _ViewTree(overlay), overlay.node(ex.root_ino))
-    problems = _problems(overlay, ex, pol, classified) if pol is not None else []
+    classified = yield from policy.classify_steps(pol, _ViewTree(overlay),
+                                                  overlay.node(ex.root_ino))
+    problems = (yield from _problem_steps(overlay, ex, pol, classified)) if pol else []
     return policy.preview_report(pol, classified, problems)

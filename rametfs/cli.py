@@ -1,11 +1,16 @@
-"""The ``rametfs`` command line: serve a mount, and drive it through :mod:`rametfs.client`.
+"""The ``rametfs`` command line: mount, and drive the mount through :mod:`rametfs.client`.
 
-Every command but ``serve``, ``umount`` and ``fsck`` takes ``-m/--mount`` (default
-``$RAMET_MOUNT``), or in fallback mode (``--mode fallback``, or ``auto`` on a host without
+Every command but ``mount`` (alias ``serve``), ``umount``, ``fsck`` and ``build-pyfuse3``
+takes ``-m/--mount`` (default ``$RAMET_MOUNT``; ``umount`` takes it as its argument, with the
+same default), or in fallback mode (``--mode fallback``, or ``auto`` on a host without
 ``/dev/fuse``; default ``$RAMET_MODE``) ``--data`` (default ``$RAMET_DATA``): then the
-command runs in this process on the data directory, no daemon involved.
-Exit codes: 0 ok, 2 usage, and for a failed operation the code :data:`EXIT_CODES` gives its
-errno (1 for any other); the message goes to stderr as ``rametfs: <message>``.
+command runs in this process on the data directory, no daemon involved.  ``-m`` may name an
+execution's directory too: the commands on one execution then act on it (their EXECUTION
+argument may be left out); the others use the mount holding it, or, inside a sandbox where
+only the execution is in reach, say in one line that they need the mountpoint.
+Exit codes (:data:`EXIT_HELP`): 0 ok, 2 usage, and for a failed operation the code
+:data:`EXIT_CODES` gives its errno (1 for any other); the message goes to stderr as
+``rametfs: <message>``.  No user error prints a traceback.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import click
 
 from rametfs import __version__, mounts, protocol
 from rametfs.policy import CLASSES
-from rametfs.client import (DATA_ENV, MODE_ENV, MODES, MOUNT_ENV, NotMountedError, Ramet,
-                            RametError, RestoreError, resolve_mode)
+from rametfs.client import (DATA_ENV, MODE_ENV, MODES, MOUNT_ENV, Execution, NotMountedError,
+                            Ramet, RametError, RestoreError, resolve_mode)
 from rametfs.protocol import quote_path
 
 EXIT_CODES = {
@@ -37,9 +42,25 @@ EXIT_CODES = {
     errno.EBUSY: 5,
     errno.ENOSPC: 6,
     errno.ENOTCONN: 7,  # NotMountedError: no rametfs at the mountpoint
+    errno.EEXIST: 8,
+    errno.EACCES: 9,
 }
 EXIT_OTHER = 1
+EXIT_HELP = """\b
+Exit codes:
+  0  ok
+  1  failed otherwise (EIO, EDQUOT, ECANCELED ...; verify and fsck: differences found)
+  2  usage error
+  3  ENOENT    no such snapshot, execution or path
+  4  EINVAL    malformed argument or command
+  5  EBUSY     busy (umount: in use; an execution running another command)
+  6  ENOSPC    no space left
+  7  ENOTCONN  no rametfs mounted there
+  8  EEXIST    the name is taken
+  9  EACCES    not allowed (docs/security.md)
+The message is on stderr, as "rametfs: <message>"."""
 WAIT_SECONDS = 30.0
+CANCELLED_GRACE_S = 2.0  # a busy unmount is tried again for this long after a cancel
 _POLL_SECONDS = 0.05
 # The daemon allocates with glibc's malloc, which can give the memory of dropped nodes back
 # (rametfs.daemon.TRIM_NODES says why); a PYTHONMALLOC set by the caller is kept.
@@ -52,7 +73,8 @@ def exit_code(err: int | None) -> int:
 
 
 class _Group(click.Group):
-    """Turns a RametError from any command into ``rametfs: <message>`` and its exit code."""
+    """Turns a RametError or an OSError from any command into ``rametfs: <message>`` and
+    its exit code."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -60,14 +82,23 @@ class _Group(click.Group):
         except RametError as exc:
             click.echo(f"rametfs: {printable(str(exc), lines=True)}", err=True)
             raise click.exceptions.Exit(exit_code(exc.errno)) from None
+        except OSError as exc:  # a file the command reads or writes itself
+            where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
+            click.echo(f"rametfs: {printable(where + (exc.strerror or str(exc)))}", err=True)
+            raise click.exceptions.Exit(exit_code(exc.errno)) from None
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=EXIT_HELP)
 @click.version_option(__version__, prog_name="rametfs")
 def main() -> None:
     """rametfs: immutable snapshots and copy-on-write executions over FUSE.
 
+    Start with `rametfs mount --data DIR MOUNTPOINT --background`, then
+    `export RAMET_MOUNT=MOUNTPOINT`.  -m may also name an execution's directory
+    (MOUNTPOINT/executions/ID, or /workspace in a sandbox): its commands then act on it.
     Without FUSE (--mode fallback), executions are real directories under --data.
+    The control files and their commands: docs/protocol.md.
     """
 
 
@@ -102,6 +133,24 @@ def ramet_options(command):
     return with_ramet
 
 
+execution_argument = click.argument("execution", required=False)
+
+
+def target(ramet: Ramet, execution: str | None) -> Execution:
+    """The execution a command acts on: EXECUTION, else the one whose directory -m names.
+    A usage error (exit 2) when neither is given; EINVAL when both are and differ."""
+    here = ramet.here
+    if execution is None:
+        if here is None:
+            raise click.UsageError("Missing argument 'EXECUTION' (or give -m an execution's "
+                                   "directory).")
+        return here
+    if here is not None and execution != here.id:
+        raise RametError(errno.EINVAL, f"-m names the directory of execution {here.id}, not "
+                         f"of {execution!r}: leave EXECUTION out, or give -m the mountpoint")
+    return ramet.execution(execution)
+
+
 label_option = click.option("--label", help="A short name for the snapshot "
                             f"(at most {protocol.MAX_LABEL_BYTES} bytes).")
 
@@ -126,13 +175,14 @@ message_option = click.option("--message", help="A longer description of the sna
 
 # ----- daemon lifecycle -----------------------------------------------------------------------
 
-@main.command()
+@main.command(name="mount")
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--data", required=True, type=click.Path(file_okay=False),
               help="Data directory: the store and execution state (created 0700).")
 @click.option("--background", is_flag=True,
               help="Detach, and return once the mount answers.")
-@click.option("--allow-other", is_flag=True, help="Let other users see the mount.")
+@click.option("--allow-other", is_flag=True,
+              help="Let other users see the mount (a sandbox's uid: rametfs.sandbox).")
 @click.option("--debug", is_flag=True, help="Debug logging, and FUSE debug output.")
 @click.option("--log", "log_file", type=click.Path(dir_okay=False),
               help="Log to this file (default: stderr; with --background <DATA>/daemon.log).")
@@ -144,39 +194,75 @@ message_option = click.option("--message", help="A longer description of the sna
                    "a quarter of the data directory's file system).")
 @click.option("--faults", is_flag=True, hidden=True,
               help="Take the fault command (fault injection, for the test suite).")
-def serve(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
+def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
           log_file: str | None, max_file_size: int | None,
           cache_max_bytes: int | None, faults: bool) -> None:
-    """Mount rametfs at MOUNTPOINT and serve it until unmounted."""
-    data, mountpoint = os.path.abspath(data), os.path.realpath(mountpoint)
-    if background:
-        os.makedirs(data, mode=0o700, exist_ok=True)
-        log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
-        argv = [sys.executable, "-m", "rametfs", "serve", "--data", data, mountpoint,
-                "--log", log_file]
-        argv += ["--allow-other"] * allow_other + ["--debug"] * debug + ["--faults"] * faults
-        for flag, value in (("--max-file-size", max_file_size),
-                            ("--cache-max-bytes", cache_max_bytes)):
-            argv += [flag, str(value)] if value is not None else []
-        _start_detached(argv, mountpoint, log_file)
-        return
-    if "PYTHONMALLOC" not in os.environ:  # set at start-up only: run again with it
-        os.execve(sys.executable, sys.orig_argv, {**os.environ, **DAEMON_ENV})
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO, filename=log_file,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
+    """Mount rametfs at MOUNTPOINT (made if missing) and serve it until unmounted.
+
+    Stop it with `rametfs umount MOUNTPOINT`.  Without the patched pyfuse3 it runs in plain
+    mode, and says so on stderr (rametfs build-pyfuse3).
+    """
     from rametfs import errors
-    from rametfs.daemon import run_daemon
+    data = os.path.abspath(data)
+    with contextlib.suppress(OSError):  # a file there, or a dead mount: the check says so
+        os.makedirs(mountpoint, exist_ok=True)  # as mkdir -p
+    mountpoint = os.path.realpath(mountpoint)
     try:
+        if background:
+            mounts.check_can_serve(data, mountpoint)  # here, not in a serving daemon's log
+            os.makedirs(data, mode=0o700, exist_ok=True)
+            log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
+            argv = [sys.executable, "-m", "rametfs", "mount", "--data", data, mountpoint,
+                    "--log", log_file]
+            argv += ["--allow-other"] * allow_other + ["--debug"] * debug \
+                + ["--faults"] * faults
+            for flag, value in (("--max-file-size", max_file_size),
+                                ("--cache-max-bytes", cache_max_bytes)):
+                argv += [flag, str(value)] if value is not None else []
+            if not _start_detached(argv, mountpoint, log_file)["open_less"]:
+                _say_plain_mode()
+            return
+        if "PYTHONMALLOC" not in os.environ:  # set at start-up only: run again with it
+            os.execve(sys.executable, sys.orig_argv, {**os.environ, **DAEMON_ENV})
+        # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
+        from rametfs.daemon import run_daemon
+        if log_file and not _is_stderr(log_file):  # else the log, this stderr, says it
+            _say_plain_mode()
+        logging.basicConfig(
+            level=logging.DEBUG if debug else logging.INFO, filename=log_file,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         run_daemon(data, mountpoint, allow_other=allow_other, debug=debug,
                    max_file_size=max_file_size, cache_max_bytes=cache_max_bytes, faults=faults)
     except errors.RametError as exc:
         raise RametError(exc.errno, str(exc)) from None
 
 
-def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
-    """Start the daemon in its own session; return once the mount answers with its pid.
+main.add_command(click.Command("serve", callback=mount.callback, params=mount.params,
+                               help="The same as mount (its older name).",
+                               short_help="The same as mount."))
+
+
+def _say_plain_mode() -> None:
+    """Say on stderr, in one line, that the daemon runs in plain mode, if it does: what is
+    slower and the command that fixes it."""
+    from rametfs.daemon import PLAIN_MODE_NOTE, plain_mode_reason  # (it imports pyfuse3)
+    reason = plain_mode_reason()
+    if reason is not None:
+        click.echo(f"rametfs: {PLAIN_MODE_NOTE.format(reason=reason)}", err=True)
+
+
+def _is_stderr(path: str | None) -> bool:
+    """Whether this process's stderr is the file at ``path`` (a detached daemon's log)."""
+    try:
+        out, there = os.fstat(2), os.stat(path) if path else None
+    except OSError:
+        return False
+    return there is not None and (out.st_dev, out.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> dict:
+    """Start the daemon in its own session; return its root status once the mount answers
+    with its pid.
 
     Raises RametError when the daemon exits first or is not ready within WAIT_SECONDS
     (then it is terminated); either way the tail of its log is in the message.
@@ -190,8 +276,9 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
                                  env={**DAEMON_ENV, **os.environ})
     deadline = time.monotonic() + WAIT_SECONDS
     while child.poll() is None:
-        if os.path.ismount(mountpoint) and _ready(mountpoint, child.pid):
-            return
+        status = _ready(mountpoint, child.pid) if os.path.ismount(mountpoint) else None
+        if status is not None:
+            return status
         if time.monotonic() > deadline:
             child.terminate()
             child.wait()
@@ -203,15 +290,16 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> None:
                      f"{log_file} ends with:\n{_tail(log_file, start)}")
 
 
-def _ready(mountpoint: str, pid: int) -> bool:
-    """Whether the mount's root status is daemon ``pid``'s (another daemon may be mounted
-    there: the new one then exits) and its bind of ``snapshots/`` is settled."""
+def _ready(mountpoint: str, pid: int) -> dict | None:
+    """The mount's root status if it is daemon ``pid``'s (another daemon may be mounted
+    there: the new one then exits) and its bind of ``snapshots/`` is settled, else None."""
     try:
         with open(os.path.join(mountpoint, protocol.CONTROL_DIR, protocol.STATUS)) as f:
             status = json.load(f)
-        return status["pid"] == pid and status["snapshots_bind"] != "pending"
+        ready = status["pid"] == pid and status["snapshots_bind"] != "pending"
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
+    return status if ready else None
 
 
 def _tail(path: str, start: int, lines: int = 20) -> str:
@@ -223,20 +311,36 @@ def _tail(path: str, start: int, lines: int = 20) -> str:
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path(file_okay=False))
-@click.option("--lazy", is_flag=True, help="Detach now even if the mount is busy (-z).")
-def umount(mountpoint: str, lazy: bool) -> None:
-    """Unmount MOUNTPOINT; wait for its daemon to exit.
+@click.argument("mountpoint", required=False, type=click.Path(file_okay=False))
+@click.option("--lazy", is_flag=True,
+              help="Detach now even if the mount is busy (-z); the daemon exits once the last "
+                   "process using it lets go.")
+@click.option("--force", is_flag=True,
+              help="Then end the daemon's FUSE connection if it still serves: copies of the "
+                   "mount in other mount namespaces (sandboxes, unshare -m) or a lazily "
+                   "detached mount in use (their processes get ENOTCONN).  Needs root.")
+def umount(mountpoint: str | None, lazy: bool, force: bool) -> None:
+    """Unmount MOUNTPOINT (default $RAMET_MOUNT); wait for its daemon to exit.
 
     When it returns, the daemon has flushed its state.  Without --lazy the read-only bind
     of snapshots/ goes first (it would keep the mount busy) and comes back if the mount is
-    busy.  Only a rametfs mount is unmounted (else ENOTCONN); the bind itself and binds of
-    the mount or of its executions made elsewhere are refused (EINVAL).
+    busy; a busy mount (exit 5) is named with the processes using it, as fuser -m finds
+    them.  Commands running on executions are cancelled first (their callers get
+    ECANCELED).  A copy of the mount made in another mount namespace while it existed (a
+    sandbox, unshare -m, xfstests' check) keeps the daemon serving it, and holding its data
+    directory, after the mount here is gone: umount then names those namespaces' processes
+    and exits 5, and --force (given again, or at first) ends the daemon's FUSE connection.
+    Only a rametfs mount is unmounted (else ENOTCONN); the bind itself and binds of the
+    mount or of its executions made elsewhere are refused (EINVAL).
     """
+    mountpoint = mountpoint or os.environ.get(MOUNT_ENV)
+    if not mountpoint:
+        raise click.UsageError(f"Missing argument 'MOUNTPOINT' (or ${MOUNT_ENV}).")
     mountpoint = os.path.realpath(mountpoint)
     top = mounts.mount_at(mountpoint)
     if top is None or top.fstype != mounts.FSTYPE:
-        raise NotMountedError(mountpoint)
+        _end_copies(mountpoint, force)
+        return
     parent = os.path.dirname(mountpoint)
     if os.path.basename(mountpoint) == protocol.SNAPSHOTS_DIR and mounts.snapshots_bound(parent):
         raise RametError(errno.EINVAL, f"{mountpoint} is the read-only bind of snapshots/ of "
@@ -254,33 +358,136 @@ def umount(mountpoint: str, lazy: bool) -> None:
                          f"not where a daemon mounted it; remove it with umount -R {mountpoint}")
     pid = status["pid"] if status is not None else None
     dead = "" if pid is not None else " (no daemon answers there: --lazy detaches it)"
+    cancelled = []
+    if pid is not None:  # a long command would keep its caller, and so the mount, busy
+        with contextlib.suppress(RametError):  # another user's mount: its root ctl is 0600
+            cancelled = Ramet(mountpoint, mode="fuse").cancel()
     bound = not lazy and mounts.snapshots_bound(mountpoint)
     if bound:
         try:
             mounts.unbind_snapshots(mountpoint)
         except OSError as exc:
-            raise RametError(exc.errno, f"{exc.filename}: {exc.strerror}{dead}") from None
+            if exc.errno != errno.EBUSY:
+                raise RametError(exc.errno, f"{exc.filename}: {exc.strerror}{dead}") from None
+            raise RametError(errno.EBUSY, _busy(mountpoint, pid)) from None
     argv = ["fusermount3", "-u", *(["-z"] * lazy), mountpoint]
     done = subprocess.run(argv, capture_output=True, text=True)
+    deadline = time.monotonic() + CANCELLED_GRACE_S
+    while cancelled and "busy" in done.stderr and time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)  # the callers of cancelled commands closing their files
+        done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         why = done.stderr.strip() or f"{' '.join(argv)} failed"
+        if "busy" in done.stderr:
+            why = _busy(mountpoint, pid)
         if bound and pid is not None:
             failure = mounts.bind_snapshots_read_only(mountpoint)
             if failure is not None:
                 why += f"; and snapshots/ is no longer read-only: {failure}"
         if "busy" in done.stderr:
-            raise RametError(errno.EBUSY, why + dead)
+            raise RametError(errno.EBUSY, why)
         if pid is None:
             raise NotMountedError(mountpoint)
         raise RametError(errno.EIO, why)
-    if pid is None:
-        return
-    deadline = time.monotonic() + WAIT_SECONDS
+    if pid is not None:
+        _wait_for_daemon(pid, top.dev, mountpoint, force)
+
+
+COPIES_GRACE_S = 5.0  # copies of the mount elsewhere may go this long before umount says so
+_COPIES_POLL_S = 0.25  # how often the other mount namespaces are looked at
+
+
+def _wait_for_daemon(pid: int, dev: str, mountpoint: str, force: bool) -> None:
+    """Wait until daemon ``pid`` of the FUSE connection ``dev``, unmounted here, exits.
+
+    Copies of the mount in other mount namespaces keep it serving: those that outlive
+    COPIES_GRACE_S (a sandbox's command that ends goes sooner) are named, EBUSY; with
+    ``force`` the connection is ended at once for them, or after CANCELLED_GRACE_S for a
+    lazily detached mount still in use.  ETIMEDOUT after WAIT_SECONDS."""
+    start = time.monotonic()
+    copies_since, aborted = None, False
+    while not _exited(pid, _COPIES_POLL_S):
+        now = time.monotonic()
+        copies = mounts.copies_elsewhere(dev=dev)
+        if force and not aborted and (copies or now - start > CANCELLED_GRACE_S):
+            _abort(dev)
+            aborted = True
+        elif copies and not aborted:
+            copies_since = copies_since or now
+            if now - copies_since > COPIES_GRACE_S:
+                raise RametError(errno.EBUSY, f"unmounted {mountpoint} here, but its daemon "
+                                 f"(pid {pid}) goes on serving copies of the mount, and "
+                                 f"holding its data directory, in "
+                                 f"{'; '.join(map(str, copies))}: end those processes, or "
+                                 f"rametfs umount --force {mountpoint} ends its FUSE "
+                                 f"connection")
+        else:
+            copies_since = None
+        if now - start > WAIT_SECONDS:
+            raise RametError(errno.ETIMEDOUT, f"unmounted, but daemon pid {pid} still runs "
+                             f"after {WAIT_SECONDS:.0f} s (--force ends its FUSE connection)")
+
+
+MAX_USERS_SHOWN = 8  # processes named in a busy unmount's message
+
+
+def _busy(mountpoint: str, pid: int | None) -> str:
+    """Why the mount at ``mountpoint`` (served by daemon ``pid``, None: none answers) is
+    busy: the processes using it, and what to do."""
+    users = mounts.users(mountpoint)
+    held = "; ".join(map(str, users[:MAX_USERS_SHOWN])) \
+        + (f"; and {len(users) - MAX_USERS_SHOWN} more" if len(users) > MAX_USERS_SHOWN else "")
+    where = f": used by {held}" if users else " (by no process of this mount namespace: a " \
+        "mount inside it, or a copy of it busy in another namespace)"
+    then = "no daemon answers there" if pid is None else \
+        "its daemon exits once the last lets go"
+    return (f"{mountpoint} is busy{where}; end those or leave the mount, or rametfs umount "
+            f"--lazy {mountpoint} detaches it now ({then})")
+
+
+def _end_copies(mountpoint: str, force: bool) -> None:
+    """``umount`` of a path no rametfs is mounted at here: ENOTCONN, unless copies of a
+    rametfs mount made there live on in other mount namespaces (EBUSY naming them; with
+    ``force`` their FUSE connection is ended)."""
+    copies = mounts.copies_elsewhere(point=mountpoint)
+    if not copies:
+        raise NotMountedError(mountpoint)
+    if not force:
+        raise RametError(errno.EBUSY, f"no rametfs is mounted at {mountpoint} here, but copies "
+                         f"of one live on in {'; '.join(map(str, copies))}, and its daemon "
+                         f"serves them: end those processes, or rametfs umount --force "
+                         f"{mountpoint} ends its FUSE connection")
+    daemons = set()
+    for copy in copies:  # its daemon's pid, from the copy's status: seen through its root
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            path = f"/proc/{copy.pids[0]}/root{copy.mounts[0].point}"
+            with open(os.path.join(path, protocol.CONTROL_DIR, protocol.STATUS)) as f:
+                daemons.add(json.load(f)["pid"])
+    for dev in sorted({m.dev for copy in copies for m in copy.mounts}):
+        _abort(dev)
+    for pid in daemons:
+        if not _exited(pid, WAIT_SECONDS):
+            raise RametError(errno.ETIMEDOUT, f"ended its FUSE connection, but daemon pid "
+                             f"{pid} still runs after {WAIT_SECONDS:.0f} s")
+
+
+def _abort(dev: str) -> None:
+    try:
+        mounts.abort_connection(dev)
+    except OSError as exc:
+        raise RametError(exc.errno or errno.EIO, f"cannot end FUSE connection {dev}: "
+                         f"{exc.strerror} (--force needs root: it writes to fusectl's abort "
+                         f"file)") from None
+
+
+def _exited(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` has exited, waiting up to ``seconds`` for it."""
+    deadline = time.monotonic() + seconds
     while _alive(pid):
         if time.monotonic() > deadline:
-            raise RametError(errno.ETIMEDOUT, f"unmounted, but daemon pid {pid} still runs "
-                             f"after {WAIT_SECONDS:.0f} s")
+            return False
         time.sleep(_POLL_SECONDS)
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -293,15 +500,43 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@main.command(name="build-pyfuse3")
+def build_pyfuse3() -> None:
+    """Build pyfuse3 with the open-less patch into this Python (about a minute).
+
+    What a plain `pip install` of rametfs lacks (pip builds pyfuse3 from its own source):
+    with it the daemon runs in open-less mode, where the kernel caches file pages and
+    directory listings (warm git status 5-10x faster, cold 2x).  Needs a C compiler,
+    Python's and libfuse3's headers (Debian: gcc python3-dev libfuse3-dev pkg-config) and
+    the package index.  A running daemon keeps its pyfuse3 until it is mounted again.
+    """
+    from rametfs import pyfuse3_build
+    try:
+        seconds = pyfuse3_build.build(
+            sys.executable, lambda line: click.echo(f"rametfs: pyfuse3: {line}", err=True))
+    except pyfuse3_build.BuildError as exc:
+        raise RametError(errno.EIO, f"pyfuse3: {exc}") from None
+    click.echo(f"rametfs: pyfuse3: installed with the open-less patch in {seconds:.0f} s; "
+               "mount again to use it", err=True)
+
+
 # ----- snapshots and executions --------------------------------------------------------------
 
 @main.command()
-@click.option("--data", required=True, type=click.Path(file_okay=False, exists=True),
+@click.option("--data", required=True, metavar="DIR",
               help="Data directory to check (a live daemon may be serving it).")
 def fsck(data: str) -> None:
-    """Verify every snapshot: trees, contents and each chunk's BLAKE3 id.  Exit 1 on damage."""
+    """Verify every snapshot: trees, contents and each chunk's BLAKE3 id.  Exit 1 on damage.
+
+    Reads only: nothing in DIR is made or changed.  A DIR that holds no store is refused
+    (exit 3, ENOENT; not a directory: exit 4, EINVAL).
+    """
+    from rametfs import errors
     from rametfs.store import Store, fsck as check_store
-    store = Store(data)
+    try:
+        store = Store.open_read_only(data)
+    except errors.RametError as exc:
+        raise RametError(exc.errno, f"fsck: {exc}") from None
     try:
         report = check_store(store)
     finally:
@@ -356,9 +591,23 @@ def _octal(ctx: click.Context, param: click.Parameter, text: str | None) -> int 
         raise click.BadParameter(f"{text!r} is not an octal mode such as 0750") from None
 
 
+def _name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An execution id given with --name: not empty (EINVAL, exit 4)."""
+    if value == "":
+        raise RametError(errno.EINVAL, "--name '': an execution id is at least one character "
+                         f"(it must match {protocol.EXECUTION_NAME_RE.pattern}); leave --name "
+                         "out for a generated one")
+    return value
+
+
+name_option = click.option("--name", callback=_name,
+                           help="Execution id to use (default: generated; EEXIST, exit 8, "
+                                "when taken).")
+
+
 @main.command()
 @click.argument("snapshot")
-@click.option("--name", help="Execution id to use (default: generated).")
+@name_option
 @click.option("--owner", type=click.IntRange(0), metavar="UID",
               help="The uid it belongs to (default: the daemon's).")
 @click.option("--group", type=click.IntRange(0), metavar="GID",
@@ -368,23 +617,32 @@ def _octal(ctx: click.Context, param: click.Parameter, text: str | None) -> int 
 @click.option("--control", type=click.Choice(protocol.CONTROLS),
               help="What its own .ramet files allow: full (default), read (no writes) or "
                    "none (no .ramet).")
+@click.option("--max-bytes", type=click.IntRange(1, 2**63 - 1), metavar="BYTES",
+              help="Disk its written data may take (EDQUOT past it; default: no limit).")
+@click.option("--max-inodes", type=click.IntRange(1, 2**63 - 1), metavar="N",
+              help="Upper inodes it may hold, copies-up included (EDQUOT past it).")
 @policy_option("none")
 @ramet_options
 def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, group: int | None,
-           share: int | None, control: str | None, policy: str | None) -> None:
+           share: int | None, control: str | None, max_bytes: int | None,
+           max_inodes: int | None, policy: str | None) -> None:
     """Create an execution of SNAPSHOT; print its id.
 
-    SNAPSHOT is an id or a unique prefix of one.  --policy is stored with the execution:
-    its promotes and previews apply it unless given another.  The harness acts on it
-    through the root control file whatever its --control.
+    SNAPSHOT is an id as `snapshot` prints it (64 hex digits) or `ls` shows it (12), or
+    any unique prefix of at least 8 hex digits.  --policy is stored with the execution: its
+    promotes and previews apply it unless given another.  The harness acts on it through
+    the root control file whatever its --control.  Past --max-bytes or --max-inodes a write
+    fails EDQUOT; --owner, --group and --share decide who may enter it and use its .ramet
+    files (EACCES for the others; docs/security.md).
     """
     click.echo(ramet.create(snapshot, name=name, policy=policy, owner=owner, group=group,
-                            share=share, control=control).id)
+                            share=share, control=control, max_bytes=max_bytes,
+                            max_inodes=max_inodes).id)
 
 
 
 @main.command()
-@click.argument("execution")
+@execution_argument
 @label_option
 @message_option
 @policy_option("the policy stored with the execution at create, else none")
@@ -397,11 +655,11 @@ def promote(ramet: Ramet, execution: str, label: str | None, message: str | None
     rebuildable ones as recipes and checks shared ones against the base.  The tree's own
     ramet.toml applies only with --policy tree.
     """
-    click.echo(ramet.execution(execution).promote(label=label, message=message, policy=policy))
+    click.echo(target(ramet, execution).promote(label=label, message=message, policy=policy))
 
 
 @main.command()
-@click.argument("execution")
+@execution_argument
 @label_option
 @message_option
 @policy_option("none")
@@ -409,12 +667,12 @@ def promote(ramet: Ramet, execution: str, label: str | None, message: str | None
 def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | None,
                policy: str | None) -> None:
     """Snapshot EXECUTION, keeping its base; print the id (everything, unless --policy)."""
-    click.echo(ramet.execution(execution).checkpoint(label=label, message=message,
-                                                     policy=policy))
+    click.echo(target(ramet, execution).checkpoint(label=label, message=message,
+                                                   policy=policy))
 
 
 @main.command()
-@click.argument("execution")
+@execution_argument
 @policy_option("as promote")
 @click.option("--json", "as_json", is_flag=True, help="Print the preview as JSON.")
 @ramet_options
@@ -423,7 +681,7 @@ def preview(ramet: Ramet, execution: str, policy: str | None, as_json: bool) -> 
 
     Changes nothing.  Exit 4 (EINVAL) when the promote would be stopped.
     """
-    report = ramet.execution(execution).preview(policy=policy)
+    report = target(ramet, execution).preview(policy=policy)
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -443,7 +701,7 @@ def preview(ramet: Ramet, execution: str, policy: str | None, as_json: bool) -> 
 
 @main.command()
 @click.argument("snapshot")
-@click.option("--name", help="Execution id to use (default: generated).")
+@name_option
 @click.option("--runtime", type=click.Choice(["bubblewrap", "docker", "host"]),
               help="Where the recipes run (default: the sandbox the snapshot recorded; "
                    "host runs them unsandboxed, as this user).")
@@ -473,30 +731,46 @@ def restore(ramet: Ramet, snapshot: str, name: str | None, runtime: str | None,
 
 
 @main.command()
-@click.argument("execution")
+@execution_argument
 @ramet_options
 def reset(ramet: Ramet, execution: str) -> None:
     """Drop every change in EXECUTION since its base."""
-    ramet.execution(execution).reset()
+    target(ramet, execution).reset()
 
 
 @main.command()
 @click.argument("execution")
 @ramet_options
 def release(ramet: Ramet, execution: str) -> None:
-    """Drop EXECUTION and its changes."""
-    ramet.release(execution)
+    """Drop EXECUTION and its changes.
+
+    A pool member leaves its pool, which shrinks by one; a leased one is refused (exit 5)
+    until its holder gives it back or its lease expires (rametfs ls shows when).
+    """
+    try:
+        ramet.release(execution)
+    except RametError as exc:
+        lease = exc.errno == errno.EBUSY and next(
+            (e.get("lease") for e in ramet.executions() if e["id"] == execution), None)
+        if not lease:
+            raise
+        left = human_age(lease["expires_ns"] - time.time_ns())
+        raise RametError(errno.EBUSY, f"execution {execution!r} is leased by "
+                         f"{printable(lease['holder'])} (pid {lease['pid']} on "
+                         f"{printable(lease['host'])}), whose ExecutionPool.acquire() block "
+                         f"gives it back when it ends; else the lease expires in {left} and "
+                         f"the daemon returns it to its pool: release it then") from None
 
 
 @main.command()
-@click.argument("execution")
+@execution_argument
 @click.option("--deep", is_flag=True,
               help="Also reread the stored state and rehash every byte served from the base.")
 @ramet_options
 def verify(ramet: Ramet, execution: str, deep: bool) -> None:
     """Check that EXECUTION equals its base; print each difference like diff.  Exit 1 when
     it differs (a ready pool execution that differs is quarantined)."""
-    differences = ramet.execution(execution).verify(deep=deep)
+    differences = target(ramet, execution).verify(deep=deep)
     for status, path in differences:
         click.echo(f"{status} {quote_path(os.fsencode(path))}")
     if differences:
@@ -504,7 +778,7 @@ def verify(ramet: Ramet, execution: str, deep: bool) -> None:
 
 
 @main.command()
-@click.argument("execution")
+@execution_argument
 @click.option("-z", "nul", is_flag=True,
               help="End each line with NUL, and print the path's bytes unquoted.")
 @ramet_options
@@ -515,7 +789,7 @@ def diff(ramet: Ramet, execution: str, nul: bool) -> None:
     and octal bytes, when it holds a space, a quote, a backslash, a control character or a
     byte >= 0x80); with -z, as git's -z, it is not and each record ends with NUL.
     """
-    changes = ramet.execution(execution).diff()
+    changes = target(ramet, execution).diff()
     if nul:
         click.echo(b"".join(f"{status} ".encode() + os.fsencode(path) + b"\0"
                             for status, path in changes), nl=False)
@@ -525,11 +799,20 @@ def diff(ramet: Ramet, execution: str, nul: bool) -> None:
 
 
 @main.command()
-@click.argument("execution", required=False)
+@execution_argument
 @ramet_options
 def status(ramet: Ramet, execution: str | None) -> None:
-    """Print the daemon's status, or EXECUTION's, as JSON."""
-    data = ramet.execution(execution).status() if execution else ramet.status()
+    """Print the daemon's status, or EXECUTION's (or the one -m names), as JSON.
+
+    The daemon's says which mode its FUSE adapter runs in ("open_less"); in plain mode a
+    line on stderr says so too.
+    """
+    if execution or ramet.here:
+        data = target(ramet, execution).status()
+    else:
+        data = ramet.status()
+        if ramet.mode == "fuse" and not data.get("open_less", True):
+            click.echo(f"rametfs: the daemon runs in mode {fuse_mode(data)}", err=True)
     click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
@@ -537,13 +820,19 @@ def status(ramet: Ramet, execution: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @ramet_options
 def list_(ramet: Ramet, as_json: bool) -> None:
-    """List snapshots, executions (with their pool, lease holder and lease expiry) and pools
-    (fallback mode: first the copy method in use)."""
+    """List snapshots, executions and pools, after a line naming the mount and its mode
+    (open-less or plain; fallback mode: the copy method and data directory).
+
+    ACCESS is an execution's owner:group/share bits/--control; QUOTA its --max-bytes and
+    --max-inodes (shown when one has some); pool members also show their state, pool,
+    lease holder and lease expiry.
+    """
     state = ramet.status()
     fallback = ramet.mode == "fallback"
     if as_json:
-        keys = ("snapshots", "executions") + (("mode", "copy_method") if fallback else ())
-        listing = {key: state[key] for key in keys}
+        keys = ("snapshots", "executions", "mode") + (("copy_method",) if fallback else
+                                                      ("open_less",))
+        listing = {key: state[key] for key in keys if key in state}
         if state.get("pools"):
             listing["pools"] = state["pools"]
         click.echo(json.dumps(listing, indent=2, sort_keys=True))
@@ -551,28 +840,40 @@ def list_(ramet: Ramet, as_json: bool) -> None:
     now = time.time_ns()
     if fallback:
         click.echo(f"mode: fallback  copy method: {state['copy_method']}  data: {state['data']}")
-        click.echo()
+    else:
+        click.echo(f"mount: {state['mount']}  mode: {fuse_mode(state)}")
+    click.echo()
     click.echo(format_table(
         ("SNAPSHOT", "LABEL", "FILES", "BYTES", "AGE"),
         [(s["id"][:12], printable(s["label"] or ""), str(s.get("files", "-")),
           human_bytes(s["bytes"]) if "bytes" in s else "-",
           human_age(now - s["created_ns"])) for s in state["snapshots"]]))
     click.echo()
-    pooled = any(e.get("pool") for e in state["executions"])  # else no pool columns
+    executions = state["executions"]
+    pooled = any(e.get("pool") for e in executions)  # else no pool columns
+    quotas = any(e.get("max_bytes") or e.get("max_inodes") for e in executions)
     click.echo(format_table(
-        ("EXECUTION", "BASE", "HEAD", "UPPER", "AGE")
+        ("EXECUTION", "BASE", "HEAD", "UPPER", "AGE", "ACCESS") + ("QUOTA",) * quotas
         + ("STATE", "POOL", "LEASE HOLDER", "EXPIRES") * pooled,
         [(e["id"], e["base"][:12], e["head"][:12],
           "-" if e["upper_bytes"] is None else human_bytes(e["upper_bytes"]),
-          human_age(now - e["created_ns"]))
+          human_age(now - e["created_ns"]), access_cell(e))
+         + (quota_cell(e),) * quotas
          + (e["state"], e.get("pool") or "-", *lease_cells(e.get("lease"), now)) * pooled
-         for e in state["executions"]]))
+         for e in executions]))
     if state.get("pools"):
         click.echo()
         click.echo(format_table(
             ("POOL", "BASE", "SIZE", "READY", "LEASED", "QUARANTINED"),
             [(p["name"], p["base"][:12], str(p["size"]), str(p["ready"]), str(p["leased"]),
               str(p["quarantined"])) for p in state["pools"]]))
+
+
+def fuse_mode(state: dict) -> str:
+    """The FUSE adapter's mode as the root status gives it, for people."""
+    if state.get("open_less", True):
+        return "open-less"
+    return "plain (slower; see rametfs build-pyfuse3 --help)"
 
 
 @main.command()
@@ -609,6 +910,20 @@ def ancestry(snapshots: list[dict], snapshot: str) -> list[dict]:
             seen.add(i)
             todo += by_id[i]["parents"]
     return sorted((by_id[i] for i in seen), key=lambda s: s["created_ns"], reverse=True)
+
+
+def access_cell(record: dict) -> str:
+    """``owner:group/share/control`` of an execution record (``0:0/0700/full``), or ``-``
+    when the record does not show them (another uid reads the root status)."""
+    if "owner" not in record:
+        return "-"
+    return f"{record['owner']}:{record['group']}/{record['share']}/{record['control']}"
+
+
+def quota_cell(record: dict) -> str:
+    """``max-bytes/max-inodes`` of an execution record, ``-`` for no limit (``1.0G/-``)."""
+    size, inodes = record.get("max_bytes"), record.get("max_inodes")
+    return f"{human_bytes(size) if size else '-'}/{inodes or '-'}"
 
 
 def lease_cells(lease: dict | None, now_ns: int) -> tuple[str, str]:

@@ -80,8 +80,8 @@ class PoolTimeout(RametError, TimeoutError):
 
 
 class RestoreError(RametError):
-    """A step of :meth:`Ramet.restore` failed (errno EIO: an input changed or a command
-    failed; ETIMEDOUT).  ``execution`` is the restored execution, left for inspection;
+    """A step of :meth:`Ramet.restore` failed (errno EIO: an input missing or changed, or
+    a command failed; EFBIG: an input too large; ETIMEDOUT).  ``execution`` is the restored execution, left for inspection;
     ``steps`` every :class:`rametfs.restore.Step` taken, the failed one last."""
 
     def __init__(self, code: int, message: str, execution: Execution, steps: list) -> None:
@@ -185,7 +185,8 @@ class Ramet:
     def create(self, snapshot: str, name: str | None = None,
                policy: str | os.PathLike | None = None, *, owner: int | None = None,
                group: int | None = None, share: int | None = None,
-               control: str | None = None) -> Execution:
+               control: str | None = None, max_bytes: int | None = None,
+               max_inodes: int | None = None) -> Execution:
         """Create a writable execution of ``snapshot`` (id or unique prefix).
 
         ``policy`` is stored with it and applied by its promotes and previews (unless one
@@ -194,16 +195,19 @@ class Ramet:
         and gid it belongs to (default: the daemon's); ``share``: its permission bits, like
         a directory's (default ``0o700``: the owner alone; the owner always has ``rwx``);
         ``control``: what its own control files allow (``"full"``, the default; ``"read"``:
-        no writes; ``"none"``: no ``.ramet``).  See docs/security.md.  In fallback mode they
-        are recorded and shown in the status; the data directory (0700) keeps other uids out
-        and executions have no control files.
+        no writes; ``"none"``: no ``.ramet``); ``max_bytes``/``max_inodes``: what its upper
+        layer may take, disk bytes of written data and upper inodes (EDQUOT past them).  See
+        docs/security.md.  In fallback mode the access settings are recorded and shown in
+        the status (the data directory, 0700, keeps other uids out, and executions have no
+        control files); limits are refused there (EOPNOTSUPP).
 
         Errors: ENOENT unknown snapshot, EINVAL bad name, setting or malformed policy,
         EEXIST name taken.
         """
         reply = self._backend.root_command("create", snapshot, name=name,
                                            policy=_policy_text(policy),
-                                           **_access(owner, group, share, control))
+                                           **_access(owner, group, share, control, max_bytes,
+                                                     max_inodes))
         return Execution(self, reply["execution"])
 
     def release(self, execution: str | Execution) -> None:
@@ -211,9 +215,28 @@ class Ramet:
         execution_id = execution.id if isinstance(execution, Execution) else execution
         self._backend.root_command("release", execution_id)
 
+    def cancel(self, execution: str | Execution | None = None) -> list[str]:
+        """Cancel the command running on ``execution`` (None: on every execution) and wait
+        until it has stopped; the ids of the executions whose command was cancelled (it fails
+        with ECANCELED).  Fallback mode runs commands in their callers' processes: nothing
+        to cancel there.  Errors: ENOENT unknown execution."""
+        if self.mode == "fallback":
+            return []
+        execution_id = execution.id if isinstance(execution, Execution) else execution
+        return self._backend.root_command("cancel", execution=execution_id)["cancelled"]
+
     def execution(self, execution_id: str) -> Execution:
         """A handle on an existing execution (not checked until first used)."""
         return Execution(self, execution_id)
+
+    @property
+    def here(self) -> Execution | None:
+        """The execution whose directory this handle was opened on (``Ramet("/workspace")``
+        in a sandbox, ``Ramet("<mnt>/executions/<id>")``), or None for a mount or a data
+        directory.  Opened on an execution's directory from inside a sandbox, only that
+        execution's own commands work (the others raise RametError, EINVAL)."""
+        here = self._backend.here
+        return None if here is None else Execution(self, here)
 
     def restore(self, snapshot: str, runtime=None, name: str | None = None,
                 on_step=None) -> Restored:
@@ -253,7 +276,8 @@ class Ramet:
                        ttl: float = DEFAULT_TTL, verify: str = "root",
                        policy: str | os.PathLike | None = None, owner: int | None = None,
                        group: int | None = None, share: int | None = None,
-                       control: str | None = None) -> ExecutionPool:
+                       control: str | None = None, max_bytes: int | None = None,
+                       max_inodes: int | None = None) -> ExecutionPool:
         """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
 
         The daemon (fallback mode: the data directory) keeps the pool and a lease per
@@ -261,14 +285,14 @@ class Ramet:
         named pool that outlives this process, ``ttl`` is the lease time in seconds,
         ``verify`` the check after each reset (``"root"`` or ``"deep"``), ``policy`` the
         persistence policy every member is created with (as :meth:`create` takes it);
-        ``owner``, ``group``, ``share`` and ``control`` are every member's, as
-        :meth:`create` takes them (a named pool reattached to keeps its own; those given must
-        match it).  Errors: ENOENT unknown snapshot, EEXIST a pool of that name has another
+        ``owner``, ``group``, ``share``, ``control``, ``max_bytes`` and ``max_inodes`` are
+        every member's, as :meth:`create` takes them (a named pool reattached to keeps its
+        own; those given must match it).  Errors: ENOENT unknown snapshot, EEXIST a pool of that name has another
         base, policy or settings, EINVAL bad name, size, policy or setting.
         """
         return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify,
                              policy=policy, owner=owner, group=group, share=share,
-                             control=control)
+                             control=control, max_bytes=max_bytes, max_inodes=max_inodes)
 
     def pools(self) -> list[dict]:
         """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
@@ -392,32 +416,67 @@ class Execution:
 
 
 class _Mount:
-    """FUSE mode: every call is a command on, or a read of, the mount's control files."""
+    """FUSE mode: every call is a command on, or a read of, the mount's control files.
+
+    ``mountpoint`` may also be an execution's directory (``<mnt>/executions/<id>``, or
+    ``/workspace`` in a sandbox): ``here`` is then that execution's id.  Where the mount
+    holding it is in reach and this process is the harness, the mount is used as if given
+    (``mount`` is its root); else only that execution's own ``.ramet/`` files are
+    (``own``), and a call that needs the mount raises RametError (EINVAL) saying so.
+    """
 
     def __init__(self, mountpoint: str | os.PathLike | None) -> None:
         if mountpoint is None:
             mountpoint = os.environ.get(MOUNT_ENV)
             if not mountpoint:
                 raise RametError(errno.EINVAL, f"no mountpoint given and ${MOUNT_ENV} is not set")
-        self.mount = Path(os.path.abspath(mountpoint))
-        if not os.path.exists(self.mount / protocol.CONTROL_DIR / protocol.STATUS):
-            raise NotMountedError(self.mount)
-        self.root_ctl = self.mount / protocol.CONTROL_DIR / protocol.CTL
-        self.harness = os.access(self.root_ctl, os.W_OK)  # else: the execution's own files
+        path = Path(os.path.abspath(mountpoint))
+        self.here: str | None = None
+        self.own: Path | None = None  # an execution's directory, reached through its own files
+        top = path.parent.parent
+        in_executions = path.parent.name == protocol.EXECUTIONS_DIR and _is_root(top)
+        if not os.path.exists(_control_file(path, protocol.STATUS)):  # any OSError: not here
+            if not in_executions:  # (--control none: an execution without .ramet)
+                raise NotMountedError(path)
+            self.here, path = path.name, top
+        elif os.path.exists(_control_file(path, protocol.PROMOTE)):  # only an execution's has it
+            self.here = _read_json(_control_file(path, protocol.STATUS), path)["execution"]
+            if in_executions and path.name == self.here \
+                    and os.access(_control_file(top, protocol.CTL), os.W_OK):
+                path = top
+            else:
+                self.own = path
+        self.mount = path
+        self.root_ctl = _control_file(path, protocol.CTL)
+        self.harness = self.own is None and os.access(self.root_ctl, os.W_OK)  # else: own files
 
     def close(self) -> None:
         pass
 
+    def _needs_mount(self, what: str) -> None:
+        """RametError (EINVAL) when only an execution's own files are in reach."""
+        if self.own is not None:
+            raise RametError(errno.EINVAL, f"{self.own} is execution {self.here}'s directory, "
+                             f"not a rametfs mount: {what} needs the mountpoint (the "
+                             "harness's, outside any sandbox); this execution's own commands "
+                             "work here")
+
     def root_command(self, command: str, *positional: str, **options: str | None) -> dict:
+        self._needs_mount(command)
         line = protocol.format_command(command, *positional, **options)
         return _command(self.root_ctl, line, self.mount)
 
     def status(self) -> dict:
+        self._needs_mount("the mount's status")
         state = _read_json(self.mount / protocol.CONTROL_DIR / protocol.STATUS, self.mount)
         state.setdefault("mode", "fuse")
         return state
 
     def execution_path(self, execution_id: str) -> Path:
+        if self.own is not None:
+            if execution_id != self.here:
+                self._needs_mount(f"execution {execution_id!r}")
+            return self.own
         return self.mount / protocol.EXECUTIONS_DIR / execution_id
 
     def command(self, execution_id: str, command: str, **options: str | None) -> dict:
@@ -464,7 +523,7 @@ class _Mount:
     def _control(self, execution_id: str, name: str) -> Path:
         if not protocol.EXECUTION_NAME_RE.fullmatch(execution_id):  # "..": the root's files
             raise RametError(errno.ENOENT, self._missing(execution_id))
-        return self.execution_path(execution_id) / protocol.CONTROL_DIR / name
+        return _control_file(self.execution_path(execution_id), name)
 
     def _missing(self, execution_id: str) -> str:
         return f"no execution {execution_id!r} at {self.mount}"
@@ -476,6 +535,8 @@ class _Mount:
 
 class _Local:
     """Fallback mode: :mod:`rametfs.fallback` runs each call in this process."""
+
+    here = None  # a data directory is never an execution's
 
     def __init__(self, data: str | os.PathLike | None) -> None:
         if data is None:
@@ -532,12 +593,15 @@ class _Local:
             return self.engine.execution_status(execution_id)
 
 
-def _access(owner: int | None, group: int | None, share: int | None,
-            control: str | None) -> dict[str, str | None]:
-    """The ``--owner``, ``--group``, ``--share`` and ``--control`` options of a command."""
+def _access(owner: int | None, group: int | None, share: int | None, control: str | None,
+            max_bytes: int | None, max_inodes: int | None) -> dict[str, str | None]:
+    """The ``--owner``, ``--group``, ``--share``, ``--control``, ``--max-bytes`` and
+    ``--max-inodes`` options of a command."""
     return {"owner": None if owner is None else str(owner),
             "group": None if group is None else str(group),
-            "share": None if share is None else f"{share:04o}", "control": control}
+            "share": None if share is None else f"{share:04o}", "control": control,
+            "max_bytes": None if max_bytes is None else str(max_bytes),
+            "max_inodes": None if max_inodes is None else str(max_inodes)}
 
 
 def _policy_text(path: str | os.PathLike | None) -> str | None:
@@ -596,7 +660,8 @@ class ExecutionPool:
                  name: str | None = None, ttl: float = DEFAULT_TTL, verify: str = "root",
                  policy: str | os.PathLike | None = None, owner: int | None = None,
                  group: int | None = None, share: int | None = None,
-                 control: str | None = None) -> None:
+                 control: str | None = None, max_bytes: int | None = None,
+                 max_inodes: int | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         if not ttl > 0:
@@ -608,7 +673,8 @@ class ExecutionPool:
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
                                             policy=_policy_text(policy),
-                                            **_access(owner, group, share, control))
+                                            **_access(owner, group, share, control,
+                                                      max_bytes, max_inodes))
         self.name: str = reply["pool"]
         self.base: str = reply["snapshot"]
         self._owned = name is None
@@ -724,6 +790,17 @@ class ExecutionPool:
                     with self._lock:
                         if execution_id in self._held:  # not returned meanwhile
                             self.renew_error = exc
+
+
+def _control_file(directory: Path, name: str) -> Path:
+    return directory / protocol.CONTROL_DIR / name
+
+
+def _is_root(path: Path) -> bool:
+    """Whether ``path`` is a rametfs mount's root: its ``.ramet/`` has a status file and no
+    ``promote`` (which only an execution's has)."""
+    return os.path.exists(_control_file(path, protocol.STATUS)) \
+        and not os.path.exists(_control_file(path, protocol.PROMOTE))
 
 
 def _error(exc: OSError, mount: Path, missing: str | None = None) -> RametError:

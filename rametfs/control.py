@@ -8,6 +8,7 @@ through the ``invalidate`` callback, so this module stays free of FUSE.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -15,19 +16,21 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import trio
 
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller, R
-from .capture import capture, diff, preview
-from .errors import Busy, InvalidArgument, RametError
+from .capture import CancelToken, capture, diff_in_slices, preview
+from .core import pools
+from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .overlay import Execution, Overlay
-from .pools import READY, Member, Pools
 from .store import import_git, import_tree
-from .store.leases import quarantine_reason
+from .store.catalog import Lease
 from .verify import ROOT, verify
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,60 @@ exec 3<>"$0" && printf '%s\n%s' "$2" "$prefix" >&3 && exec cat /proc/self/fd/3
 """
 
 Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
+ENDS_COMMANDS = ("reset", "release", "return")  # cancel a command running on the execution
+CAPTURES = ("promote", "checkpoint")  # a running one shows the state "promoting"
+
+
+@dataclass
+class Running:
+    """A command running on an execution, and what cancels it: its cancel scope (for the
+    trio side) and token (for its worker threads); ``done`` is set once it has stopped."""
+
+    command: str
+    harness: bool  # run from the root scope (else from the execution's own ctl)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    token: CancelToken = field(default_factory=CancelToken)
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+MAX_ECHO_CHARS = 200  # of a command written, shown in .ramet/error
+MAX_ERROR_CHARS = 2000  # of an error message kept for .ramet/error
+
+
+def shown(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` safe to show: each character that is not printable (control and format
+    characters, U+FFFD of undecodable bytes) as its Python escape, cut at ``limit``
+    characters."""
+    def one(c: str) -> str:
+        return c if c.isprintable() and c != "\ufffd" else \
+            c.encode("unicode_escape").decode("ascii")
+
+    out = "".join(map(one, text[:limit]))
+    return out + (f"... ({len(text)} characters)" if len(text) > limit else "")
+
+
+def _parse(text: str, table: dict) -> tuple[str, dict[str, str]]:
+    """:func:`protocol.parse_command` of ``text`` for ``table`` (the root's or an
+    execution's), whose error, for a command of the other scope, says where it belongs."""
+    try:
+        return protocol.parse_command(text, table)
+    except protocol.ProtocolError as exc:
+        words = text.split()
+        name = words[0] if words else ""
+        if table is protocol.EXECUTION_COMMANDS and name in (protocol.DIFF, protocol.STATUS):
+            raise InvalidArgument(f"{name}: read this execution's .ramet/{name} "
+                                  "instead") from None
+        if table is protocol.EXECUTION_COMMANDS and name in protocol.ROOT_COMMANDS:
+            raise InvalidArgument(
+                f"{name}: a command of the root .ramet/ctl, at the top of the mount (the "
+                f"harness's), not of an execution's; this one takes "
+                f"{', '.join(sorted(protocol.EXECUTION_COMMANDS))}") from None
+        if table is protocol.ROOT_COMMANDS and name in protocol.ROOT_EXECUTION_COMMANDS \
+                and (len(words) == 1 or words[1].startswith("--")):
+            raise InvalidArgument(f"{exc}: on the root ctl, {name} names its execution first "
+                                  f"({name} <execution-id> ...); an execution's own "
+                                  f".ramet/ctl takes {name} alone") from None
+        raise
 
 
 class Control:
@@ -73,13 +130,18 @@ class Control:
         self.last: dict[str, dict] = {}
         self.errors: dict[str, str] = {}
         self.promoted: dict[str, str] = {}
-        self.busy: set[str] = set()
-        self.pools = Pools(overlay)
+        self.running: dict[str, Running] = {}  # execution id -> the command running on it
+        self.pools = pools.Pools(overlay.store)
+        self.pools.prune(overlay.executions.__contains__)
+        # The lease task's: when it wakes next (wall-clock ns; 0 while awake), and what wakes
+        # it sooner (:meth:`_lease_set`).
+        self.leases_wake_ns = 0
+        self.leases_changed = trio.Event()
         self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
             "renew": self._renew, "return": self._return, "drop": self._drop,
-            "fault": self._fault, "runtime": self._runtime}
+            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -96,7 +158,7 @@ class Control:
         text = command.decode(errors="replace")
         try:
             try:
-                name, args = protocol.parse_command(self._text(command), protocol.ROOT_COMMANDS)
+                name, args = _parse(self._text(command), protocol.ROOT_COMMANDS)
                 reply = await self.root_handlers[name](args)
             except Exception as exc:
                 raise self._as_rametfs(exc, text) from None
@@ -113,9 +175,12 @@ class Control:
         text = command.decode(errors="replace")
         try:
             try:
-                name, args = protocol.parse_command(self._text(command),
-                                                    protocol.EXECUTION_COMMANDS)
-                reply = await self._on_execution(ex, name, args)
+                name, args = _parse(self._text(command), protocol.EXECUTION_COMMANDS)
+                if "policy" in args:
+                    raise RametError(f"{name}: the policy is the harness's (create --policy, "
+                                     f"or the root ctl); an execution cannot give its own",
+                                     errno.EACCES)
+                reply = await self._on_execution(ex, name, args, harness=False)
             except Exception as exc:
                 raise self._as_rametfs(exc, text) from None
         except RametError as exc:
@@ -124,29 +189,80 @@ class Control:
             raise
         return execution_reply(reply)
 
-    async def _on_execution(self, ex: Execution, name: str, args: dict) -> dict:
-        """Run execution command ``name`` on ``ex``, from either scope: one at a time per
-        execution (else Busy, EBUSY); the reply, whole, becomes the execution's ``last``.  An
-        unexpected exception (a bug) marks ``ex`` failed (Overlay.fail)."""
-        if ex.id in self.busy:
-            raise Busy(f"execution {ex.id!r} is running another command")
-        self.busy.add(ex.id)
-        try:
-            reply = await self.execution_handlers[name](ex, args)
-        except (RametError, protocol.ProtocolError):
-            raise
-        except Exception as exc:
-            self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
-            raise
-        finally:
-            self.busy.discard(ex.id)
+    async def _on_execution(self, ex: Execution, name: str, args: dict, harness: bool
+                            ) -> dict:
+        """Run execution command ``name`` on ``ex``, from the root scope (``harness``) or its
+        own, alone on it (:meth:`_alone`); the reply, whole, becomes the execution's
+        ``last``.  An unexpected exception (a bug) marks ``ex`` failed (Overlay.fail)."""
+        async with self._alone(ex, name, harness):
+            try:
+                reply = await self.execution_handlers[name](ex, args)
+            except (RametError, protocol.ProtocolError):
+                raise
+            except Exception as exc:
+                self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
+                raise
         self.last[ex.id] = reply
         return reply
+
+    @contextlib.asynccontextmanager
+    async def _alone(self, ex: Execution, command: str, harness: bool = True
+                     ) -> AsyncIterator[Running]:
+        """Run the block as ``command`` on ``ex`` from the root scope (``harness``) or the
+        execution's own, the only command running on it.  While another runs, the harness
+        comes first: its command cancels one the execution's own ``ctl`` runs, and the
+        execution's never cancels the harness's (Busy, EBUSY); within one scope a ``reset``,
+        ``release`` or ``return`` cancels the one running, anything else is Busy.  A cancel
+        waits until the command has stopped (a capture's worker threads stop within a
+        page).  A block that was cancelled raises Cancelled (ECANCELED) naming why."""
+        while (other := self.running.get(ex.id)) is not None:
+            if other.harness and not harness or \
+                    other.harness == harness and command not in ENDS_COMMANDS:
+                raise Busy(f"execution {ex.id!r} is running {other.command}")
+            await self.cancel(ex.id, f"the {command} of execution {ex.id}"
+                                     + ("" if harness == other.harness else " by the harness"))
+        run = self.running[ex.id] = Running(command, harness)
+        done = False
+        try:
+            with run.scope:
+                yield run
+                done = True
+        except Cancelled:  # from a worker thread, which saw the token
+            pass
+        finally:
+            del self.running[ex.id]
+            run.done.set()
+        if not done:
+            raise Cancelled(f"{command} cancelled by {run.token.reason}")
+
+    def _token(self, ex: Execution) -> CancelToken:
+        """The token that cancels the command running on ``ex`` (its worker threads check
+        it)."""
+        return self.running[ex.id].token
+
+    async def cancel(self, eid: str, reason: str) -> bool:
+        """Cancel the command running on execution ``eid`` (``reason`` says by what) and
+        wait until it has stopped; False when none runs."""
+        run = self.running.get(eid)
+        if run is None:
+            return False
+        run.token.cancel(reason)
+        run.scope.cancel()
+        await run.done.wait()
+        return True
+
+    async def cancel_all(self, reason: str) -> list[str]:
+        """Cancel every running execution command (:meth:`cancel`); their execution ids."""
+        cancelled = []
+        for eid in list(self.running):
+            if await self.cancel(eid, reason):
+                cancelled.append(eid)
+        return cancelled
 
     async def _root_on_execution(self, name: str, args: dict) -> dict:
         """Root ``<name> <execution-id> ...``: the execution command on that execution."""
         ex = self.overlay.execution(args.pop("execution"))
-        return await self._on_execution(ex, name, args)
+        return await self._on_execution(ex, name, args, harness=True)
 
     @staticmethod
     def _text(command: bytes) -> str:
@@ -175,16 +291,52 @@ class Control:
 
     @staticmethod
     def _failed(exc: Exception, text: str) -> str:
-        message = f"{text.strip()}: {exc}"
+        """The ``.ramet/error`` text of a failed command: the command as written and the
+        error, each printable (:func:`shown`), so no bytes an agent wrote reach a
+        terminal raw."""
+        message = f"{shown(text.strip())}: {shown(str(exc), MAX_ERROR_CHARS)}"
         log.info("command failed: %s", message)
         return message + "\n"
 
+    def refuse_read_only(self, ex: Execution, command: bytes) -> None:
+        """Keep, for ``ex``'s ``.ramet/error`` and the ``last`` of its status, why a write
+        to its ``ctl`` or ``promote`` that reached the daemon was refused: its control files
+        are read-only (``--control read``).  ``command`` is what was written, or what was
+        done (the truncation of ``echo cmd > ctl`` comes first).  (A writer the kernel
+        refuses by the file's mode at the open never reaches the daemon: only root's
+        writes come here.)"""
+        exc = RametError("this execution's control files are read-only (--control read); "
+                         "the harness acts on it through the root ctl", errno.EACCES)
+        self.errors[ex.id] = self._failed(exc, command.decode(errors="replace"))
+        self.last[ex.id] = self._error_reply(exc)
+
     # -- root commands -------------------------------------------------------------------
+
+    def _check_source(self, command: str, path: str) -> None:
+        """InvalidArgument (EINVAL) for a source path that is relative (with the absolute
+        form to give) or in this mount (an execution has promote and checkpoint).  Strings
+        only: a stat of this mount from the trio thread would wait for itself."""
+        if not os.path.isabs(path):
+            raise InvalidArgument(f"{command}: path {path!r} is not absolute: the daemon has "
+                                  f"no working directory of yours; give it from /, as in "
+                                  f"{command} \"$PWD/{path}\" (the CLI and the wrapper do)")
+        norm = os.path.normpath(path)
+        if os.path.commonpath([norm, self.mountpoint]) != self.mountpoint:
+            return
+        parts = os.path.relpath(norm, self.mountpoint).split(os.sep)
+        if parts[0] == protocol.EXECUTIONS_DIR and len(parts) > 1:
+            raise InvalidArgument(f"{command}: {path} is in execution {parts[1]} of this mount: "
+                                  f"promote {parts[1]} (its new head) or checkpoint "
+                                  f"{parts[1]} (its base stays) snapshots it, storing only what "
+                                  "changed")
+        raise InvalidArgument(f"{command}: {path} is in this rametfs mount"
+                              + (f", in snapshot {parts[1]}: that is a snapshot already"
+                                 if parts[0] == protocol.SNAPSHOTS_DIR and len(parts) > 1
+                                 else ""))
 
     async def _snapshot(self, args: dict) -> dict:
         path = args["path"]
-        if not os.path.isabs(path):
-            raise InvalidArgument(f"snapshot: path {path!r} is not absolute")
+        self._check_source("snapshot", path)
         snap = await trio.to_thread.run_sync(import_tree, self.overlay.store, path,
                                              args.get("label", ""), args.get("message", ""),
                                              args.get("on-change", protocol.ON_CHANGE[0]))
@@ -192,8 +344,7 @@ class Control:
 
     async def _snapshot_git(self, args: dict) -> dict:
         repo = args["repo"]
-        if not os.path.isabs(repo):
-            raise InvalidArgument(f"snapshot-git: path {repo!r} is not absolute")
+        self._check_source("snapshot-git", repo)
         with_git_dir = protocol.yes_no("snapshot-git", "gitdir", args.get("gitdir"))
         snap = await trio.to_thread.run_sync(
             import_git, self.overlay.store, repo, args.get("rev", "HEAD"), with_git_dir,
@@ -202,7 +353,7 @@ class Control:
 
     async def _create(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
-        eid = args.get("name") or secrets.token_hex(6)
+        eid = args["name"] if "name" in args else secrets.token_hex(6)  # "": EINVAL below
         if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
             raise InvalidArgument(f"create: execution name {eid!r} must match "
                                   f"{protocol.EXECUTION_NAME_RE.pattern}")
@@ -220,12 +371,20 @@ class Control:
 
     async def _release(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
-        if ex.id in self.busy:
-            raise Busy(f"execution {ex.id!r} is running a command")
-        self.pools.forget(ex.id)
-        await self.invalidate(self.overlay.release(ex))
+        async with self._alone(ex, "release"):
+            self.pools.forget(ex.id, time.time_ns())
+            await self.invalidate(self.overlay.release(ex))
         self._forget_replies(ex.id)
         return {"ok": True, "execution": ex.id}
+
+    async def _cancel(self, args: dict) -> dict:
+        eid = args.get("execution")
+        if eid is None:
+            cancelled = await self.cancel_all("the harness (cancel)")
+        else:
+            self.overlay.execution(eid)  # ENOENT for an unknown one
+            cancelled = [eid] if await self.cancel(eid, "the harness (cancel)") else []
+        return {"ok": True, "cancelled": cancelled}
 
     async def _fault(self, args: dict) -> dict:
         if not self.faults:
@@ -239,14 +398,16 @@ class Control:
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), ex.policy))
+                             policy.choose(args.get("policy"), ex.policy), self._token(ex),
+                             charged=not self.running[ex.id].harness)
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), None))
+                             policy.choose(args.get("policy"), None), self._token(ex),
+                             charged=not self.running[ex.id].harness)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
@@ -263,101 +424,117 @@ class Control:
             table.pop(eid, None)
 
     async def _preview(self, ex: Execution, args: dict) -> dict:
-        return {"ok": True, "preview": preview(self.overlay, ex,
-                                               policy.choose(args.get("policy"), ex.policy))}
+        return {"ok": True, "preview": await preview(
+            self.overlay, ex, policy.choose(args.get("policy"), ex.policy))}
 
     async def _diff(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
         return {"ok": True, "execution": ex.id,
-                "diff": [[letter, os.fsdecode(path)] for letter, path in diff(self.overlay, ex)]}
+                "diff": [[letter, os.fsdecode(path)]
+                         for letter, path in await diff_in_slices(self.overlay, ex)]}
 
     async def _status(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
         return {"ok": True, "status": self.execution_json(ex)}
 
-    # -- pools and leases ----------------------------------------------------------------
+    # -- pools and leases (the rules: rametfs.core.pools) ----------------------------------
 
     async def _pool(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
         size = protocol.parse_count(args["size"], "--size")
-        name = protocol.check_pool(args.get("name"), size)
-        existed = name in self.pools.pools
+        opened = self.pools.open(args.get("name"), snap.id, size, args,
+                                 policy.stored(args.get("policy"), policy.POOL), time.time_ns())
         try:
-            pool, created = self.pools.open(name, snap, size, args,
-                                            policy.stored(args.get("policy"), policy.POOL))
+            await self._make_members(opened.new)
         except RametError:
-            if not existed and name in self.pools.pools:  # half made: no one could use it
-                await self._drop({"pool": name})
+            if opened.created:  # half made: no one could use it
+                await self._drop({"pool": opened.pool})
             raise
-        return {"ok": True, "pool": pool.name, "snapshot": snap.id, "size": pool.size,
-                "created": created, "executions": list(pool.members)}
+        return self.pools.opened_reply(opened)
+
+    async def _make_members(self, new: tuple[pools.NewMember, ...]) -> None:
+        """Create the executions of ``new`` members and record them; one its pool no longer
+        wants (dropped meanwhile) is released again."""
+        for member in new:
+            ex = self.overlay.create_execution(self.overlay.store.snapshot(member.base),
+                                               member.execution, member.access, member.policy)
+            if not self.pools.add_member(member, time.time_ns()):
+                await self._release({"execution": ex.id})
 
     async def _acquire(self, args: dict) -> dict:
-        member = self.pools.acquire(
+        acquired = self.pools.acquire(
             args["pool"], args["holder"],
             protocol.parse_count(args.get("pid", "0"), "--pid", minimum=0),
-            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"))
-        ex = self.overlay.execution(member.execution)
+            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"),
+            time.time_ns())
+        self._lease_set(acquired.member.lease.expires_ns)
+        ex = self.overlay.execution(acquired.member.execution)
         if not self.overlay.pristine(ex):  # a process of an earlier holder wrote after return
             log.info("pool %s: execution %s changed while ready: reset before its lease",
-                     member.pool, ex.id)
+                     acquired.member.pool, ex.id)
             await self._reset_layer(ex)
-        return {"ok": True, "execution": ex.id, "pool": member.pool, "snapshot": ex.base.id,
-                "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
-                "lease": member.lease.to_json()}
+        return self.pools.acquired_reply(
+            acquired, os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id))
 
     async def _renew(self, args: dict) -> dict:
-        member = self.pools.renew(args["execution"], args["holder"],
-                                  protocol.parse_seconds_ns(args["ttl"], "--ttl"))
-        return {"ok": True, "execution": member.execution, "lease": member.lease.to_json()}
+        reply = self.pools.renew(args["execution"], args["holder"],
+                                 protocol.parse_seconds_ns(args["ttl"], "--ttl"), time.time_ns())
+        self._lease_set(reply["lease"]["expires_ns"])
+        return reply
+
+    def _lease_set(self, expires_ns: int) -> None:
+        """A lease taken or renewed ends at ``expires_ns``: wake the lease task if that is
+        before it would wake.  (A wake reads every member record; renewals, which only move
+        an end later, then cost it nothing.)"""
+        if expires_ns < self.leases_wake_ns:
+            self.leases_changed.set()
 
     async def _return(self, args: dict) -> dict:
-        member = self.pools.held(args["execution"], args["holder"])
         mode = protocol.parse_verify_mode(args.get("verify", ROOT))
-        return await self.recycle(member, mode)
+        self.pools.held(args["execution"], args["holder"])  # before cancelling anything
+        return await self.recycle(args["execution"], args["holder"], mode)
 
     async def _drop(self, args: dict) -> dict:
-        pool = self.pools.pool(args["pool"])
-        busy = [eid for eid in pool.members if eid in self.busy]
-        if busy:
-            raise Busy(f"pool {pool.name!r}: executions {', '.join(busy)} are running commands")
-        released = self.pools.drop(pool.name)
-        for eid in released:
-            await self._release({"execution": eid})
-        return {"ok": True, "pool": pool.name, "executions": released}
+        reply = self.pools.drop(args["pool"])
+        for eid in reply["executions"]:
+            with contextlib.suppress(NotFound):  # released meanwhile
+                await self._release({"execution": eid})
+        return reply
 
-    async def recycle(self, member: Member, mode: str) -> dict:
-        """Reset ``member``'s execution, verify it in ``mode``, and return it to its pool,
-        or quarantine it when verification fails.  Raises Busy (EBUSY) while the execution
-        runs another command."""
-        ex = self.overlay.execution(member.execution)
-        if ex.id in self.busy:
-            raise Busy(f"execution {ex.id!r} is running a command")
-        self.busy.add(ex.id)
-        try:
+    async def recycle(self, eid: str, holder: str, mode: str,
+                      ended: Lease | None = None) -> dict | None:
+        """Reset ``holder``'s member ``eid``, verify it in ``mode``, and return it to its pool,
+        or quarantine it when verification fails; a command running on it is cancelled
+        first.  ``ended``: the lease task's, the ended lease to return, and nothing is done
+        (None) when the member no longer has it (returned, released or leased again
+        meanwhile).  Errors: those of ``Pools.held``; Cancelled (ECANCELED) when a reset,
+        release or return of it cancels this."""
+        ex = self.overlay.execution(eid)
+        async with self._alone(ex, "return") as run:
+            if ended is not None and self.pools.lease(eid) != ended:
+                return None
+            self.pools.held(eid, holder)
             reset_ms = await self._reset_layer(ex)
             try:
-                result = (await verify(self.overlay, ex, mode)).to_json()
-                reason = "" if result["equal"] else quarantine_reason(result)
-            except (RametError, OSError) as exc:  # e.g. an upper data file gone unreadable
-                result, reason = None, f"{mode} verification failed: {exc}"
-        finally:
-            self.busy.discard(ex.id)
+                result = (await verify(self.overlay, ex, mode, run.token)).to_json()
+                reason = pools.quarantine_reason(result)
+            except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
+                result, reason = None, pools.failure_reason(mode, exc)
         self._forget_replies(ex.id)
-        self.pools.returned(member, reason)
+        settled = self.pools.returned(eid, holder, reason, time.time_ns())
         if reason:
             log.warning("execution %s quarantined: %s", ex.id, reason)
-        return {"ok": True, "execution": ex.id, "pool": member.pool, "state": member.state,
-                "reset_ms": reset_ms, "verification": result}
+        await self._make_members(settled.new)
+        return pools.return_reply(settled, reset_ms, result)
 
     async def _verify(self, ex: Execution, args: dict) -> dict:
         mode = protocol.parse_verify_mode(args.get("mode", ROOT))
-        result = (await verify(self.overlay, ex, mode)).to_json()
-        member = self.pools.members.get(ex.id)
-        if member is not None and member.state == READY and not result["equal"]:
-            reason = quarantine_reason(result)
-            self.pools.quarantine(member, reason)
+        result = (await verify(self.overlay, ex, mode, self._token(ex))).to_json()
+        reason = pools.quarantine_reason(result)
+        settled = self.pools.verified(ex.id, reason)
+        if settled is not None:
             log.warning("execution %s quarantined: %s", ex.id, reason)
+            await self._make_members(settled.new)
         return {"ok": True, "execution": ex.id,
                 "state": self.pools.member_json(ex.id)["state"], "verification": result}
 
@@ -367,12 +544,15 @@ class Control:
         """What ``ex``'s own ``.ramet/status`` shows: who it is, where it stands, its own
         space, and its last reply as :func:`execution_reply` shows it; nothing of the harness
         (lease holder, pid, host, pool, mount path) or of the rest of the store."""
+        running = self.running.get(ex.id)
         state = ("failed" if ex.failure is not None else
-                 "promoting" if ex.frozen is not None else self.pools.member_json(ex.id)["state"])
+                 "promoting" if running is not None and running.command in CAPTURES
+                 else self.pools.member_json(ex.id)["state"])
         return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
                 "state": state, "created_ns": ex.created_ns,
                 "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
-                "max_bytes": ex.max_bytes, "max_inodes": ex.max_inodes,
+                "captured_bytes": ex.captured_bytes,
+                "max_bytes": ex.access.max_bytes, "max_inodes": ex.access.max_inodes,
                 "last": execution_reply(self.last.get(ex.id))}
 
     def execution_json(self, ex: Execution) -> dict:
@@ -420,19 +600,20 @@ class Control:
     def execution_status(self, ex: Execution) -> bytes:
         return (json.dumps(self.execution_view(ex), indent=1) + "\n").encode()
 
-    def diff_text(self, ex: Execution) -> bytes:
+    async def diff_text(self, ex: Execution) -> bytes:
         """``.ramet/diff``: ``<letter> <path>`` lines, each path quoted as ``git status
-        --porcelain`` quotes it (rametfs.protocol.quote_path)."""
+        --porcelain`` quotes it (rametfs.protocol.quote_path); made in slices of the trio
+        thread."""
         return "".join(f"{letter} {protocol.quote_path(path)}\n"
-                       for letter, path in diff(self.overlay, ex)).encode()
+                       for letter, path in await diff_in_slices(self.overlay, ex)).encode()
 
-    def preview_text(self, ex: Execution) -> bytes:
+    async def preview_text(self, ex: Execution) -> bytes:
         """``.ramet/preview``: the preview under the policy the harness stored with the
         execution (none if it stored none), as JSON; the tree's ``ramet.toml`` only if that
         policy is ``tree``.  A malformed policy fails the open (EINVAL) with its message in
         ``.ramet/error``."""
         try:
-            report = preview(self.overlay, ex, policy.Setting.from_record(ex.policy))
+            report = await preview(self.overlay, ex, policy.Setting.from_record(ex.policy))
         except RametError as exc:
             self.errors[ex.id] = self._failed(exc, protocol.PREVIEW)
             raise

@@ -9,8 +9,6 @@ mounted but dead on purpose: an empty-looking directory invites tools to delete 
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
 import logging
 import math
 import os
@@ -23,10 +21,9 @@ import trio
 from .control import Control
 from .errors import RametError
 from .faults import FAULTS
-from .fuse_ops import Operations
-from .mounts import bind_snapshots_read_only
+from .fuse_ops import OPEN_LESS, Operations
+from .mounts import bind_snapshots_read_only, check_mountpoint, take_data_lock
 from .overlay import MAX_FILE_SIZE, Overlay
-from .pools import LEASED
 from .precreate import Precreated, keep_filled
 from .store import Store
 from .store.cache import default_max_bytes
@@ -35,33 +32,33 @@ from .verify import ROOT
 log = logging.getLogger(__name__)
 
 DIRTY_INTERVAL_S = 1.0
+MAX_REQUEST_TASKS = 4096  # FUSE requests handled at once (pyfuse3 worker tasks)
 
 
-def _check_mountpoint(mountpoint: str) -> None:
-    if not os.path.isdir(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} is not a directory", errno.ENOENT)
-    if os.path.ismount(mountpoint):
-        raise RametError(f"{mountpoint} is already a mountpoint", errno.EBUSY)
-    if os.listdir(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} is not empty", errno.ENOTEMPTY)
-
-
-def _lock_data_dir(data_dir: str) -> int:
-    """Take ``<data_dir>/daemon.lock`` (flock, held while the returned descriptor is open):
-    two daemons on one store would hand out the same inode numbers.  EBUSY if taken."""
+def _lock_data_dir(data_dir: str, mountpoint: str) -> int:
+    """Take ``<data_dir>/daemon.lock`` (flock, held while the returned descriptor is open)
+    and write this daemon's pid and ``mountpoint`` in it: two daemons on one store would
+    hand out the same inode numbers.  EBUSY if taken (rametfs.mounts.take_data_lock)."""
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(data_dir, "daemon.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise RametError(f"{data_dir} is in use by another rametfs daemon (pid {holder})",
-                         errno.EBUSY) from None
+    fd = take_data_lock(data_dir)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{os.getpid()}\n{mountpoint}\n".encode(), 0)
     return fd
+
+
+def plain_mode_reason() -> str | None:
+    """Why the FUSE adapter runs in plain mode (tools/pyfuse3/README.md), or None in
+    open-less mode."""
+    if OPEN_LESS:
+        return None
+    if os.environ.get("RAMETFS_OPEN_LESS") == "0":
+        return "RAMETFS_OPEN_LESS=0 is set"
+    return "this pyfuse3 lacks the open-less patch"
+
+
+PLAIN_MODE_NOTE = ("plain mode ({reason}): warm git status is 5-10x slower and cold 2x than in "
+                   "open-less mode; `rametfs build-pyfuse3` builds the patched pyfuse3 into "
+                   "this Python, about a minute (tools/pyfuse3/README.md)")
 
 
 RESTART_DELAYS_S = (1.0, 2.0, 5.0, 15.0, 60.0)  # before a failed task's 1st, 2nd ... restart
@@ -89,7 +86,7 @@ async def _guarded(name: str, task, *args) -> None:
 # The memory of dropped nodes goes back to the system once they are all dropped, when at
 # least TRIM_NODES went since the last time (about 15 MB: a node with its records and
 # names takes about 1.5 KB).  The daemon runs on
-# glibc's malloc (``PYTHONMALLOC=malloc``, set by ``rametfs serve``): pymalloc keeps each
+# glibc's malloc (``PYTHONMALLOC=malloc``, set by ``rametfs mount``): pymalloc keeps each
 # 1 MiB arena while one object in it lives, and every object allocated during a burst of
 # creates that outlives the reset (a precreated file's path, another execution's node)
 # pins one, so the heap only grew: RssAnon 22 MB at start, 39, 48, 57 MB after three
@@ -140,23 +137,31 @@ EXPIRY_RETRY_NS = 1_000_000_000  # an expired lease whose execution is busy is r
 
 
 async def _expire_leases(control: Control) -> None:
-    """Return the executions whose lease ended to their pools (reset, verify; quarantine
-    when verification fails), sleeping until the next lease ends or a lease changes."""
+    """Return the executions whose lease ended to their pools (``Control.recycle``: reset,
+    verify; quarantine when verification fails), sleeping until the next lease ends, a
+    failed return is due again, or a lease taken or renewed ends sooner
+    (``Control.leases_changed``)."""
     pools = control.pools
+    retry_at: dict[str, int] = {}  # execution id -> when its failed return is tried again (ns)
     while True:
-        pools.leases_changed = trio.Event()
-        for member in pools.expired(time.time_ns()):
-            if member.state != LEASED:  # returned by its holder while an earlier one was
+        control.leases_changed, control.leases_wake_ns = trio.Event(), 0
+        now = time.time_ns()
+        expired = pools.expired(now)
+        retry_at = {m.execution: retry_at[m.execution] for m in expired
+                    if m.execution in retry_at}
+        for member in expired:
+            if retry_at.get(member.execution, now) > now:
                 continue
             log.info("lease of %s by %s (pid %d on %s) expired: returning it to pool %s",
                      member.execution, member.lease.holder, member.lease.pid, member.lease.host,
                      member.pool)
             try:
                 FAULTS.check("task:leases", member.execution)
-                await control.recycle(member, ROOT)
+                await control.recycle(member.execution, member.lease.holder, ROOT,
+                                      ended=member.lease)
             except RametError as exc:
                 log.info("execution %s not returned yet: %s", member.execution, exc)
-                pools.postpone(member, EXPIRY_RETRY_NS)
+                retry_at[member.execution] = time.time_ns() + EXPIRY_RETRY_NS
             except Exception as exc:
                 log.exception("returning execution %s to pool %s failed", member.execution,
                               member.pool)
@@ -164,11 +169,11 @@ async def _expire_leases(control: Control) -> None:
                 if ex is not None:
                     control.overlay.fail(ex, f"internal error returning it to its pool: "
                                              f"{exc!r}")
-                pools.postpone(member, EXPIRY_RETRY_NS)
-        deadline = pools.next_expiry()
-        delay = math.inf if deadline is None else max(0.0, (deadline - time.time_ns()) / 1e9)
-        with trio.move_on_after(delay):
-            await pools.leases_changed.wait()
+                retry_at[member.execution] = time.time_ns() + EXPIRY_RETRY_NS
+        deadline = min([*retry_at.values(), pools.next_expiry(after_ns=now) or math.inf])
+        control.leases_wake_ns = deadline
+        with trio.move_on_after(max(0.0, (deadline - time.time_ns()) / 1e9)):
+            await control.leases_changed.wait()
 
 
 async def _store_dirty_records(overlay: Overlay) -> None:
@@ -224,11 +229,16 @@ async def _serve(overlay: Overlay, control: Control) -> None:
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    log.info("signal %d: unmounting", signum)
+                    log.info("signal %d: cancelling running commands, unmounting", signum)
+                    # pyfuse3.main returns once every request is answered: a long capture
+                    # would hold the exit (and its caller) until done.
+                    await control.cancel_all("the daemon stopping")
                     pyfuse3.terminate()
 
         nursery.start_soon(on_signal)
-        await pyfuse3.main()
+        # Requests waiting on a frozen execution each hold a worker task: more of them than
+        # pyfuse3's default 99, so one execution's waiting writers cannot take them all.
+        await pyfuse3.main(max_tasks=MAX_REQUEST_TASKS)
         nursery.cancel_scope.cancel()
 
 
@@ -243,12 +253,17 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
 
     Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
     ``fusermount3 -u -z``).  ``faults`` enables the ``fault`` command (rametfs.faults).  Raises
-    RametError when the mountpoint is missing (ENOENT), mounted (EBUSY) or not empty
-    (ENOTEMPTY), another daemon serves ``data_dir`` (EBUSY), or the store cannot be opened.
+    RametError when another daemon serves ``data_dir`` (EBUSY, naming it), the mountpoint
+    is missing (ENOENT), not a directory (ENOTDIR), mounted (EBUSY) or not empty
+    (ENOTEMPTY), or the store cannot be opened.
     """
     mountpoint = os.path.realpath(mountpoint)
-    _check_mountpoint(mountpoint)
-    lock = _lock_data_dir(data_dir)
+    lock = _lock_data_dir(data_dir, mountpoint)
+    try:
+        check_mountpoint(mountpoint)
+    except RametError:
+        os.close(lock)
+        raise
     try:
         _serve_store(data_dir, mountpoint, allow_other, debug,
                      MAX_FILE_SIZE if max_file_size is None else max_file_size,
@@ -273,9 +288,13 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
     if debug:
         options.add("debug")
     pyfuse3.init(ops, mountpoint, options)
-    log.info("serving %s at %s (pid %d); files up to %d bytes; hydration cache %d of %d "
-             "bytes", store.root, mountpoint, os.getpid(), max_file_size, store.cache.bytes,
+    reason = plain_mode_reason()
+    log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
+             "of %d bytes", store.root, mountpoint, os.getpid(),
+             "open-less" if reason is None else "plain", max_file_size, store.cache.bytes,
              cache_max_bytes)
+    if reason is not None:
+        log.info("%s", PLAIN_MODE_NOTE.format(reason=reason))
     clean = False
     try:
         trio.run(_serve, overlay, ops.control)

@@ -50,6 +50,13 @@ class IntegrityError(RametError):
     errno = errno.EIO
 
 
+class Cancelled(RametError):
+    """A command cancelled before it was done: by a reset or release of its execution, or
+    the daemon stopping (ECANCELED)."""
+
+    errno = errno.ECANCELED
+
+
 class ReadOnly(RametError):
     """A write to an immutable snapshot (EROFS)."""
 

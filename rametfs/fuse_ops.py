@@ -7,12 +7,13 @@ its traceback and answered with EIO so one bad request cannot take the daemon do
 
 Fixed inode numbers: 1 the mount root, 2 ``snapshots/``, 3 ``executions/``, 4 ``.ramet/``.
 Each execution's ``.ramet/`` directory gets a number on first lookup; control files get one per
-content (:class:`ControlSlot`).
+content (:class:`ControlSlot`); ``snapshots/<prefix>`` (a unique id prefix of 8 to 63 hex
+digits) is a symlink to the full id, one inode per snapshot.
 Snapshot inodes are cached by the kernel for :data:`CACHE_TIMEOUT` (immutable).  So are
 execution inodes: every change to them passes through this kernel mount, which keeps its
 caches coherent, except reset and release, which invalidate what the kernel may hold.
 
-Open-less mode (:data:`OPEN_LESS`, with the pyfuse3 patch in tools/pyfuse3/): open and
+Open-less mode (:data:`OPEN_LESS`, with the pyfuse3 patch, tools/pyfuse3/README.md): open and
 opendir answer ENOSYS, so the kernel stops sending open, release, opendir and releasedir,
 keeps every file's pages and every directory's listing cached, and the handlers get the inode
 number where a file handle was.  Without the patch the same handlers run with the inode number
@@ -41,6 +42,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import stat
 import time
 from collections import OrderedDict
@@ -67,6 +69,7 @@ OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
     os.environ.get("RAMETFS_OPEN_LESS", "1") != "0"
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
+NEGATIVE_ROOT_NAMES = 4096  # missing names cached per execution root (Execution.negative_root)
 GENERATIONS = 64  # inodes kept per control file: older ones read as ESTALE
 RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (Operations._reclaim)
 # The root .ramet/ files: ctl and error are the harness's; status is the harness's whole, and
@@ -74,6 +77,8 @@ RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (Ope
 ROOT_MODES = {protocol.CTL: 0o600, protocol.STATUS: 0o444, protocol.ERROR: 0o400}
 HARNESS_STATUS_MODE = stat.S_IFREG | 0o400
 WRITTEN = (protocol.CTL, protocol.PROMOTE, protocol.FSMONITOR)  # control files written to
+# A name in snapshots/ shorter than an id: a prefix, answered by a symlink to the full id.
+SNAPSHOT_PREFIX_RE = re.compile(rf"[0-9a-f]{{{protocol.MIN_ID_PREFIX},63}}")
 
 
 @dataclass
@@ -97,7 +102,7 @@ class Virtual:
 
     ino: int
     mode: int
-    kind: str  # "dir" or a control file kind
+    kind: str  # "dir", "symlink" (snapshots/<prefix>) or a control file kind
     execution: Execution | None = None  # None: the root scope
     children: dict[bytes, int] = field(default_factory=dict)
     files: dict[bytes, ControlSlot] = field(default_factory=dict)  # a .ramet/ directory's
@@ -118,7 +123,8 @@ def _errors(fn):
     """Guard a handler: RametError and OSError become ``FUSEError(errno)``; any other
     exception is a bug, logged with its traceback, answered EIO, and the executions whose
     inodes the request named are marked failed (``Overlay.fail``), so nothing else stops.
-    ``forget`` has no reply: there the error is only logged."""
+    ``forget`` has no reply, and pyfuse3's session loop awaits it unguarded: no exception
+    may leave it, so there every error is only logged."""
     name = fn.__name__
 
     @functools.wraps(fn)
@@ -127,11 +133,12 @@ def _errors(fn):
             if FAULTS.armed:
                 FAULTS.check(f"handler:{name}", *self._culprits(args))
             return await fn(self, *args)
-        except pyfuse3.FUSEError:
-            raise
-        except RametError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except OSError as exc:
+        except (pyfuse3.FUSEError, RametError, OSError) as exc:
+            if name == "forget":
+                log.warning("forget: %s", exc)
+                return None
+            if isinstance(exc, pyfuse3.FUSEError):
+                raise
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         except Exception as exc:
             culprits = self._culprits(args)
@@ -167,6 +174,7 @@ class Operations(pyfuse3.Operations):
             name.encode(): ControlSlot(stat.S_IFREG | ROOT_MODES[name], name, None)
             for name in protocol.ROOT_CONTROL_FILES}))
         self.exec_control: dict[int, int] = {}  # execution root ino -> its .ramet dir ino
+        self.prefix_links: dict[str, int] = {}  # snapshot id -> its symlink's ino
         self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
         self.listing_entries = 0  # entries of every kept listing
         # snapshot inode whose pages are being dropped -> a WRITE came since the drop began
@@ -235,13 +243,30 @@ class Operations(pyfuse3.Operations):
                   v.mtime_ns, v.mtime_ns)
         return self._entry(a, CACHE_TIMEOUT if is_dir else 0)
 
-    def _control_file(self, slot: ControlSlot, caller: Caller = HARNESS) -> Virtual:
+    async def _control_file(self, slot: ControlSlot, caller: Caller = HARNESS) -> Virtual:
         """The inode to hand out for ``slot`` to ``caller`` now: the newest one if its
         content and mode are still current, else a new one; always a new one for a file that
         takes commands.  The root status the harness reads is 0400, so another uid can never
         read it, even through a dentry it shares."""
-        content = slot.reply if slot.kind == protocol.CTL else self._control_content(slot,
-                                                                                      caller)
+        content = slot.reply if slot.kind == protocol.CTL else \
+            await self._control_content(slot, caller)
+        return self._generation(slot, content, caller)
+
+    def _listed_control_file(self, slot: ControlSlot) -> Virtual:
+        """The inode a listing of ``.ramet/`` shows for ``slot``: its newest, or one made
+        with what is cheap to show; a diff or preview is made only when the file is looked
+        up (to be read), never for a listing."""
+        if slot.gens:
+            return self.virtual[slot.gens[-1]]
+        if slot.kind == protocol.CTL:
+            content = slot.reply
+        elif slot.kind in (protocol.DIFF, protocol.PREVIEW):
+            content = b""
+        else:
+            content = self._cheap_content(slot)
+        return self._generation(slot, content, HARNESS)
+
+    def _generation(self, slot: ControlSlot, content: bytes, caller: Caller) -> Virtual:
         mode = slot.mode
         if slot.execution is None and slot.kind == protocol.STATUS and caller.harness:
             mode = HARNESS_STATUS_MODE
@@ -308,11 +333,17 @@ class Operations(pyfuse3.Operations):
             return True
         return self._execution_of(v).access.control == protocol.CONTROL_FULL
 
+    def _refused(self, v: Virtual, command: bytes | None = None) -> None:
+        """A write to an execution's ``ctl`` or ``promote`` (``command``, the bytes written
+        to ``ctl``, None for an open, a truncation or ``promote``) that ``--control read``
+        refuses: say why in its ``.ramet/error`` (Control.refuse_read_only)."""
+        if v.execution is not None and v.kind in (protocol.CTL, protocol.PROMOTE):
+            what = f"a write to {protocol.CONTROL_DIR}/{v.kind}".encode()
+            self.control.refuse_read_only(self._execution_of(v), command or what)
+
     async def _hold(self, node: Node) -> None:
         """Wait while a promote captures this node's execution (a consistent point)."""
-        ex = node.view
-        while isinstance(ex, Execution) and ex.frozen is not None:
-            await ex.frozen.wait()
+        await self.overlay.wait_thawed(node)
 
     # -- namespace -----------------------------------------------------------------------
 
@@ -320,7 +351,12 @@ class Operations(pyfuse3.Operations):
     async def lookup(self, parent_inode, name, ctx=None):
         caller = HARNESS if ctx is None else Caller(ctx.uid, ctx.gid, ctx.pid)
         try:
-            ino = self._lookup_ino(parent_inode, name, caller)
+            v = self.virtual.get(parent_inode)
+            if v is not None and name in v.files:  # a control file: its content made now
+                ino = (await self._control_file(v.files[name], caller)).ino
+            else:
+                await self.overlay.prefetch(parent_inode)
+                ino = self._lookup_ino(parent_inode, name, caller)
         except NotFound:
             if parent_inode in self.virtual:
                 raise  # snapshots/ and executions/ gain entries the kernel does not see
@@ -342,11 +378,15 @@ class Operations(pyfuse3.Operations):
         The kernel replaces it when it creates the name; a reset must drop the ones in an
         execution's root (``Execution.negative_root``)."""
         view = self.overlay.node(parent_inode).view
+        timeout = CACHE_TIMEOUT
         if isinstance(view, Execution) and parent_inode == view.root_ino:
-            view.negative_root.add(name)
+            if len(view.negative_root) < NEGATIVE_ROOT_NAMES:
+                view.negative_root.add(name)
+            else:  # not cached: the set (and the reset that tells the kernel) stay bounded
+                timeout = 0
         e = pyfuse3.EntryAttributes()
         e.st_ino = 0
-        e.entry_timeout = CACHE_TIMEOUT
+        e.entry_timeout = timeout
         return e
 
     def _looked_up(self, ino: int) -> None:
@@ -358,14 +398,15 @@ class Operations(pyfuse3.Operations):
         v = self.virtual.get(parent)
         if v is not None:
             if parent == SNAPSHOTS:
-                return self.overlay.snapshot_view(name.decode("ascii", "replace")).root_ino
+                sid = name.decode("ascii", "replace")
+                if SNAPSHOT_PREFIX_RE.fullmatch(sid):
+                    return self._prefix_link(sid)
+                return self.overlay.snapshot_view(sid).root_ino
             if parent == EXECUTIONS:
                 ex = self.overlay.execution(name.decode("utf-8", "replace"))
                 if not ex.access.allows(caller, X):
                     raise pyfuse3.FUSEError(errno.EACCES)
                 return ex.root_ino
-            if name in v.files:
-                return self._control_file(v.files[name], caller).ino
             if name not in v.children:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return v.children[name]
@@ -376,6 +417,20 @@ class Operations(pyfuse3.Operations):
                     raise NotFound(f"{protocol.CONTROL_DIR} is hidden (--control none)")
                 return self._exec_control_dir(node.view).ino
         return self.overlay.lookup(parent, name).ino
+
+    def _prefix_link(self, prefix: str) -> int:
+        """``snapshots/<prefix>`` of a unique id prefix (as ``rametfs ls`` shows ids): a
+        symlink to the full id, never a second view of the snapshot (one view per id).
+        One inode per snapshot, looked up at entry timeout 0 (a new snapshot can make the
+        prefix ambiguous: then ENOENT, as for no match)."""
+        snap = self.overlay.store.snapshot(prefix)  # NotFound: none, or several
+        ino = self.prefix_links.get(snap.id)
+        if ino is None:
+            ino = self.overlay._alloc_ino()
+            self._add_virtual(Virtual(ino, stat.S_IFLNK | 0o777, "symlink",
+                                      content=snap.id.encode()))
+            self.prefix_links[snap.id] = ino
+        return ino
 
     @_errors
     async def getattr(self, inode, ctx=None):
@@ -389,6 +444,8 @@ class Operations(pyfuse3.Operations):
                     and self._writable(v):
                 return self._virtual_attrs(v)  # the O_TRUNC of `echo cmd > ctl`
             # A size is a write (like sysfs, EACCES); modes, owners and times are EPERM.
+            if fields.update_size:
+                self._refused(v)
             raise pyfuse3.FUSEError(errno.EACCES if fields.update_size else errno.EPERM)
         node = self.overlay.node(inode)
         await self._hold(node)
@@ -411,6 +468,11 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def readlink(self, inode, ctx):
+        v = self.virtual.get(inode)
+        if v is not None:
+            if v.kind != "symlink":
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            return v.content
         return self.overlay.readlink(self.overlay.node(inode))
 
     async def _parent(self, parent_inode: int) -> Node:
@@ -460,11 +522,11 @@ class Operations(pyfuse3.Operations):
 
     # -- directories ---------------------------------------------------------------------
 
-    def _listing(self, ino: int) -> list[tuple[bytes, int]]:
+    async def _listing(self, ino: int) -> list[tuple[bytes, int]]:
         """Directory ``ino``'s entries, ``(name, inode number)`` sorted by name."""
         v = self.virtual.get(ino)
         if v is None:
-            return [(name, node.ino) for name, node in self.overlay.listdir(ino)]
+            return [(name, node.ino) for name, node in await self.overlay.listdir_in_slices(ino)]
         if ino == SNAPSHOTS:
             names = [s.id.encode() for s in self.overlay.store.snapshots()]
             entries = [(n, self.overlay.snapshot_view(n.decode()).root_ino) for n in names]
@@ -473,7 +535,8 @@ class Operations(pyfuse3.Operations):
                        for eid, ex in sorted(self.overlay.executions.items())]
         else:  # .ramet is found by lookup, never listed
             entries = sorted([(n, i) for n, i in v.children.items() if n != CONTROL_NAME] +
-                             [(n, self._control_file(slot).ino) for n, slot in v.files.items()])
+                             [(n, self._listed_control_file(slot).ino)
+                              for n, slot in v.files.items()])
         return entries
 
     def _keep_listing(self, ino: int, listing: list) -> None:
@@ -493,7 +556,7 @@ class Operations(pyfuse3.Operations):
         # through it, so offsets stay valid between them.
         listing = self.listings.get(fh)
         if listing is None or start_id == 0:
-            listing = self._listing(fh)
+            listing = await self._listing(fh)
             self._keep_listing(fh, listing)
         self.listings.move_to_end(fh)
         for i in range(start_id, len(listing)):
@@ -517,6 +580,7 @@ class Operations(pyfuse3.Operations):
                 if v.kind == "dir":
                     raise pyfuse3.FUSEError(errno.EISDIR)
                 if flags & (os.O_WRONLY | os.O_RDWR) and not self._writable(v):
+                    self._refused(v)
                     raise pyfuse3.FUSEError(errno.EACCES)
                 return pyfuse3.FileInfo(fh=inode, direct_io=True)
             node = self.overlay.node(inode)
@@ -583,12 +647,12 @@ class Operations(pyfuse3.Operations):
             await self.overlay.sync_data(node)
             if self.overlay.is_live(node) and node.upper.nlink > 0:
                 self.overlay.save(node)
-            await trio.to_thread.run_sync(self.overlay.store.sync)
+            await self.overlay.sync_store()
 
     @_errors
     async def fsyncdir(self, fh, datasync):
         self.overlay.flush_all()
-        await trio.to_thread.run_sync(self.overlay.store.sync)
+        await self.overlay.sync_store()
 
     @_errors
     async def statfs(self, ctx):
@@ -682,8 +746,19 @@ class Operations(pyfuse3.Operations):
 
     # -- control files -------------------------------------------------------------------
 
-    def _control_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS) -> bytes:
-        """What a control file other than ``ctl`` shows ``caller`` now."""
+    async def _control_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS
+                               ) -> bytes:
+        """What a control file other than ``ctl`` shows ``caller`` now; a diff or preview
+        is made in slices of the trio thread (rametfs.control)."""
+        if v.execution is not None and v.kind == protocol.DIFF:
+            return await self.control.diff_text(self._execution_of(v))
+        if v.execution is not None and v.kind == protocol.PREVIEW:
+            return await self.control.preview_text(self._execution_of(v))
+        return self._cheap_content(v, caller)
+
+    def _cheap_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS) -> bytes:
+        """What a control file other than ``ctl``, ``diff`` and ``preview`` shows ``caller``
+        now: O(1) in the execution's size."""
         c = self.control
         if v.execution is None:
             if v.kind == protocol.STATUS:
@@ -691,8 +766,6 @@ class Operations(pyfuse3.Operations):
             return c.root_error.encode()
         ex = self._execution_of(v)
         return {protocol.STATUS: c.execution_status,
-                protocol.DIFF: c.diff_text,
-                protocol.PREVIEW: c.preview_text,
                 protocol.PROMOTE: c.promoted_text,
                 protocol.FSMONITOR: lambda e: FSMONITOR_HOOK,
                 protocol.ERROR: lambda e: c.errors.get(e.id, "").encode()}[v.kind](ex)
@@ -701,6 +774,7 @@ class Operations(pyfuse3.Operations):
         # A read-only control file opened for writing (open-less), or one --control read
         # keeps from writes (root passes the file modes).
         if not self._writable(v):
+            self._refused(v, buf if v.kind == protocol.CTL else None)
             raise pyfuse3.FUSEError(errno.EACCES)
         if v.kind == protocol.FSMONITOR:
             if len(buf) > protocol.MAX_COMMAND_BYTES:
@@ -726,7 +800,7 @@ class Operations(pyfuse3.Operations):
             v.slot.reply = protocol.encode_reply(reply)
             v.changed(v.slot.reply)
         else:
-            v.changed(self._control_content(v))
+            v.changed(await self._control_content(v))
         if not reply["ok"]:
             raise pyfuse3.FUSEError(reply["errno"])
         return len(buf)

@@ -1,5 +1,7 @@
 """The read-only bind mount of ``snapshots/`` over itself, made by the daemon and taken down
-by ``rametfs umount``; and the kernel's mount table.
+by ``rametfs umount``; the kernel's mount table; and what keeps a mount or its daemon alive
+(processes using it, copies in other mount namespaces) and how to end its FUSE connection;
+where a daemon may serve (its mountpoint, and its data directory's lock, which names it).
 
 In open-less mode the kernel sends no open, so the daemon cannot refuse a snapshot file
 opened for writing, and a shared writable mmap of it changes the kernel's cached pages.  A
@@ -21,12 +23,18 @@ libfuse do) takes both.
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import os
+import tempfile
 from dataclasses import dataclass
 
+from .errors import RametError
 from .protocol import SNAPSHOTS_DIR
 
 FSTYPE = "fuse.rametfs"  # the daemon mounts with subtype=rametfs
+_FUSECTL = "/sys/fs/fuse/connections"  # where fusectl is usually mounted
+SHOWN_PIDS = 4  # processes named per mount namespace holding a copy
 
 # Syscall numbers of the mount API: one table for every architecture (asm-generic, 424+).
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
@@ -85,13 +93,16 @@ def bind_snapshots_read_only(mountpoint: str) -> str | None:
 
 @dataclass(frozen=True)
 class Mount:
-    """One mount: where, what file system type, its per-mount options, and which directory
-    of its file system it shows (``/`` unless it is a bind of a subdirectory)."""
+    """One mount: where, what file system type, its per-mount options, which directory of
+    its file system it shows (``/`` unless it is a bind of a subdirectory), the file
+    system's device (``"major:minor"``, one per FUSE connection) and the mount's id."""
 
     point: str
     fstype: str
     options: tuple[str, ...]
     root: str
+    dev: str = ""
+    id: int = 0
 
 
 def _unescape(field: bytes) -> str:
@@ -99,16 +110,18 @@ def _unescape(field: bytes) -> str:
     return os.fsdecode(field.decode("unicode_escape").encode("latin-1"))
 
 
-def mount_table() -> list[Mount]:
-    """The calling process's mounts, in mount order (/proc/self/mountinfo, proc(5)):
+def mount_table(pid: int | str = "self") -> list[Mount]:
+    """The mounts process ``pid`` sees (default: the caller's), in mount order
+    (/proc/PID/mountinfo, proc(5)):
     ``id parent dev root point options [optional...] - fstype source super-options``."""
     table = []
-    with open("/proc/self/mountinfo", "rb") as f:
+    with open(f"/proc/{pid}/mountinfo", "rb") as f:
         for line in f:
             fields = line.split()
             fstype = fields[fields.index(b"-") + 1]
             table.append(Mount(_unescape(fields[4]), fstype.decode(),
-                               tuple(fields[5].decode().split(",")), _unescape(fields[3])))
+                               tuple(fields[5].decode().split(",")), _unescape(fields[3]),
+                               fields[2].decode(), int(fields[0])))
     return table
 
 
@@ -131,3 +144,197 @@ def unbind_snapshots(mountpoint: str) -> None:
     while a process works in it).  Checks nothing: see :func:`snapshots_bound`."""
     path = snapshots_path(mountpoint)
     _checked(_libc.umount2(os.fsencode(path), 0), "umount", path)
+
+
+# ----- who keeps a mount, or its daemon, alive (rametfs umount) -----------------------------
+
+@dataclass(frozen=True)
+class User:
+    """A process using a mount: ``pid``, its command name and how (``"working directory"``,
+    ``"root directory"``, ``"program"``, ``"open file PATH"``, ``"mapped file PATH"``)."""
+
+    pid: int
+    command: str
+    how: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.command}): {self.how}"
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A mount namespace other than the caller's that holds rametfs mounts: the ``pids``
+    of its processes, the command names of the first few, and the ``mounts`` there."""
+
+    pids: tuple[int, ...]
+    commands: tuple[str, ...]
+    mounts: tuple[Mount, ...]
+
+    def __str__(self) -> str:
+        shown = ", ".join(f"{pid} ({cmd})" for pid, cmd in zip(self.pids, self.commands))
+        more = f" and {len(self.pids) - len(self.commands)} more" \
+            if len(self.pids) > len(self.commands) else ""
+        return (f"the mount namespace of pid {shown}{more} (at "
+                f"{', '.join(m.point for m in self.mounts)})")
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def _inside(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def users(mountpoint: str) -> list[User]:
+    """The processes of the caller's mount namespace that use the mount at ``mountpoint``
+    or one under it, as ``fuser -m`` finds them: working or root directory, program, open
+    files (by the mount id in /proc/PID/fdinfo) and mapped files.  Touches no file of the
+    mount, so a hung daemon cannot hang it; processes it may not inspect are left out."""
+    ids = {m.id for m in mount_table() if _inside(m.point, mountpoint)}
+    own = os.readlink("/proc/self/ns/mnt")
+    found = []
+    for pid in _pids():
+        if pid == os.getpid():
+            continue
+        try:
+            if os.readlink(f"/proc/{pid}/ns/mnt") != own:
+                continue
+            hows = [how for link, how in (("cwd", "working directory"),
+                                          ("root", "root directory"), ("exe", "program"))
+                    if _inside(os.readlink(f"/proc/{pid}/{link}"), mountpoint)]
+            for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    mnt_id = next((int(line.split()[1]) for line in f
+                                   if line.startswith("mnt_id:")), None)
+                if mnt_id in ids:
+                    hows.append(f"open file {os.readlink(f'/proc/{pid}/fd/{fd}')}")
+            with open(f"/proc/{pid}/maps") as f:  # address perms offset dev inode [path]
+                mapped = {fields[5].strip() for fields in (line.split(None, 5) for line in f)
+                          if len(fields) == 6}
+            hows += [f"mapped file {path}" for path in sorted(mapped)
+                     if _inside(path, mountpoint)]
+            command = _comm(pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # it exited meanwhile, or is another user's
+        found += [User(pid, command, how) for how in hows]
+    return found
+
+
+def copies_elsewhere(dev: str | None = None, point: str | None = None) -> list[Copy]:
+    """The mount namespaces other than the caller's that hold a rametfs mount of the file
+    system ``dev`` (``"major:minor"``), or else one mounted at ``point``: such a copy (made
+    by a sandbox, ``unshare -m`` or xfstests' ``check`` while the mount existed) keeps the
+    FUSE connection, and so the daemon, alive after the mount here is gone."""
+    own = os.readlink("/proc/self/ns/mnt")
+    spaces: dict[str, list[int]] = {}
+    for pid in _pids():
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/mnt")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if ns != own:
+            spaces.setdefault(ns, []).append(pid)
+    copies = []
+    for pids in spaces.values():
+        try:
+            found = tuple(m for m in mount_table(pids[0]) if m.fstype == FSTYPE
+                          and (m.dev == dev if dev else m.point == point and m.root == "/"))
+            commands = tuple(_comm(pid) for pid in pids[:SHOWN_PIDS])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if found:
+            copies.append(Copy(tuple(pids), commands, found))
+    return copies
+
+
+def abort_connection(dev: str) -> None:
+    """End the FUSE connection of file system ``dev`` (``"major:minor"``) by writing its
+    fusectl ``abort`` file (the kernel's docs/filesystems/fuse.rst): every copy of the mount
+    then fails ENOTCONN and the daemon, whose /dev/fuse reads end, unmounts and exits.
+    fusectl is mounted on a temporary directory for the write if it is not at
+    /sys/fs/fuse/connections.  OSError: EPERM without CAP_SYS_ADMIN, ENOENT no such
+    connection."""
+    major, minor = (int(n) for n in dev.split(":"))
+    name = str(major << 20 | minor)  # the kernel's dev_t, as fusectl names it
+    if os.path.isdir(f"{_FUSECTL}/{name}"):
+        _write_abort(f"{_FUSECTL}/{name}/abort")
+        return
+    top = tempfile.mkdtemp(prefix="rametfs-fusectl-")
+    try:
+        _checked(_libc.mount(b"fusectl", os.fsencode(top), b"fusectl", ctypes.c_ulong(0),
+                             None), "mount fusectl", top)
+        try:
+            _write_abort(f"{top}/{name}/abort")
+        finally:
+            _checked(_libc.umount2(os.fsencode(top), 0), "umount", top)
+    finally:
+        os.rmdir(top)
+
+
+def _write_abort(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("1")
+
+
+# ----- where a daemon may serve ------------------------------------------------------------
+
+def check_mountpoint(mountpoint: str) -> None:
+    """RametError when a daemon cannot mount at ``mountpoint``: ENOENT missing, ENOTDIR
+    not a directory, EBUSY mounted (from the mount table: a dead FUSE mount too),
+    ENOTEMPTY not empty."""
+    if mount_at(mountpoint) is not None:
+        raise RametError(f"{mountpoint} is already a mountpoint", errno.EBUSY)
+    if not os.path.lexists(mountpoint):
+        raise RametError(f"mountpoint {mountpoint} does not exist", errno.ENOENT)
+    if not os.path.isdir(mountpoint):
+        raise RametError(f"mountpoint {mountpoint} is not a directory", errno.ENOTDIR)
+    if os.listdir(mountpoint):
+        raise RametError(f"mountpoint {mountpoint} is not empty", errno.ENOTEMPTY)
+
+
+LOCK_FILE = "daemon.lock"
+
+
+def take_data_lock(data_dir: str) -> int:
+    """A descriptor holding the flock of ``<data_dir>/daemon.lock`` (made if missing; the
+    daemon holds it while it serves the store), its content untouched.  Raises RametError
+    (EBUSY) naming the daemon that holds it (its pid and mountpoint, which it wrote there)
+    and how to end it."""
+    fd = os.open(os.path.join(data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid, _, where = os.pread(fd, 4096, 0).decode(errors="replace").partition("\n")
+        os.close(fd)
+        raise RametError(_in_use(data_dir, pid.strip() or "?", where.strip()),
+                         errno.EBUSY) from None
+    return fd
+
+
+def _in_use(data_dir: str, pid: str, mountpoint: str) -> str:
+    message = f"{data_dir} is in use by the rametfs daemon pid {pid}"
+    if not mountpoint:
+        return message
+    top = mount_at(mountpoint)
+    if top is not None and top.fstype == FSTYPE:
+        return f"{message}, serving {mountpoint}: rametfs umount {mountpoint} stops it"
+    return (f"{message}, which served {mountpoint}: that is no longer mounted here, but a "
+            f"copy made in another mount namespace (a sandbox, unshare -m) keeps the daemon "
+            f"serving; rametfs umount --force {mountpoint} ends it (or kill {pid})")
+
+
+def check_can_serve(data_dir: str, mountpoint: str) -> None:
+    """Raise now the RametError the daemon would raise at its start for ``data_dir`` and
+    ``mountpoint`` (another daemon holds the data directory, EBUSY; the mountpoint is
+    missing, not a directory, mounted or not empty), holding nothing after: ``mount
+    --background`` checks first, as the daemon's own errors go to its log file."""
+    if os.path.isdir(data_dir):
+        os.close(take_data_lock(data_dir))
+    check_mountpoint(os.path.realpath(mountpoint))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import functools
+import itertools
 import os
 import re
 import secrets
@@ -36,7 +36,7 @@ import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 
 import msgpack
 import trio
@@ -45,18 +45,28 @@ from .authority import Access
 from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
 from .precreate import Precreated
 from .protocol import CONTROL_DIR
+
+RESERVED = CONTROL_DIR.encode()  # the name no entry may have at an execution's root
 from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
                            page_of_key, u64)
-from .treewalk import preorder
+from .treewalk import Steps, preorder, run_steps
 
+R = TypeVar("R")
 NAME_MAX = 255
 FIRST_DYNAMIC_INO = 1000
 RELEASED = -1  # the layer of a released execution: every node of it is stale  # inode numbers below are the mount's fixed virtual nodes
 DIR_SIZE = 4096
-TREE_CACHE = 4096  # decoded base trees kept in memory
+TREE_ENTRIES = 1 << 20  # entries of the decoded base trees kept in memory (~300 bytes each)
+BIG_TREE_BYTES = 1 << 20  # a stored tree this large is decoded in a worker thread (prefetch)
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
 XATTR_BYTES = 64 * 1024  # names and values of one inode's extended attributes
+LIST_STEP = 1024  # names a listing makes per step (listdir_steps)
+# Requests of one execution that may wait for its freeze to end: an eighth of the daemon's
+# request tasks (rametfs.daemon.MAX_REQUEST_TASKS, 4,096).
+MAX_WAITING = 512
+MAX_CHANGES = 1 << 18  # change-clock entries kept per execution (about 150 bytes each)
+THREADS_PER_VIEW = 4  # worker threads one execution's (or snapshot's) requests may hold
 SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
 MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
 
@@ -135,6 +145,9 @@ class View:
 
     def __init__(self, root_ino: int):
         self.root_ino = root_ino
+        # Worker threads its requests may hold at once (fsync, hydration): 200 threads of
+        # one execution fsyncing took every thread of trio's pool from the others.
+        self.threads = trio.CapacityLimiter(THREADS_PER_VIEW)
         self.inos: set[int] = {root_ino}
         self.dcache: dict[tuple[int, bytes], int] = {}  # (parent ino, name) -> ino
         self.link_inos: dict[int, int] = {}  # base hard-link group -> ino
@@ -153,7 +166,7 @@ class Execution(View):
     """``/executions/<id>``: a writable copy-on-write view of ``base``.
 
     ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
-    upper layer; ``frozen`` is set while a promote captures it (mutations wait on it);
+    upper layer; while ``freezes`` counts captures or walks of it, its mutations wait;
     ``access`` who may use it and what its control files do (rametfs.authority), fixed at
     create; ``failure`` says why an internal error stopped it, until its next reset;
     ``policy`` is the persistence policy the harness stored with it (the record of a
@@ -172,20 +185,22 @@ class Execution(View):
         self.layer = layer
         self.created_ns = created_ns
         self.access = access
-        self.frozen: trio.Event | None = None
+        self.freezes = 0  # captures and walks that hold its mutations (Overlay.freeze)
+        self.waiting = 0  # requests waiting for them to end (Overlay.wait_thawed)
+        self.thawed = trio.Event()  # set while freezes is 0
+        self.thawed.set()
         # Why an internal error marked this execution failed (Overlay.fail); None: it is not.
         self.failure: str | None = None
         # What the layer uses: bytes its upper data files take on disk, and upper inode
         # records (copied up or new); counted at start (Overlay.count_usage), then kept.
         self.upper_bytes = 0
         self.upper_inodes = 1  # the root's record
-        # Its limits (None: none): EDQUOT past them, like ext4's project quotas.
-        self.max_bytes: int | None = None
-        self.max_inodes: int | None = None
+        self.captured_bytes = 0  # stored by captures it asked for since its reset (charge)
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
         # changed (Overlay.clock).
         self.changes: dict[int | tuple[int, bytes], int] = {}
+        self.changes_floor = 0  # tokens from before this clock no longer say what changed
         # Names the kernel was told do not exist in the root (cached negative dentries),
         # which a reset must make it forget; below the root, dropping the root's names does.
         self.negative_root: set[bytes] = set()
@@ -205,7 +220,7 @@ class Node:
     """An inode of a view: a base entry (``entry``), an upper record (``upper``), or both."""
 
     __slots__ = ("ino", "view", "layer", "entry", "upper", "parent", "name", "pages",
-                 "new_pages", "dirty", "allocated")
+                 "new_pages", "dirty", "allocated", "record_bytes", "pending_bytes")
 
     def __init__(self, ino: int, view: View, entry: Entry | None, upper: UpperInode | None,
                  parent: int, name: bytes):
@@ -220,6 +235,8 @@ class Node:
         self.new_pages: set[int] = set()  # pages not yet written to the page map
         self.dirty = False  # upper record changed since it was last stored (view.dirty)
         self.allocated = 0  # bytes its upper data file takes on disk, as last seen
+        self.record_bytes = 0  # bytes its upper record took when last stored
+        self.pending_bytes = 0  # ... in the transaction being committed (_put_records)
 
     @property
     def mode(self) -> int:
@@ -255,6 +272,27 @@ def check_name(name: bytes) -> None:
         raise fs_error(errno.ENAMETOOLONG, f"name of {len(name)} bytes, at most {NAME_MAX}")
     if b"/" in name or b"\0" in name or name in (b"", b".", b".."):
         raise InvalidArgument(f"invalid name {name!r}")
+
+
+def _prefixed(cur, prefix: bytes, start: bytes | None = None
+              ) -> Iterator[tuple[bytes, bytes]]:
+    """The ``(key, value)`` pairs of LMDB cursor ``cur`` whose keys start with ``prefix``,
+    from key ``start`` (default: the first such key) on."""
+    if cur.set_range(prefix if start is None else start):
+        yield from itertools.takewhile(lambda kv: kv[0].startswith(prefix), cur.iternext())
+
+
+def _dentry_bytes(key: bytes) -> int:
+    """What a stored dentry takes, as an execution's usage counts it: its key and value."""
+    return len(key) + 8
+
+
+def _check_not_reserved(ex: Execution, parent: Node, name: bytes) -> None:
+    """EEXIST for the name the control directory has at an execution's root: a file there
+    would hide ``.ramet`` (and land in a snapshot, where it hides it from every execution
+    of it)."""
+    if parent.ino == ex.root_ino and name == RESERVED:
+        raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
 
 
 class OpenFiles:
@@ -375,7 +413,8 @@ class Overlay:
         self.nodes: dict[int, Node] = {}
         self.snapshot_views: dict[str, SnapshotView] = {}
         self.executions: dict[str, Execution] = {}
-        self._tree_cache = functools.lru_cache(maxsize=TREE_CACHE)(store.tree)
+        self.trees: OrderedDict[bytes, dict[bytes, Entry]] = OrderedDict()  # least used first
+        self.tree_entries = 0  # of the trees kept
         with store.read() as txn:
             meta = store.db["meta"]
             raw = txn.get(b"next_ino", db=meta)
@@ -399,14 +438,43 @@ class Overlay:
         # Empty files for new upper data files; the daemon keeps it filled (rametfs.precreate).
         self.precreated: Precreated | None = None
         self.hydrating: dict[bytes, trio.Event] = {}
+        # Group commits of the store (sync_store): calls counted, the last call a finished
+        # flush covers, and the flush running (None: none).
+        self.sync_calls = self.synced = 0
+        self.syncing: trio.Event | None = None
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
         self.clock = 0  # counts changes to executions (Execution.changes)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
-        """Entries of base tree ``tid`` (immutable, so cached; see ``TREE_CACHE``)."""
-        return self._tree_cache(tid)
+        """Entries of base tree ``tid`` (immutable, so cached: at most :data:`TREE_ENTRIES`
+        entries in all, the least recently used trees going first)."""
+        entries = self.trees.get(tid)
+        if entries is None:
+            return self._keep_tree(tid, self.store.tree(tid))
+        self.trees.move_to_end(tid)
+        return entries
+
+    def _keep_tree(self, tid: bytes, entries: dict[bytes, Entry]) -> dict[bytes, Entry]:
+        self.trees[tid] = entries
+        self.tree_entries += len(entries)
+        while self.tree_entries > TREE_ENTRIES and len(self.trees) > 1:
+            self.tree_entries -= len(self.trees.popitem(last=False)[1])
+        return entries
+
+    async def prefetch(self, ino: int) -> None:
+        """Make sure directory ``ino``'s base tree is decoded before a lookup or listing
+        needs it: one stored in :data:`BIG_TREE_BYTES` or more is decoded in a worker thread
+        (of its view's), so a directory of 500,000 names delays other requests by nothing
+        (3.8 s on the trio thread before)."""
+        node = self.nodes.get(ino)
+        tid = node.tree if node is not None and node.is_dir else None
+        if tid is None or tid in self.trees or self.store.tree_bytes(tid) < BIG_TREE_BYTES:
+            return
+        entries = await trio.to_thread.run_sync(self.store.tree, tid, limiter=node.view.threads)
+        if tid not in self.trees:
+            self._keep_tree(tid, entries)
 
     # -- inode numbers and nodes ---------------------------------------------------------
 
@@ -465,6 +533,43 @@ class Overlay:
 
     # -- snapshots -----------------------------------------------------------------------
 
+    # -- consistent points in time ---------------------------------------------------------
+
+    @staticmethod
+    @contextlib.contextmanager
+    def freeze(ex: Execution) -> Iterator[None]:
+        """Hold the mutations of ``ex`` while the block runs, awaits included: a capture or a
+        walk (diff, preview) sees one point in time.  Every mutating request waits in
+        :meth:`wait_thawed` first; blocks may nest."""
+        if not ex.freezes:
+            ex.thawed = trio.Event()
+        ex.freezes += 1
+        try:
+            yield
+        finally:
+            ex.freezes -= 1
+            if not ex.freezes:
+                ex.thawed.set()
+
+    async def wait_thawed(self, node: Node) -> None:
+        """Wait while ``node``'s execution is frozen (:meth:`freeze`).  EAGAIN when
+        :data:`MAX_WAITING` of its requests wait already: each holds one of the daemon's
+        request tasks, which one execution must not take all of; ESTALE when a reset or
+        release dropped the node's layer meanwhile (the change would land in the new one)."""
+        ex = node.view
+        if not isinstance(ex, Execution) or not ex.freezes:
+            return
+        if ex.waiting >= MAX_WAITING:
+            raise fs_error(errno.EAGAIN, f"execution {ex.id} has {ex.waiting} requests "
+                                         f"waiting for its promote")
+        ex.waiting += 1
+        try:
+            while ex.freezes:
+                await ex.thawed.wait()
+        finally:
+            ex.waiting -= 1
+        self._check_live(node)
+
     def snapshot_view(self, sid: str) -> SnapshotView:
         """The view of snapshot ``sid``, its full id as the store spells it (64 lower-case hex
         digits: another spelling of the same id would make another view); NotFound (ENOENT)
@@ -492,7 +597,8 @@ class Overlay:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
         upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
         self.executions[eid] = ex
-        self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
+        root = self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
+        root.record_bytes = len(value) if value else 0
         return ex
 
     def _new_layer(self, txn, ex: Execution) -> None:
@@ -501,9 +607,11 @@ class Overlay:
         self.next_layer += 1
         txn.put(b"next_layer", u64(self.next_layer), db=self.store.db["meta"])
         root = UpperInode.from_entry(ex.base.root)
-        txn.put(inode_key(ex.layer, ex.root_ino), root.pack(), db=self.store.db["inodes"])
+        packed = root.pack()
+        txn.put(inode_key(ex.layer, ex.root_ino), packed, db=self.store.db["inodes"])
         txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
-        self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
+        node = self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
+        node.record_bytes = len(packed)  # the root's record is not counted in upper_bytes
 
     def create_execution(self, snap: Snapshot, eid: str, access: Access = Access(),
                          policy: dict | None = None) -> Execution:
@@ -538,7 +646,7 @@ class Overlay:
         stale = self._stale_entries(ex, keep_root_entry=True)
         old = ex.layer
         ex.failure = None
-        ex.upper_bytes, ex.upper_inodes = 0, 1
+        ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
         self._drop_layer_nodes(ex)
         with self.store.write() as txn:
             txn.put(u64(old), b"", db=self.store.db["dead"])
@@ -684,6 +792,7 @@ class Overlay:
                                  errno.EIO)
             upper = UpperInode.unpack(value)
             node = Node(ino, ex, upper.base, upper, parent, name)
+            node.record_bytes = len(value)
             if upper.base is not None and upper.base.link:
                 ex.link_inos[upper.base.link] = ino
         elif node.is_dir:
@@ -696,6 +805,19 @@ class Overlay:
     def listdir(self, dir_ino: int) -> list[tuple[bytes, Node]]:
         """The merged listing of a directory (base names minus whiteouts plus upper names),
         sorted by name."""
+        return run_steps(self.listdir_steps(dir_ino))
+
+    async def listdir_in_slices(self, dir_ino: int) -> list[tuple[bytes, Node]]:
+        """:meth:`listdir` in slices of the trio thread (:func:`in_slices`), its execution
+        frozen meanwhile: a directory of a million names delays other requests by a slice."""
+        view = self.node(dir_ino).view
+        await self.prefetch(dir_ino)
+        with self.freeze(view) if isinstance(view, Execution) else contextlib.nullcontext():
+            return await in_slices(self.listdir_steps(dir_ino))
+
+    def listdir_steps(self, dir_ino: int) -> Steps[list[tuple[bytes, Node]]]:
+        """:meth:`listdir` as steps, one per :data:`LIST_STEP` names; ESTALE when a reset
+        or release drops the directory's layer meanwhile."""
         d = self.node(dir_ino)
         if not d.is_dir:
             raise fs_error(errno.ENOTDIR)
@@ -705,19 +827,26 @@ class Overlay:
         view = d.view
         if isinstance(view, Execution) and d.upper is not None:
             prefix = dentry_key(view.layer, dir_ino, b"")
-            with self.store.read() as txn:
-                cur = txn.cursor(db=self.store.db["dentries"])
-                if cur.set_range(prefix):
-                    for key, value in cur:
-                        if not key.startswith(prefix):
-                            break
-                        ino = from_u64(value)
-                        if ino == WHITEOUT:
-                            names.pop(key[len(prefix):], None)
-                        else:
-                            names[key[len(prefix):]] = ino
+            start = prefix
+            while True:  # a read transaction per batch: none is held across a step
+                with self.store.read() as txn:
+                    cur = txn.cursor(db=self.store.db["dentries"])
+                    batch = list(itertools.islice(_prefixed(cur, prefix, start), LIST_STEP))
+                for key, value in batch:
+                    ino = from_u64(value)
+                    if ino == WHITEOUT:
+                        names.pop(key[len(prefix):], None)
+                    else:
+                        names[key[len(prefix):]] = ino
+                if len(batch) < LIST_STEP:
+                    break
+                start = batch[-1][0] + b"\0"  # the next key after the last one read
+                yield
+                self._check_live(d)
+        if isinstance(view, Execution) and dir_ino == view.root_ino:
+            names.pop(RESERVED, None)  # a base stored before the name was reserved
         out = []
-        for name in sorted(names):
+        for i, name in enumerate(sorted(names), 1):
             ino = view.dcache.get((dir_ino, name))
             node = self.nodes.get(ino) if ino is not None else None
             if node is None:
@@ -727,7 +856,14 @@ class Overlay:
                 else:
                     node = self._base_child(d, name, item)
             out.append((name, node))
+            if i % LIST_STEP == 0:
+                yield
+                self._check_live(d)
         return out
+
+    def _check_live(self, node: Node) -> None:
+        if not self.is_live(node):
+            raise fs_error(errno.ESTALE, f"inode {node.ino} is stale")
 
     # -- attributes ----------------------------------------------------------------------
 
@@ -789,6 +925,10 @@ class Overlay:
 
     def _changed(self, ex: Execution, key: int | tuple[int, bytes]) -> None:
         self.clock += 1
+        if len(ex.changes) >= MAX_CHANGES and key not in ex.changes:
+            # Forget them: a token from before now answers "everything may differ", which
+            # git's fsmonitor protocol allows (a full scan), and memory stays bounded.
+            ex.changes, ex.changes_floor = {}, self.clock
         ex.changes[key] = self.clock
 
     def path(self, node: Node) -> bytes:
@@ -808,9 +948,13 @@ class Overlay:
         changed in ``ex`` after ``token`` was given out; None when the token is not one of
         this daemon run and layer (after a restart or a reset), so everything may differ."""
         prefix = f"rametfs:{self.boot}:{ex.layer}:"
-        if not token.startswith(prefix) or not token[len(prefix):].isdigit():
+        clock = token[len(prefix):]
+        if not token.startswith(prefix) or not (clock.isascii() and clock.isdigit()) \
+                or len(clock) > 20:  # int() of 4,300 digits or of "²" raises
             return None
-        since = int(token[len(prefix):])
+        since = int(clock)
+        if since < ex.changes_floor:
+            return None
         paths = set()
         for key, clock in ex.changes.items():
             if clock <= since:
@@ -840,39 +984,65 @@ class Overlay:
             n = self.node(n.parent)
             self._writable(n)  # each directory on the way is recorded as changed too
         self._check_inode_quota(ex, len(chain))
+        # No room check: a copy-up comes before every removal too (a base name's whiteout),
+        # and what copies-up store is bounded by the base.
         uppers = [(n, UpperInode.from_entry(n.entry)) for n in reversed(chain)]
+        added = 0
         with self.store.write() as txn:  # one transaction: all of them or (ENOSPC) none
             for n, upper in uppers:
-                txn.put(inode_key(ex.layer, n.ino), upper.pack(), db=self.store.db["inodes"])
-                txn.put(dentry_key(ex.layer, n.parent, n.name), u64(n.ino),
-                        db=self.store.db["dentries"])
+                n.pending_bytes = len(packed := upper.pack())
+                txn.put(inode_key(ex.layer, n.ino), packed, db=self.store.db["inodes"])
+                key = dentry_key(ex.layer, n.parent, n.name)
+                txn.put(key, u64(n.ino), db=self.store.db["dentries"])
+                added += n.pending_bytes + _dentry_bytes(key)
                 if n.entry.link:
                     txn.put(link_key(ex.layer, n.entry.link), u64(n.ino),
                             db=self.store.db["links"])
             self._persist_counters(txn)
         for n, upper in uppers:
-            n.upper = upper
+            n.upper, n.record_bytes = upper, n.pending_bytes
         ex.upper_inodes += len(uppers)
+        ex.upper_bytes += added
         return node.upper
 
     @staticmethod
     def _check_inode_quota(ex: Execution, new: int = 1) -> None:
         """EDQUOT when ``new`` more upper inode records would pass ``ex``'s limit (a copy-up
         takes one, as it takes an upper inode in kernel overlayfs)."""
-        if ex.max_inodes is not None and ex.upper_inodes + new > ex.max_inodes:
-            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its "
-                                         f"{ex.max_inodes} inodes (--max-inodes)")
+        limit = ex.access.max_inodes
+        if limit is not None and ex.upper_inodes + new > limit:
+            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its {limit} inodes "
+                                         f"(--max-inodes)")
 
     def _room(self, ex: Execution, wanted: int) -> int:
         """How many of ``wanted`` bytes ``ex`` may still allocate (all, without a limit);
         EDQUOT when none."""
-        if ex.max_bytes is None:
+        limit = ex.access.max_bytes
+        if limit is None:
             return wanted
-        room = ex.max_bytes - ex.upper_bytes
+        room = limit - ex.upper_bytes - ex.captured_bytes
         if room <= 0 < wanted:
-            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its {ex.max_bytes} "
-                                         f"bytes (--max-bytes)")
+            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its {limit} bytes "
+                                         f"(--max-bytes)")
         return min(wanted, room)
+
+    def charge(self, ex: Execution, stored: int) -> None:
+        """Count ``stored`` bytes a capture ``ex`` asked for itself puts in the store against
+        its ``--max-bytes`` until its next reset (:attr:`Execution.captured_bytes`); EDQUOT
+        when they do not fit, and then nothing is counted.  So an agent's checkpoints cannot
+        fill the store, while the harness's captures are never refused."""
+        if self._room(ex, stored) < stored:
+            raise fs_error(errno.EDQUOT, f"execution {ex.id}: the capture stores {stored} "
+                                         f"new bytes, more than is left of its "
+                                         f"{ex.access.max_bytes} (--max-bytes)")
+        ex.captured_bytes += stored
+
+    def _check_room(self, ex: Execution, wanted: int) -> None:
+        """EDQUOT unless ``ex`` may still store all of ``wanted`` bytes (metadata: records,
+        names, extended attributes)."""
+        if self._room(ex, wanted) < wanted:
+            raise fs_error(errno.EDQUOT, f"execution {ex.id} has used its "
+                                         f"{ex.access.max_bytes} bytes (--max-bytes)")
 
     @staticmethod
     def _allocated(node: Node, fd: int) -> None:
@@ -895,7 +1065,8 @@ class Overlay:
         for node in nodes:
             if node.upper is not None:
                 key = inode_key(node.view.layer, node.ino)
-                txn.put(key, node.upper.pack(), db=self.store.db["inodes"])
+                node.pending_bytes = len(packed := node.upper.pack())
+                txn.put(key, packed, db=self.store.db["inodes"])
                 if node.upper.nlink == 0:  # no name left; processes may still hold it
                     txn.put(key, b"", db=self.store.db["orphans"])
                 for page in node.new_pages:
@@ -905,11 +1076,15 @@ class Overlay:
 
     @staticmethod
     def _stored(nodes: Iterable[Node]) -> None:
+        """The transaction :meth:`_put_records` filled committed: the nodes are clean and
+        their records' bytes count into their executions' usage."""
         for node in nodes:
             if node.upper is not None:
                 node.new_pages.clear()
                 node.dirty = False
                 node.view.dirty.discard(node)
+                node.view.upper_bytes += node.pending_bytes - node.record_bytes
+                node.record_bytes = node.pending_bytes
 
     def _mark_dirty(self, node: Node) -> None:
         node.dirty = True
@@ -952,18 +1127,25 @@ class Overlay:
             if child is not None:
                 nodes[child.ino] = child
         nodes.update((n.ino, n) for n in also)
+        if all(child is not None for _, _, child in names):  # only adds names: room for them
+            self._check_room(ex, 1)
         dentries = self.store.db["dentries"]
+        added = 0  # bytes of dentries, whiteouts included
         with self.store.write() as txn:
             for parent, name, child in names:
                 key = dentry_key(ex.layer, parent.ino, name)
+                added -= _dentry_bytes(key) if txn.get(key, db=dentries) is not None else 0
                 if child is not None:
                     txn.put(key, u64(child.ino), db=dentries)
                 elif parent.tree is not None and name in self.tree(parent.tree):
                     txn.put(key, u64(WHITEOUT), db=dentries)
                 else:
                     txn.delete(key, db=dentries)
+                    continue
+                added += _dentry_bytes(key)
             self._put_records(txn, nodes.values())
         self._stored(nodes.values())
+        ex.upper_bytes += added
         for parent, name, child in names:
             if child is None:
                 ex.dcache.pop((parent.ino, name), None)
@@ -977,8 +1159,7 @@ class Overlay:
         directory (``mode`` S_IFDIR) adds a link to ``parent``."""
         ex = self._writable(parent)
         check_name(name)
-        if ex.root_ino == parent.ino and name == CONTROL_DIR.encode():
-            raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
+        _check_not_reserved(ex, parent, name)
         try:
             self.lookup(parent.ino, name)
         except NotFound:
@@ -1025,8 +1206,9 @@ class Overlay:
         parent = self.node(parent_ino)
         if node.view is not parent.view:
             raise fs_error(errno.EXDEV, "a hard link cannot cross snapshots and executions")
-        self._writable(parent)
+        ex = self._writable(parent)
         check_name(name)
+        _check_not_reserved(ex, parent, name)
         if node.is_dir:
             raise fs_error(errno.EPERM, "hard links to directories are not allowed")
         try:
@@ -1042,7 +1224,22 @@ class Overlay:
         return node
 
     def _is_empty_dir(self, node: Node) -> bool:
-        return not self.listdir(node.ino)
+        """Whether directory ``node`` holds no name, without listing it (rmdir of a directory
+        of 500,000 names listed them all on the trio thread): any upper name that is not a
+        whiteout says no at once; else it is empty when every base name is whited out (a
+        whiteout is written only for a base name)."""
+        base = len(self.tree(node.tree)) if node.tree is not None else 0
+        view = node.view
+        if not isinstance(view, Execution) or node.upper is None:
+            return base == 0
+        prefix = dentry_key(view.layer, node.ino, b"")
+        whiteouts = 0
+        with self.store.read() as txn:
+            for _, value in _prefixed(txn.cursor(db=self.store.db["dentries"]), prefix):
+                if from_u64(value) != WHITEOUT:
+                    return False
+                whiteouts += 1
+        return whiteouts == base
 
     @contextlib.contextmanager
     def _undone_on_failure(self, *nodes: Node | None) -> Iterator[None]:
@@ -1087,9 +1284,9 @@ class Overlay:
                                             self._upper_path(node.view, node.ino),
                                             self.upper_fds.take(node)))
                 # its blocks and record are as good as gone: the batch frees them soon
-                node.view.upper_bytes -= node.allocated
+                node.view.upper_bytes -= node.allocated + node.record_bytes
                 node.view.upper_inodes -= 1
-                node.allocated = 0
+                node.allocated = node.record_bytes = 0
             else:
                 self.upper_fds.close(node)
 
@@ -1192,8 +1389,7 @@ class Overlay:
         ex = self._writable(old_parent)
         self._writable(new_parent)
         check_name(new_name)
-        if new_parent.ino == ex.root_ino and new_name == CONTROL_DIR.encode():
-            raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
+        _check_not_reserved(ex, new_parent, new_name)
         src = self.lookup(old_parent_ino, old_name)
         try:
             dst: Node | None = self.lookup(new_parent_ino, new_name)
@@ -1294,6 +1490,7 @@ class Overlay:
         if name.startswith(b"system.posix_acl_"):
             raise fs_error(errno.EOPNOTSUPP, "POSIX ACLs are not supported")
         xattrs = self.copy_up(node).xattrs
+        self._check_room(node.view, len(name) + len(value))
         total = sum(len(k) + len(v) for k, v in xattrs.items() if k != name)
         if total + len(name) + len(value) > XATTR_BYTES:
             raise fs_error(errno.ENOSPC, f"the extended attributes of an inode hold at most "
@@ -1375,9 +1572,28 @@ class Overlay:
         except FileNotFoundError:
             return  # nothing written yet
         try:
-            await trio.to_thread.run_sync(os.fsync, fd)
+            await trio.to_thread.run_sync(os.fsync, fd, limiter=node.view.threads)
         finally:
             os.close(fd)
+
+    async def sync_store(self) -> None:
+        """Flush the store to disk (``Store.sync``, in a worker thread) as one group commit:
+        a caller that arrives while a flush runs waits for the next one, which serves every
+        caller that came meanwhile (600 fsyncs a second made 600 flushes)."""
+        self.sync_calls += 1
+        mine = self.sync_calls
+        while self.synced < mine:
+            if self.syncing is not None:
+                await self.syncing.wait()
+                continue
+            self.syncing = trio.Event()
+            covers = self.sync_calls
+            try:
+                await trio.to_thread.run_sync(self.store.sync)
+                self.synced = covers
+            finally:
+                self.syncing.set()
+                self.syncing = None
 
     def _pages(self, node: Node) -> set[int]:
         if node.pages is None:
@@ -1402,10 +1618,11 @@ class Overlay:
         return (u.base is not None and u.base.is_reg and u.base_limit == u.base.size == u.size
                 and not self._pages(node))
 
-    async def _hydrate(self, cid: bytes) -> int:
+    async def _hydrate(self, cid: bytes, threads: trio.CapacityLimiter) -> int:
         """A held descriptor of base content ``cid`` decompressed in the shared cache
-        (rametfs.store.cache); one thread builds it however many readers ask at once (a keyed
-        in-flight event), and none is needed when it is already there."""
+        (rametfs.store.cache); one thread (of ``threads``, the asking view's) builds it
+        however many readers ask at once (a keyed in-flight event), and none is needed when
+        it is already there."""
         while cid in self.hydrating:
             await self.hydrating[cid].wait()
         fd = self.store.cache.get(cid, hold=True)
@@ -1413,7 +1630,7 @@ class Overlay:
             return fd
         event = self.hydrating[cid] = trio.Event()
         try:
-            return await trio.to_thread.run_sync(self.store.open_hydrated, cid)
+            return await trio.to_thread.run_sync(self.store.open_hydrated, cid, limiter=threads)
         finally:
             del self.hydrating[cid]
             event.set()
@@ -1427,7 +1644,7 @@ class Overlay:
             return None
         fd = self.base_fds.get(cid)
         if fd is None:
-            fd = await self._hydrate(cid)
+            fd = await self._hydrate(cid, node.view.threads)
             other = self.base_fds.get(cid)  # another request may have opened it meanwhile
             if other is not None:
                 os.close(fd)
@@ -1544,25 +1761,44 @@ class Overlay:
         self._mark_dirty(node)
 
     def count_usage(self) -> None:
-        """Count what each execution's layer uses (:attr:`Execution.upper_bytes`,
-        :attr:`Execution.upper_inodes`): a scan of its upper data files and a count of its
-        records, O(upper inodes).  The daemon calls it once at its start, after
-        :meth:`remove_orphans`; from then on every change keeps the counts."""
+        """Count what each execution's layer uses (:attr:`Execution.upper_bytes`: the blocks
+        of its upper data files, and the bytes of its records and dentries but for the
+        pristine root record's; :attr:`Execution.upper_inodes`: its records): a scan of its
+        upper data files, records and dentries, O(upper inodes and names).  The daemon calls
+        it once at its start, after :meth:`remove_orphans`; from then on every change keeps
+        the counts."""
         for ex in self.executions.values():
-            ex.upper_bytes = 0
+            ex.upper_bytes = -len(UpperInode.from_entry(ex.base.root).pack())
             with contextlib.suppress(FileNotFoundError), \
                     os.scandir(f"{self.upper_root}/{ex.layer}") as it:
                 for e in it:
                     ex.upper_bytes += e.stat().st_blocks * 512
             prefix = u64(ex.layer)
             with self.store.read() as txn:
-                cur = txn.cursor(db=self.store.db["inodes"])
-                ex.upper_inodes = 0
-                if cur.set_range(prefix):
-                    for key in cur.iternext(values=False):
-                        if not key.startswith(prefix):
-                            break
-                        ex.upper_inodes += 1
+                records = [len(value) for _, value in
+                           _prefixed(txn.cursor(db=self.store.db["inodes"]), prefix)]
+                ex.upper_inodes = len(records)
+                ex.upper_bytes += sum(records) + sum(
+                    _dentry_bytes(key) for key, _ in
+                    _prefixed(txn.cursor(db=self.store.db["dentries"]), prefix))
+
+
+SLICE_S = 0.002  # seconds a walk runs on the trio thread before it lets other tasks run
+
+
+async def in_slices(steps: Steps[R]) -> R:
+    """Run a walk written as steps (rametfs.treewalk.run_steps) on the trio thread, letting
+    every other task run after each :data:`SLICE_S` of it: a walk over a large tree delays
+    other requests by a slice, not by the walk.  Returns the walk's result."""
+    deadline = time.perf_counter() + SLICE_S
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+        if time.perf_counter() >= deadline:
+            await trio.sleep(0)
+            deadline = time.perf_counter() + SLICE_S
 
 
 def walk_names(overlay: Overlay, ino: int, prefix: bytes = b"") -> Iterator[tuple[bytes, Node]]:

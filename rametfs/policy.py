@@ -24,6 +24,8 @@ the class that keeps more wins: durable, shared, rebuildable, ephemeral.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import stat
@@ -34,9 +36,10 @@ from typing import Protocol
 
 import blake3
 
-from .errors import InvalidArgument
-from .longpath import cached, short
-from .treewalk import postorder, preorder
+from .errors import InvalidArgument, RametError
+from .longpath import short
+from .nofollow import DIR_FLAGS, FILE_FLAGS, GONE, same_file
+from .treewalk import Steps, postorder, preorder, run_steps
 from .protocol import POLICY_NONE, POLICY_TREE, quote_path
 
 if sys.version_info >= (3, 11):
@@ -482,6 +485,12 @@ def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True)
     ``durable=False`` lists only the other classes, and skips directories where no pattern
     can match (what a promote needs).
     """
+    return run_steps(classify_steps(policy, tree, root, durable))
+
+
+def classify_steps(policy: Policy | None, tree: Tree, root, durable: bool = True
+                   ) -> Steps[Classified]:
+    """:func:`classify_tree` as steps (rametfs.treewalk.run_steps): one per directory."""
     out = Classified()
 
     def below(item: tuple[object, str]) -> Iterator[tuple[object, str]]:
@@ -510,7 +519,7 @@ def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True)
                 out.outputs.setdefault(recipe, []).append(path.rstrip("/"))
 
     for _ in preorder([(root, "")], below):
-        pass
+        yield
     return out
 
 
@@ -609,6 +618,14 @@ def recipe_records(policy: Policy, classified: Classified,
 
 # -- input digests -----------------------------------------------------------------------------
 
+MAX_INPUT_BYTES = 1 << 30  # of one input's regular files (at a FUSE promote: rametfs.capture's)
+
+
+class InputError(RametError):
+    """A recipe input that cannot be hashed where it is (:func:`path_digest`); the message
+    names it and says why, the errno is ENOENT, EAGAIN or EFBIG."""
+
+
 def tree_digest(items: Iterable[tuple[bytes, str, str]]) -> str:
     """The digest of a directory input: BLAKE3 (hex) of one line ``<kind> <hash> <path>\\n``
     per path below it, sorted by path bytes; kind ``f`` (hash: BLAKE3 of the bytes), ``l``
@@ -619,52 +636,208 @@ def tree_digest(items: Iterable[tuple[bytes, str, str]]) -> str:
     return h.hexdigest()
 
 
-def path_digest(path: str | os.PathLike) -> str | None:
-    """The digest of an input on a real file system: BLAKE3 (hex) of a regular file's bytes
-    (as ``b3sum`` prints it), :func:`tree_digest` of a directory, BLAKE3 of a symlink's
-    target; None when it does not exist.  Raises OSError when it cannot be read."""
-    path = os.fsencode(path)
-    try:
-        with short(path) as p:
-            st = os.lstat(p)
-            if stat.S_ISLNK(st.st_mode):
-                return blake3.blake3(os.readlink(p)).hexdigest()
-    except FileNotFoundError:
-        return None
-    if stat.S_ISREG(st.st_mode):
-        return _file_digest(path)
-    if not stat.S_ISDIR(st.st_mode):
-        return blake3.blake3(b"").hexdigest()
-    with cached():
-        return tree_digest(_fs_items(path))
+def path_digest(root: str | os.PathLike, path: str) -> str:
+    """The digest of recipe input ``path`` (relative, ``/``-separated) of the tree at the
+    directory ``root``: BLAKE3 (hex) of a regular file's bytes (as ``b3sum`` prints it),
+    :func:`tree_digest` of a directory, BLAKE3 of a symlink's target, BLAKE3 of no bytes
+    for anything else.  Blocking.
+
+    The tree may be an agent's, read as root (a restore; a promote in fallback mode), so only
+    ``root`` is resolved as a path (the caller's, trusted); below it every name is opened
+    relative to its directory's fd and checked against its listing (rametfs.nofollow):
+    no symlink is followed, on the way to ``path`` or below it, no FIFO or device is opened,
+    a directory is walked with one directory fd open at a time (back up through ``..``, which
+    must be the directory it came from), and at most :data:`MAX_INPUT_BYTES` of file bytes are
+    read.  So the digest is of bytes inside the tree only.
+
+    Raises InputError: ENOENT when ``path`` is missing or a name on its way is missing, a
+    symlink or not a directory; EAGAIN when an entry changed while it was hashed; EFBIG when
+    its regular files hold more than :data:`MAX_INPUT_BYTES` (refused before reading them
+    when their sizes say so).  OSError when the tree cannot be read.
+    """
+    found = _Input(path)
+    with found.parent(root) as (fd, name):
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise found.fail("is missing", errno.ENOENT) from None
+        if stat.S_ISDIR(st.st_mode):
+            return tree_digest(found.tree(fd, name, st))
+        return found.leaf(fd, name, st, b"") or blake3.blake3(b"").hexdigest()
 
 
-def _fs_items(top: bytes) -> Iterator[tuple[bytes, str, str]]:
-    """``(path below top, kind, digest)`` for :func:`tree_digest`, of every path below the
-    directory ``top``, in no particular order (the digest sorts them)."""
-    def listing(rel: bytes) -> list[tuple[bytes, str, str | None]]:
-        out = []
-        with short(top + b"/" + rel if rel else top) as p, os.scandir(p) as it:
-            for e in it:
-                path = rel + b"/" + e.name if rel else e.name
-                if e.is_symlink():
-                    out.append((path, "l", blake3.blake3(os.readlink(e.path)).hexdigest()))
-                elif e.is_dir(follow_symlinks=False):
-                    out.append((path, "d", "-"))
-                elif e.is_file(follow_symlinks=False):
-                    out.append((path, "f", None))  # read when the walk gets there
-                else:
-                    out.append((path, "o", "-"))
-        return out
-
-    for path, kind, digest in preorder(listing(b""), lambda i: listing(i[0]) if i[1] == "d"
-                                       else None):
-        yield path, kind, digest if digest is not None else _file_digest(top + b"/" + path)
+def exists_under(root: str | os.PathLike) -> Callable[[str], bool | None]:
+    """``exists(path)`` for :func:`input_problems` over the tree at the directory ``root``:
+    whether input ``path`` is a directory, None when :func:`path_digest` finds it missing
+    (so a path through a symlink is missing).  Blocking."""
+    def exists(path: str) -> bool | None:
+        found = _Input(path)
+        try:
+            with found.parent(root) as (fd, name):
+                return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return None
+        except InputError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            return None
+    return exists
 
 
-def _file_digest(path: bytes) -> str:
-    h = blake3.blake3()
-    with short(path) as p, open(p, "rb") as f:
-        while data := f.read(_READ_BYTES):
-            h.update(data)
-    return h.hexdigest()
+class _Input:
+    """One input being read for :func:`path_digest`: its ``path`` (for messages) and the
+    file bytes it may still read."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.left = MAX_INPUT_BYTES
+        self.reading = True  # False: a directory's first walk, which only adds up sizes
+        self.buffer: bytearray | None = None
+
+    def fail(self, what: str, err: int) -> InputError:
+        return InputError(f"input {quote_path(os.fsencode(self.path))} {what}", err)
+
+    def changed(self, rel: bytes, what: str) -> InputError:
+        """``rel`` (below the input, ``b""`` itself) changed under the walk: EAGAIN."""
+        where = os.fsencode(self.path) + (b"/" + rel if rel else b"")
+        return self.fail(f"changed while it was hashed: {quote_path(where)} {what}",
+                         errno.EAGAIN)
+
+    def too_big(self) -> InputError:
+        return self.fail(f"holds more than {MAX_INPUT_BYTES} bytes", errno.EFBIG)
+
+    @contextlib.contextmanager
+    def parent(self, root: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
+        """``(fd, name)``: the directory holding the input's last name, reached from
+        ``root`` one name at a time, and that name; InputError (ENOENT) naming the first
+        name on the way that is missing, a symlink or not a directory."""
+        names = os.fsencode(self.path).split(b"/")
+        fd = os.open(root, DIR_FLAGS)
+        try:
+            for i, name in enumerate(names[:-1]):
+                try:
+                    sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+                except (FileNotFoundError, NotADirectoryError):
+                    raise self._not_a_directory(fd, names[:i + 1]) from None
+                os.close(fd)
+                fd = sub
+            yield fd, names[-1]
+        finally:
+            os.close(fd)
+
+    def _not_a_directory(self, fd: int, names: list[bytes]) -> InputError:
+        """Why the directory ``names`` (its last one in ``fd``) on the input's way cannot
+        be entered (O_DIRECTORY | O_NOFOLLOW says ENOTDIR for a symlink too)."""
+        try:
+            st = os.stat(names[-1], dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return self.fail("is missing", errno.ENOENT)
+        what = ("is a symlink, which is not followed" if stat.S_ISLNK(st.st_mode)
+                else "is not a directory")
+        return self.fail(f"is missing: {quote_path(b'/'.join(names))} {what}", errno.ENOENT)
+
+    def leaf(self, fd: int, name: bytes, st: os.stat_result, rel: bytes) -> str | None:
+        """The digest of the entry ``name`` of directory ``fd`` (``rel`` below the input),
+        listed as ``st`` and not a directory: a regular file's bytes or a symlink's target,
+        None for anything else (never opened) and when not :attr:`reading`."""
+        regular = stat.S_ISREG(st.st_mode)
+        if regular and st.st_size > self.left:
+            raise self.too_big()
+        if not self.reading:
+            self.left -= st.st_size if regular else 0
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                return blake3.blake3(os.readlink(name, dir_fd=fd)).hexdigest()
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.EINVAL):
+                    raise
+                raise self.changed(rel, "is no longer a symlink") from None
+        if not regular:
+            return None
+        f = self._open(fd, name, FILE_FLAGS, st, rel)
+        try:
+            os.set_blocking(f, True)  # a regular file: O_NONBLOCK only guarded the open
+            if self.buffer is None:
+                self.buffer = bytearray(_READ_BYTES)
+            view = memoryview(self.buffer)
+            h = blake3.blake3()
+            while n := os.readv(f, [self.buffer]):
+                self.left -= n
+                if self.left < 0:  # it grew past its listed size
+                    raise self.too_big()
+                h.update(view[:n])
+            return h.hexdigest()
+        finally:
+            os.close(f)
+
+    def _open(self, fd: int, name: bytes, flags: int, st: os.stat_result, rel: bytes,
+              other: str = "is another file than the one listed") -> int:
+        """``name`` of directory ``fd`` opened with ``flags``, checked to be the file listed
+        as ``st``; InputError (EAGAIN) saying that ``rel`` is gone, or ``other``."""
+        try:
+            opened = os.open(name, flags, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno not in GONE:
+                raise
+            raise self.changed(rel, GONE[exc.errno]) from None
+        if not same_file(os.fstat(opened), st):
+            os.close(opened)
+            raise self.changed(rel, other)
+        return opened
+
+    def tree(self, fd: int, name: bytes, st: os.stat_result) -> list[tuple[bytes, str, str]]:
+        """``(path below the input, kind, digest)`` for :func:`tree_digest`, of every entry
+        below the directory ``name`` of ``fd`` (listed as ``st``).  Walked twice: first
+        adding up its files' sizes, so that a directory past :data:`MAX_INPUT_BYTES` is
+        refused before a byte is read, then hashing them."""
+        self.reading = False
+        self._walk(fd, name, st)
+        self.reading, self.left = True, MAX_INPUT_BYTES
+        return self._walk(fd, name, st)
+
+    def _walk(self, fd: int, name: bytes, st: os.stat_result) -> list[tuple[bytes, str, str]]:
+        """:meth:`tree`'s items, depth first with one directory fd open at a time."""
+        items: list[tuple[bytes, str, str]] = []
+        fd = self._open(fd, name, DIR_FLAGS, st, b"")
+        try:
+            stack = [(b"", st, iter(self._list(fd, b"", items)))]
+            while True:
+                rel, _st, pending = stack[-1]
+                child = next(pending, None)
+                if child is None:
+                    stack.pop()
+                    if not stack:
+                        return items
+                    up = self._open(fd, b"..", DIR_FLAGS, stack[-1][1], rel, "was moved")
+                    os.close(fd)
+                    fd = up
+                    continue
+                sub_name, sub_st = child
+                sub_rel = rel + b"/" + sub_name if rel else sub_name
+                sub = self._open(fd, sub_name, DIR_FLAGS, sub_st, sub_rel)
+                os.close(fd)
+                fd = sub
+                stack.append((sub_rel, sub_st, iter(self._list(fd, sub_rel, items))))
+        finally:
+            os.close(fd)
+
+    def _list(self, fd: int, rel: bytes, items: list[tuple[bytes, str, str]]
+              ) -> list[tuple[bytes, os.stat_result]]:
+        """Add the entries of directory ``fd`` (``rel`` below the input) to ``items``, each
+        file hashed now (when :attr:`reading`); return its subdirectories ``(name,
+        lstat)``, to walk next."""
+        below = []
+        for name in map(os.fsencode, os.listdir(fd)):
+            path = rel + b"/" + name if rel else name
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise self.changed(path, "is gone") from None
+            if stat.S_ISDIR(st.st_mode):
+                items.append((path, "d", "-"))
+                below.append((name, st))
+                continue
+            digest = self.leaf(fd, name, st, path)
+            items.append((path, kind_of(st.st_mode), digest or "-"))
+        return below

@@ -36,7 +36,8 @@ Root commands and their replies::
     snapshot <abs-path> [--label L] [--message M] [--on-change fail|skip]
                                                    -> {"ok", "snapshot", "stats"}
     create <snapshot-id> [--name N] [--owner UID] [--group GID] [--share MODE]
-           [--control full|read|none] [--policy P] -> {"ok", "execution", "path"}
+           [--control full|read|none] [--max-bytes B] [--max-inodes N] [--policy P]
+                                                   -> {"ok", "execution", "path"}
     release <execution-id>                         -> {"ok", "execution"}
     runtime <execution-id> bubblewrap|docker --uid U --gid G [--image I]
                                                    -> {"ok", "execution", "runtime"}
@@ -61,14 +62,18 @@ or no such commit, EINVAL not a repository, EOPNOTSUPP git support not installed
 
 ``create`` makes an execution owned by ``--owner`` (default: the daemon's uid) and
 ``--group`` (default: the daemon's gid), shared by ``--share`` (default 0700) and with
-``--control`` (default ``full``) over its own control files; see "Who may do what".  A value
-out of range is EINVAL.  The settings are kept in the execution's record, through resets,
-pool returns and restarts.
+``--control`` (default ``full``) over its own control files; see "Who may do what".
+``--max-bytes`` and ``--max-inodes`` bound its upper layer: the disk bytes its written data
+takes and its upper inodes (new ones and copies-up); past them a write is short, then EDQUOT,
+and a create or copy-up is EDQUOT, like ext4 project quotas (default: no limit; fallback
+mode: EOPNOTSUPP).  A value out of range is EINVAL.  The settings are kept in the
+execution's record, through resets, pool returns and restarts.
 
-Pool and lease commands (rametfs.pools; ``--size``, ``--holder`` and ``--ttl`` are required;
+Pool and lease commands (rametfs.core.pools; ``--size``, ``--holder`` and ``--ttl`` are required;
 times in seconds, decimals allowed; lease times in the replies are wall-clock ns)::
 
     pool <snapshot-id> --size N [--name P] [--owner UID] [--group GID] [--share MODE]
+         [--max-bytes B] [--max-inodes N]
          [--control full|read|none] [--policy POL]
                                               -> {"ok", "pool", "snapshot", "size", "created",
                                                   "executions"}
@@ -96,7 +101,20 @@ back in the pool, or, when verification fails, quarantines it: state ``"quaranti
 handed out again, replaced by a new member; the reply says which.  An expired lease is
 returned the same way by the daemon.  ``drop`` releases every execution of the pool and
 forgets it.  ``release`` of a pool member takes it out of its pool, which shrinks by one
-(EBUSY while leased).
+(EBUSY while a lease on it runs; an ended lease holds nothing).
+
+One command runs on an execution at a time, and the harness comes first: a command written
+to the root ``ctl`` on an execution cancels one its own ``ctl`` runs (and waits until it has
+stopped), while the execution's own commands are EBUSY as long as a harness command runs on
+it.  Within one scope a second command is EBUSY, except that ``reset``, ``release`` and
+``return`` (and an expired lease's return) cancel the one running; so does::
+
+    cancel [--execution ID]                   -> {"ok", "cancelled": [execution ids]}
+
+for the command running on execution ID, or on every execution (``rametfs umount`` sends it
+first; SIGTERM and SIGINT do the same before the daemon unmounts).  A cancelled command
+fails with ECANCELED, its message naming what cancelled it; a capture stops within a page
+of work and stores no snapshot.
 
 For the test suite, a daemon served with ``--faults`` also takes
 ``fault <site> [--execution ID] [--count N]``, which makes the named site raise an
@@ -161,7 +179,9 @@ daemon never opens a path a sandbox names, or one of two words, which no policy'
 (neither is a TOML document): ``tree``, the execution's own ``ramet.toml``, and ``none``, no
 policy.  Without it, promote and preview apply the policy stored with the execution
 (``create --policy``, ``pool --policy``), else none; checkpoint applies none.  The tree's
-``ramet.toml`` is read only when ``tree`` is given (docs/policy.md).
+``ramet.toml`` is read only when ``tree`` is given (docs/policy.md).  Only the harness gives
+``--policy`` (at the root ``ctl``: ``promote <execution-id> --policy ...``); written to an
+execution's own ``ctl`` it is EACCES, so an agent cannot replace the harness's policy.
 
 Snapshot ids are 64 hex digits (BLAKE3); any unique prefix of at least
 :data:`MIN_ID_PREFIX` digits is accepted where an id is expected.  Execution ids are
@@ -206,7 +226,8 @@ EACCES = _errno.EACCES
 
 CONTROL_FULL, CONTROL_READ, CONTROL_NONE = "full", "read", "none"
 CONTROLS = (CONTROL_FULL, CONTROL_READ, CONTROL_NONE)  # values of --control
-ACCESS_OPTIONS = frozenset({"owner", "group", "share", "control"})  # of create and pool
+# of create and pool
+ACCESS_OPTIONS = frozenset({"owner", "group", "share", "control", "max-bytes", "max-inodes"})
 # Stats of a snapshot that depend on what else the store holds: left out of what an
 # execution's own files show, and of the root status a uid other than the harness reads.
 STORE_WIDE_STATS = ("new_chunks", "new_chunk_bytes", "cached_files", "capture_ms")
@@ -224,6 +245,7 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "drop": (("pool",), frozenset()),
     "snapshot-git": (("repo",), frozenset({"rev", "gitdir", "label", "message"})),
     "fault": (("site",), frozenset({"execution", "count"})),
+    "cancel": ((), frozenset({"execution"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first the default)

@@ -2,13 +2,17 @@
 
 For each recipe, in the order the policy listed them (docs/policy.md): check its inputs
 against the recorded BLAKE3 hashes, run its command, run its readiness check; the first
-failure stops the restore.  Commands run through a *runtime*, a callable ``run(execution,
-argv, timeout)`` (the ``run`` of a rametfs.sandbox runtime) that runs ``argv`` (a list of
-str) in the execution and returns a :class:`rametfs.sandbox.Result` (``exit_code``,
-``stdout``, ``stderr``, ``timed_out``).  Recipes may come from an agent (its own promote, its
-own ``ramet.toml`` promoted with ``--policy tree``), so they run in a sandbox unless the
-caller asks for the host: :func:`runtime_for` picks the sandbox the snapshot recorded, and
-refuses when it recorded none and the caller named none.
+failure stops the restore.  The inputs are checked just before their recipe runs, after the
+earlier recipes' commands (which the agent may have written) changed the tree as they
+liked, so they are read as rametfs.policy.path_digest reads an agent's tree: never through
+a symlink, never from a FIFO, at most MAX_INPUT_BYTES each.  Commands run through a
+*runtime*, a callable ``run(execution, argv, timeout)`` (the ``run`` of a rametfs.sandbox
+runtime) that runs ``argv`` (a list of str) in the execution and returns a
+:class:`rametfs.sandbox.Result` (``exit_code``, ``stdout``, ``stderr``, ``timed_out``).
+Recipes may come from an agent (its own promote, its own ``ramet.toml`` promoted with
+``--policy tree``), so they run in a sandbox unless the caller asks for the host:
+:func:`runtime_for` picks the sandbox the snapshot recorded, and refuses when it recorded
+none and the caller named none.
 
 Used by :meth:`rametfs.client.Ramet.restore`; needs only the standard library, BLAKE3,
 rametfs.policy and the harness side's rametfs.sandbox, so a harness process does not load
@@ -24,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .client import RametError
-from .policy import path_digest
-from .protocol import RUNTIMES
+from .policy import InputError, path_digest
+from .protocol import RUNTIMES, quote_path
 from .sandbox import Bubblewrap, Docker, Host, Result
 
 HOST = "host"
@@ -36,8 +40,8 @@ OUTPUT_TAIL_BYTES = 2000
 class Step:
     """One step of a restore: ``recipe`` name, ``step`` (``"inputs"``, ``"command"`` or
     ``"check"``), ``ok``, ``seconds`` it took, ``detail`` (what happened, with the tail of
-    the output of a failed command), and on failure the ``errno`` it raises with (EIO:
-    input changed or command failed; ETIMEDOUT)."""
+    the output of a failed command), and on failure the ``errno`` it raises with (EIO: an
+    input missing or changed, or a command failed; EFBIG: an input too large; ETIMEDOUT)."""
 
     recipe: str
     step: str
@@ -114,20 +118,39 @@ def rebuild(execution, recipes: list[dict], run: Runtime,
 
 
 def _check_inputs(execution, recipe: dict) -> Step:
+    """Hash each input in ``execution`` (rametfs.policy.path_digest: by directory fds from
+    its root, never through a symlink, at most MAX_INPUT_BYTES each) and compare it with
+    the recorded hash.  The step fails with EIO when one is missing or changed, EFBIG when
+    one is too large, an unreadable one's errno; it names every input that failed."""
     started = time.monotonic()
-    bad = []
+    bad: list[tuple[str, int]] = []
     for item in recipe["inputs"]:
-        actual = path_digest(os.path.join(execution.path, item["path"]))
-        if actual is None:
-            bad.append(f"{item['path']} is missing")
-        elif actual != item["blake3"]:
-            bad.append(f"{item['path']} changed (BLAKE3 {actual[:16]}..., recorded "
-                       f"{item['blake3'][:16]}...)")
+        try:
+            actual = path_digest(execution.path, item["path"])
+        except InputError as exc:
+            bad.append((str(exc), errno.EFBIG if exc.errno == errno.EFBIG else errno.EIO))
+            continue
+        except OSError as exc:
+            bad.append((f"input {_quoted(item['path'])} cannot be read: {exc.strerror}",
+                        exc.errno or errno.EIO))
+            continue
+        if actual != item["blake3"]:
+            # ``actual`` hashes only what lies inside the execution, reached without
+            # following a symlink (a hard link cannot cross executions; in fallback mode
+            # fs.protected_hardlinks refuses one to a file the agent cannot read): bytes of
+            # the agent's own tree, so its prefix tells the agent nothing it cannot read.
+            bad.append((f"input {_quoted(item['path'])} changed (BLAKE3 {actual[:16]}..., "
+                        f"recorded {item['blake3'][:16]}...)", errno.EIO))
     seconds = time.monotonic() - started
     if bad:
-        return Step(recipe["name"], "inputs", False, seconds, "; ".join(bad), errno.EIO)
+        return Step(recipe["name"], "inputs", False, seconds, "; ".join(m for m, _ in bad),
+                    bad[0][1])
     return Step(recipe["name"], "inputs", True, seconds,
                 f"{len(recipe['inputs'])} input(s) match their recorded hashes")
+
+
+def _quoted(path: str) -> str:
+    return quote_path(os.fsencode(path))
 
 
 def _run(execution, recipe: dict, step: str, argv: list[str], run: Runtime) -> Step:

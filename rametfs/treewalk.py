@@ -9,7 +9,7 @@ the tree, not with anything else, and the order is exactly that of the recursive
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -32,6 +32,20 @@ def preorder(top: Iterable[T], children: Callable[[T], Iterable[T] | None]) -> I
             break
         else:
             stack.pop()
+
+
+Steps = Generator[None, None, R]  # a walk that yields once per step and returns its result
+
+
+def run_steps(steps: Steps[R]) -> R:
+    """Run a walk written as steps (a generator that yields between steps and returns its
+    result) to its end, at once; the daemon runs them in slices instead
+    (``rametfs.overlay.in_slices``)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def postorder(root: T, children: Callable[[T], Iterable[T] | None],

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import trio
 
-from .capture import diff, root_entry
+from .capture import NO_CANCEL, CancelToken, diff, root_entry
+from .core.pools import verification_json
 from .overlay import Execution, Overlay
 from .store import EMPTY_CONTENT, PAGE_SIZE, Entry, Store
 from .store.chunks import chunk_id, is_zero
@@ -53,33 +54,35 @@ class Verification:
         return not self.differences
 
     def to_json(self) -> dict:
-        return {"mode": self.mode, "equal": self.equal, "root": self.root,
-                "base_root": self.base_root, "verify_ms": self.verify_ms,
-                "differences": [[letter, path.decode(errors="surrogateescape")]
-                                for letter, path in self.differences]}
+        """As replies carry it (rametfs.core.pools.verification_json)."""
+        return verification_json(self.mode, self.root, self.base_root, self.differences,
+                                 self.verify_ms)
 
 
-async def verify(overlay: Overlay, ex: Execution, mode: str = ROOT) -> Verification:
+async def verify(overlay: Overlay, ex: Execution, mode: str = ROOT,
+                 cancel: CancelToken = NO_CANCEL) -> Verification:
     """Check ``ex`` against its base in ``mode`` (``"root"`` or ``"deep"``).
 
-    Raises IntegrityError (EIO) when a base record or chunk it needs is missing or corrupt.
+    Raises IntegrityError (EIO) when a base record or chunk it needs is missing or corrupt,
+    Cancelled (ECANCELED) once ``cancel`` is.
     """
     started = time.monotonic_ns()
     base = ex.base.root
-    root, differences = await _compare(overlay, ex)
+    root, differences = await _compare(overlay, ex, cancel)
     if mode == DEEP and not differences:
         stored = Overlay(overlay.store)  # after root_entry flushed every pending record
-        root, differences = await _compare(stored, stored.execution(ex.id))
+        root, differences = await _compare(stored, stored.execution(ex.id), cancel)
     if mode == DEEP and not differences:
-        differences = [("M", path) for path in
-                       await trio.to_thread.run_sync(_bad_cached_contents, overlay.store, base)]
+        differences = [("M", path) for path in await trio.to_thread.run_sync(
+            _bad_cached_contents, overlay.store, base, cancel)]
     return Verification(mode, root.ref.hex(), base.ref.hex(), differences,
                         round((time.monotonic_ns() - started) / 1e6, 3))
 
 
-async def _compare(overlay: Overlay, ex: Execution) -> tuple[Entry, list[tuple[str, bytes]]]:
+async def _compare(overlay: Overlay, ex: Execution, cancel: CancelToken
+                   ) -> tuple[Entry, list[tuple[str, bytes]]]:
     """``(root entry, differences)`` of ``ex`` as ``overlay`` serves it."""
-    root, base = await root_entry(overlay, ex), ex.base.root
+    root, base = await root_entry(overlay, ex, cancel), ex.base.root
     if root.ref == base.ref and (root.mode, root.uid, root.gid, root.xattrs) == (
             base.mode, base.uid, base.gid, base.xattrs):
         return root, []
@@ -88,9 +91,10 @@ async def _compare(overlay: Overlay, ex: Execution) -> tuple[Entry, list[tuple[s
     return root, diff(overlay, ex) or [("M", b"")]
 
 
-def _bad_cached_contents(store: Store, root: Entry) -> list[bytes]:
+def _bad_cached_contents(store: Store, root: Entry, cancel: CancelToken) -> list[bytes]:
     """Paths (first name of each content) below tree ``root`` whose hydrated cache file does
-    not hash to the content's chunk ids.  Blocking: a worker thread."""
+    not hash to the content's chunk ids.  Blocking: a worker thread; Cancelled once
+    ``cancel`` is."""
     bad: list[bytes] = []
     seen_trees: set[bytes] = set()
     seen_contents: set[bytes] = set()
@@ -105,6 +109,7 @@ def _bad_cached_contents(store: Store, root: Entry) -> list[bytes]:
                 todo.append((prefix + name + b"/", entry.ref))
             elif entry.is_reg and entry.ref not in seen_contents and entry.ref != EMPTY_CONTENT:
                 seen_contents.add(entry.ref)
+                cancel.check()
                 if not _cache_matches(store, entry.ref):
                     bad.append(prefix + name)
     return sorted(bad)

@@ -27,6 +27,7 @@ mounted tests are skipped, with the reason, only when it is absent.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -36,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -353,19 +355,27 @@ def shared_daemon(_shared_daemon, request):
                     pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def allow_other_daemon(tmp_path_factory):
-    """A daemon served with ``--allow-other`` for one test module, so that commands run as
-    another uid (a sandbox's 65534) may enter its executions; its log is checked at the end."""
+@contextlib.contextmanager
+def serving(base: Path, serve_args: tuple[str, ...] = (), allowed: list[str] = ()
+            ) -> Iterator[Daemon]:
+    """A daemon of its own under ``base`` (``rametfs serve ... *serve_args``), stopped at the
+    end, whose whole log is then checked (``allowed``: regexes, as ``allow_log``)."""
     require_fuse()
-    base = tmp_path_factory.mktemp("allow-other")
-    d = Daemon(base / "data", base / "mnt", serve_args=("--allow-other",))
+    d = Daemon(base / "data", base / "mnt", serve_args=serve_args)
     d.start()
     try:
         yield d
     finally:
         d.stop()
-        check_log(d.log_text(), [], repr(d))
+        check_log(d.log_text(), list(allowed), repr(d))
+
+
+@pytest.fixture(scope="module")
+def allow_other_daemon(tmp_path_factory):
+    """A daemon served with ``--allow-other`` for one test module, so that commands run as
+    another uid (a sandbox's 65534) may enter its executions; its log is checked at the end."""
+    with serving(tmp_path_factory.mktemp("allow-other"), ("--allow-other",)) as d:
+        yield d
 
 
 @pytest.fixture(params=["fuse", "fallback"])

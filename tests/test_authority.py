@@ -247,7 +247,9 @@ def test_root_commands_on_one_execution(allow_other_daemon, base, made):
     for line, err, message in [
             ("promote no-such-execution", errno.ENOENT, "no execution 'no-such-execution'"),
             ("status no-such-execution", errno.ENOENT, "no execution 'no-such-execution'"),
-            ("reset", errno.EINVAL, "reset: expected <execution>, got 0 argument(s)"),
+            ("reset", errno.EINVAL, "reset: expected <execution>, got 0 argument(s): on the "
+             "root ctl, reset names its execution first (reset <execution-id> ...); an "
+             "execution's own .ramet/ctl takes reset alone"),
             (f"diff {ex.id} --mode deep", errno.EINVAL, "diff: unknown option '--mode'")]:
         with pytest.raises(OSError) as caught:
             d.ctl(line)
@@ -525,7 +527,8 @@ def test_root_status_for_another_uid_shows_only_what_it_may_see(harness, base, m
                          "executions", "pools"}
     record, = root["executions"]
     assert set(record) == {"execution", "id", "base", "head", "state", "created_ns",
-                           "upper_bytes", "upper_inodes", "max_bytes", "max_inodes", "last"}
+                           "upper_bytes", "upper_inodes", "captured_bytes", "max_bytes", "max_inodes",
+                           "last"}
     assert not set(record["last"]["stats"]) & set(protocol.STORE_WIDE_STATS)
     snapshot, = root["snapshots"]
     assert snapshot["id"] == base and "source" not in snapshot
@@ -599,6 +602,7 @@ def test_an_executions_status_shows_nothing_of_the_harness(harness, base):
     status = json.loads(seen["status"])
     assert status == {"execution": ex.id, "id": ex.id, "base": base, "head": base,
                       "state": "leased", "created_ns": status["created_ns"], "upper_bytes": 0,
-                      "upper_inodes": 1, "max_bytes": None, "max_inodes": None, "last": None}
+                      "upper_inodes": 1, "captured_bytes": 0, "max_bytes": None,
+                      "max_inodes": None, "last": None}
     for leak in (pool.holder, pool.host, str(harness.mount), harness.status()["data"]):
         assert leak not in seen["status"]

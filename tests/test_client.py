@@ -14,6 +14,7 @@ the manifest and its costs, locks, the fallback CLI's mode line).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -202,6 +203,25 @@ def test_diff_lines_are_the_fuse_diff(ramet, tmp_path):
     assert (ex.diff(), ex.verify(), ex.verify(deep=True)) == ([], [], [])
     assert tree_signature(ex.path) == tree_signature(src)
     ramet.release(ex)
+
+
+def test_diff_of_exchanged_directories_compares_what_is_below_them(ramet, tmp_path):
+    # a/ and b/ swap places (renameat2 RENAME_EXCHANGE): each keeps its mode, owner and
+    # mtime, so the diff names only the files that now differ below them, in both modes.
+    src = write_tree(tmp_path / "src", {"a/f": b"same\n", "a/s/x": b"x\n",
+                                        "b/f": b"same\n", "b/s/y": b"y\n"})
+    for path in ("a/f", "a/s", "a", "b/f", "b/s", "b"):
+        os.utime(src / path, ns=TIMES_NS)
+    ex = ramet.create(ramet.snapshot(src))
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE (linux/fs.h)
+        assert libc.renameat2(at_cwd, os.fsencode(ex.path / "a"), at_cwd,
+                              os.fsencode(ex.path / "b"), exchange) == 0, \
+            os.strerror(ctypes.get_errno())
+        assert ex.diff() == [("D", "a/s/x"), ("A", "a/s/y"), ("A", "b/s/x"), ("D", "b/s/y")]
+    finally:
+        ramet.release(ex)
 
 
 def test_reset_puts_back_every_kind_of_change(ramet, special_source):

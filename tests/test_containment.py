@@ -9,22 +9,28 @@ status says why, until a reset), and the daemon and a bystander execution keep w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, check_log, ctl_command, require_fuse, run, wait_until
+from conftest import Daemon, ctl_command, pid_alive, read_reply, run, serving, wait_until
 from rametfs import protocol
 from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
 from rametfs.fuse_ops import OPEN_LESS
 from test_kernel_cache import _map_and_store
 from test_snapshots import write_tree
 
+MIB = 1 << 20
+BLOCK = 4096  # the data file system's block: what the last write of a quota may pass it by
 TRACEBACK_LINES = (r"Traceback|^\s|^\S*Error|^rametfs\.faults\.InjectedFault|"
                    r"internal error|failed; restarting|failed$")
 
@@ -70,15 +76,8 @@ def test_times_a_record_cannot_hold_are_clamped_as_ext4_clamps_them(daemon, tmp_
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     """A daemon served with ``--faults``; its log is checked for the expected tracebacks only."""
-    require_fuse()
-    base = tmp_path_factory.mktemp("faults")
-    d = Daemon(base / "data", base / "mnt", serve_args=("--faults",))
-    d.start()
-    try:
+    with serving(tmp_path_factory.mktemp("faults"), ("--faults",), [TRACEBACK_LINES]) as d:
         yield d
-    finally:
-        d.stop()
-        check_log(d.log_text(), [TRACEBACK_LINES], repr(d))
 
 
 @pytest.fixture(scope="module")
@@ -245,11 +244,8 @@ def test_an_exception_in_forget_is_logged_and_the_daemon_goes_on(faulty, pair):
 # ----- background tasks --------------------------------------------------------------------------
 
 def test_an_exception_in_the_dirty_flush_fails_that_execution_and_stores_the_others(
-        tmp_path, request):
-    require_fuse()
-    d = Daemon(tmp_path / "data", tmp_path / "mnt", serve_args=("--faults",))
-    d.start()
-    try:
+        tmp_path):
+    with serving(tmp_path, ("--faults",), [TRACEBACK_LINES]) as d:
         snap = d.snapshot(write_tree(tmp_path / "src", {"a": b"a\n"}))
         victim, bystander = d.create(snap), d.create(snap)
         d.ctl(f"fault task:flush --execution {victim}")
@@ -263,9 +259,6 @@ def test_an_exception_in_the_dirty_flush_fails_that_execution_and_stores_the_oth
         d.start()
         assert (d.exec_path(bystander) / "kept").read_bytes() == b"stored by the flush\n"
         assert d.exec_status(victim)["state"] != "failed"  # the mark lives in memory only
-    finally:
-        d.stop()
-        check_log(d.log_text(), [TRACEBACK_LINES], repr(d))
 
 
 def test_an_exception_in_reclaim_fails_that_execution_only(faulty, pair):
@@ -389,7 +382,553 @@ def test_other_spellings_of_a_snapshot_id_are_not_found(shared_daemon, tmp_path)
     snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f\n"}))
     snapshots = shared_daemon.mnt / protocol.SNAPSHOTS_DIR
     assert (snapshots / snap / "f").read_bytes() == b"f\n"
-    for spelling in (snap.upper(), " " + snap, snap + " ", snap[:32], "0x" + snap[2:],
-                     snap[:-1] + "G"):
+    for spelling in (snap.upper(), " " + snap, snap + " ", snap[:32].upper(), "0x" + snap[2:],
+                     snap[:-1] + "G", snap[:7]):
         with pytest.raises(FileNotFoundError):
             os.stat(snapshots / spelling)
+    link = snapshots / snap[:32]  # a prefix: a symlink to the id, never a view of its own
+    assert os.readlink(link) == snap and os.stat(link).st_ino == os.stat(snapshots / snap).st_ino
+
+
+# ----- quotas --------------------------------------------------------------------------------
+
+def _harness_record(d: Daemon, eid: str) -> dict:
+    [record] = [e for e in d.status()["executions"] if e["id"] == eid]
+    return record
+
+
+def test_max_bytes_bounds_the_disk_an_execution_takes_and_others_write_on(daemon, tmp_path):
+    """The limit counts the blocks of written data and the bytes of records and names: a
+    write stops short at it (the last block may pass it), then EDQUOT."""
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"base.bin": b"b" * 200_000}))
+    eid = daemon.ctl(f"create {snap} --max-bytes {MIB}")["execution"]
+    other = daemon.create(snap)
+    ex, by = daemon.exec_path(eid), daemon.exec_path(other)
+    assert _harness_record(daemon, eid)["upper_bytes"] == 0  # the root's record is free
+    proc = run("dd", "if=/dev/urandom", f"of={ex / 'big'}", "bs=64k", "count=100", check=False)
+    assert proc.returncode == 1 and "Disk quota exceeded" in proc.stderr
+    record = _harness_record(daemon, eid)
+    assert record["max_bytes"] == MIB and MIB <= record["upper_bytes"] < MIB + BLOCK
+    assert MIB - BLOCK < (ex / "big").stat().st_size < MIB  # the record and name took the rest
+    for change in (lambda: (ex / "more").write_bytes(b"x"),  # a new name
+                   lambda: _overwrite(ex / "base.bin"),  # a copy-up of its written page
+                   lambda: os.setxattr(ex / "big", "user.k", b"v")):  # record bytes
+        with pytest.raises(OSError) as caught:
+            change()
+        assert caught.value.errno == errno.EDQUOT
+    (by / "big").write_bytes(os.urandom(2 * MIB))  # a bystander has no such limit
+    os.unlink(ex / "big")  # freed once the kernel forgets it (reclaim)
+    # left: the records and names of base.bin's copy-up and of the root's changes
+    wait_until(lambda: _harness_record(daemon, eid)["upper_bytes"] < 1024, 10, "the blocks freed")
+    with open(ex / "again", "wb") as f:
+        f.write(os.urandom(MIB // 2))
+        os.fsync(f.fileno())  # its record (its size) stored now, not at the next flush
+    used = _harness_record(daemon, eid)["upper_bytes"]
+    assert MIB // 2 < used < MIB // 2 + 2048
+    daemon.restart()  # the limit is stored; the use is counted again at the start
+    record = _harness_record(daemon, eid)
+    assert (record["max_bytes"], record["upper_bytes"]) == (MIB, used)
+    daemon.exec_ctl(eid, "reset")
+    assert _harness_record(daemon, eid)["upper_bytes"] == 0
+    (ex / "after-reset").write_bytes(os.urandom(MIB // 2))
+
+
+def _overwrite(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.write(b"changed")
+
+
+def test_names_and_links_count_against_max_bytes(daemon, tmp_path):
+    """A hard link makes no inode but stores a name: a million links under a small inode
+    limit added 77 MB to the store.  Each counts its dentry's bytes."""
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    eid = daemon.ctl(f"create {snap} --max-bytes 65536 --max-inodes 10")["execution"]
+    ex = daemon.exec_path(eid)
+    (ex / "d").mkdir()
+    (ex / "d" / "target").write_bytes(b"")
+    made = 0
+    with pytest.raises(OSError) as caught:
+        for made in range(10_000):
+            os.link(ex / "d" / "target", ex / "d" / f"link{made:05d}")
+    assert caught.value.errno == errno.EDQUOT
+    assert 1000 < made < 65536 // 32  # each link: 16 + 9 bytes of key, 8 of value
+    assert _harness_record(daemon, eid)["upper_bytes"] >= 65536 - 256
+
+
+def test_max_inodes_bounds_new_inodes_and_copies_up(daemon, tmp_path):
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"d/a": b"a", "d/b": b"b"}))
+    eid = daemon.ctl(f"create {snap} --max-inodes 6")["execution"]
+    ex = daemon.exec_path(eid)
+    os.chmod(ex / "d" / "a", 0o600)  # copies d and d/a up: with the root's, 3 records
+    (ex / "n1").write_bytes(b"n")
+    (ex / "n2").write_bytes(b"n")
+    assert _harness_record(daemon, eid)["upper_inodes"] == 5
+    (ex / "last").write_bytes(b"l")  # the 6th
+    for make in (lambda: (ex / "one-more").write_bytes(b"x"), lambda: os.mkdir(ex / "dir"),
+                 lambda: os.symlink("t", ex / "sym"), lambda: os.chmod(ex / "d" / "b", 0o600)):
+        with pytest.raises(OSError) as caught:
+            make()
+        assert caught.value.errno == errno.EDQUOT
+    os.unlink(ex / "last")
+    wait_until(lambda: _harness_record(daemon, eid)["upper_inodes"] == 5, 10,
+               "the unlinked inode reclaimed")
+    (ex / "one-more").write_bytes(b"x")
+
+
+def test_pool_members_get_the_pools_limits(shared_daemon, tmp_path):
+    snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    pool = shared_daemon.ctl(f"pool {snap} --size 2 --max-bytes 65536 --max-inodes 100")
+    for eid in pool["executions"]:
+        record = _harness_record(shared_daemon, eid)
+        assert (record["max_bytes"], record["max_inodes"]) == (65536, 100)
+    with pytest.raises(OSError) as caught:
+        shared_daemon.ctl(f"pool {snap} --size 2 --name {pool['pool']} --max-bytes 1")
+    assert caught.value.errno == errno.EEXIST
+    shared_daemon.ctl(f"drop {pool['pool']}")
+
+
+@pytest.mark.parametrize("option", ["--max-bytes 0", "--max-bytes -1", "--max-inodes x",
+                                    f"--max-bytes {2 ** 63}"])
+def test_bad_limits_are_einval(shared_daemon, tmp_path, option):
+    snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    with pytest.raises(OSError) as caught:
+        shared_daemon.ctl(f"create {snap} {option}")
+    assert caught.value.errno == errno.EINVAL
+    assert "must be a whole number from 1 to 2**63 - 1" in caught.value.reply["error"]
+
+
+def test_limits_are_refused_in_fallback_mode(tmp_path):
+    from rametfs import Ramet
+    with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
+        snap = ramet.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+        with pytest.raises(OSError) as caught:
+            ramet.create(snap, max_bytes=MIB)
+        assert caught.value.errno == errno.EOPNOTSUPP
+
+
+# ----- cancelling long captures --------------------------------------------------------------
+
+LONG_MIB = 384  # fresh random data a promote must hash and store: seconds of work
+
+
+class _Promote:
+    """``echo promote > .ramet/ctl`` of an execution, in a thread of its own: its caller is
+    blocked in write(2) until the daemon answers."""
+
+    def __init__(self, d: Daemon, eid: str):
+        self.errno: int | None = None  # of the write(2)
+        self.reply: dict | None = None  # read back from the same descriptor, if it could be
+        self.thread = threading.Thread(target=self._run, args=(d, eid), daemon=True)
+        self.thread.start()
+        wait_until(lambda: d.exec_status(eid)["state"] == "promoting", 30, "the promote to start")
+
+    def _run(self, d: Daemon, eid: str) -> None:
+        fd = os.open(d.exec_path(eid) / protocol.CONTROL_DIR / protocol.CTL, os.O_RDWR)
+        try:
+            try:
+                os.write(fd, b"promote\n")
+            except OSError as exc:
+                self.errno = exc.errno
+            with contextlib.suppress(OSError):  # gone with a daemon that stopped
+                self.reply = read_reply(fd)
+        finally:
+            os.close(fd)
+
+    def cancelled(self, by: str | None) -> None:
+        """Assert the caller's write failed ECANCELED (within 10 s of the cancel), with the
+        reply naming ``by`` (None: the daemon is gone, no reply to read)."""
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the promote's caller is still blocked"
+        assert self.errno == errno.ECANCELED, (self.errno, self.reply)
+        if by is not None:
+            assert self.reply["error"] == f"promote cancelled by {by}"
+
+
+@pytest.fixture
+def long_work(daemon, tmp_path):
+    """``(daemon, execution id, snapshot ids before)``: an execution holding LONG_MIB of new
+    random data, so its promote takes seconds."""
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    eid = daemon.create(snap)
+    for i in range(4):
+        with open(daemon.exec_path(eid) / f"blob{i}", "wb") as f:
+            for _ in range(LONG_MIB // 4):
+                f.write(os.urandom(MIB))
+    return daemon, eid, [s["id"] for s in daemon.status()["snapshots"]]
+
+
+@pytest.mark.parametrize("command", ["reset {eid}", "release {eid}", "cancel --execution {eid}",
+                                     "cancel"])
+def test_a_long_promote_is_cancelled_and_stores_nothing(long_work, command):
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    reply = d.ctl(command.format(eid=eid))
+    by = {"reset": f"the reset of execution {eid} by the harness",
+          "release": f"the release of execution {eid} by the harness",
+          "cancel": "the harness (cancel)"}[command.split()[0]]
+    promote.cancelled(by)
+    if command.startswith("cancel"):
+        assert reply["cancelled"] == [eid]
+        assert d.exec_status(eid)["state"] != "promoting"
+    assert [s["id"] for s in d.status()["snapshots"]] == before
+    wait_until(lambda: d.ctl("cancel")["cancelled"] == [], 5, "nothing left running")
+
+
+def test_the_agents_own_reset_cancels_its_promote(long_work):
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    d.exec_ctl(eid, "reset")
+    promote.cancelled(f"the reset of execution {eid}")
+    assert [s["id"] for s in d.status()["snapshots"]] == before
+    assert os.listdir(d.exec_path(eid)) == ["f"]
+
+
+def test_an_expired_lease_cancels_the_promote_of_its_execution(daemon, tmp_path):
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    member = daemon.ctl(f"pool {snap} --size 1 --name longpool")["executions"][0]
+    daemon.ctl("acquire longpool --holder h --ttl 600")
+    with open(daemon.exec_path(member) / "blob", "wb") as f:
+        for _ in range(LONG_MIB):
+            f.write(os.urandom(MIB))
+    promote = _Promote(daemon, member)
+    daemon.ctl(f"return {member} --holder h")  # as the lease task does when it expires
+    promote.cancelled(f"the return of execution {member} by the harness")
+    assert daemon.exec_status(member)["state"] == "ready"
+
+
+def test_sigterm_cancels_a_long_promote_and_the_daemon_stops(long_work):
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    pid = d.pid
+    os.kill(pid, signal.SIGTERM)
+    promote.cancelled(None)
+    wait_until(lambda: not pid_alive(pid), 20, "the daemon to exit")
+    assert not os.path.ismount(d.mnt)
+    d.pid = None
+    d.start()
+    assert [s["id"] for s in d.status()["snapshots"]] == before
+    assert run(sys.executable, "-m", "rametfs", "fsck", "--data", d.data_dir).returncode == 0
+
+
+def test_umount_cancels_a_long_promote_and_unmounts(long_work):
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    d.stop()  # rametfs umount, not lazy: the promote's caller had the ctl open
+    promote.cancelled("the harness (cancel)")
+    d.start()
+    assert [s["id"] for s in d.status()["snapshots"]] == before
+
+
+def test_writers_waiting_on_a_frozen_execution_do_not_stall_the_others(long_work):
+    """Each request waiting for a promote to end holds one of the daemon's request tasks:
+    150 of them (pyfuse3's default was 99 tasks) leave the bystander served."""
+    d, eid, _ = long_work
+    other = d.create(d.status()["snapshots"][-1]["id"])
+    for i in range(150):  # files of their own: writes to one file take its lock in the kernel
+        (d.exec_path(eid) / f"waiting{i}").write_bytes(b"")
+    promote = _Promote(d, eid)
+    errors: list[OSError] = []
+
+    def write(i: int) -> None:
+        try:
+            with open(d.exec_path(eid) / f"waiting{i}", "r+b") as f:
+                f.write(b"w")
+        except OSError as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write, args=(i,), daemon=True) for i in range(150)]
+    for t in writers:
+        t.start()
+    time.sleep(1)  # their creates wait on the frozen execution
+    assert d.exec_status(eid)["state"] == "promoting" and all(t.is_alive() for t in writers)
+    probe = d.exec_path(other) / "probe"  # would hang with every request task taken
+    probe.write_bytes(b"probe\n")
+    assert (probe.read_bytes(), (d.exec_path(other) / "f").stat().st_size) == (b"probe\n", 1)
+    probe.unlink()
+    d.ctl(f"cancel --execution {eid}")
+    promote.cancelled("the harness (cancel)")
+    for t in writers:
+        t.join(10)
+    assert errors == [] and all((d.exec_path(eid) / f"waiting{i}").read_bytes() == b"w"
+                                for i in range(150))
+
+
+async def test_a_walk_in_slices_lets_other_tasks_run_and_returns_its_result():
+    """rametfs.overlay.in_slices: a walk of 30 steps of 1 ms each runs in slices of
+    SLICE_S (2 ms); another task runs between them, and the walk's result comes back."""
+    import trio
+
+    from rametfs.overlay import SLICE_S, in_slices
+    from rametfs.treewalk import run_steps
+    turns = 0
+    seen: list[int] = []
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.sleep(0)
+
+    def steps():
+        for _ in range(30):
+            time.sleep(0.001)
+            seen.append(turns)
+            yield
+        return "done"
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.sleep(0)
+        assert await in_slices(steps()) == "done"
+        nursery.cancel_scope.cancel()
+    assert SLICE_S == 0.002 and seen[-1] - seen[0] >= 30 * 0.001 // SLICE_S - 1
+    assert run_steps(steps()) == "done"
+
+
+def test_a_listing_made_in_slices_is_exact_across_its_batches(shared_daemon, tmp_path):
+    """Upper dentries are read and nodes made LIST_STEP (1,024) at a time, in slices: 1,500
+    base names, 700 of them removed (whiteouts) and 1,800 new ones list exactly."""
+    from rametfs.overlay import LIST_STEP
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(1500):
+        (src / "d" / f"b{i:04d}").write_bytes(b"")
+    eid = shared_daemon.create(shared_daemon.snapshot(src))
+    d = shared_daemon.exec_path(eid) / "d"
+    for i in range(0, 1400, 2):
+        os.unlink(d / f"b{i:04d}")
+    for i in range(1800):
+        (d / f"n{i:04d}").write_bytes(b"")
+    want = sorted([f"b{i:04d}" for i in range(1500) if i >= 1400 or i % 2] +
+                  [f"n{i:04d}" for i in range(1800)])
+    assert 700 + 1800 > 2 * LIST_STEP and len(want) == 2600
+    assert sorted(os.listdir(d)) == want
+    promoted = shared_daemon.exec_ctl(eid, "promote")["snapshot"]  # its plan lists d too
+    assert os.listdir(shared_daemon.snap_path(promoted) / "d") == want
+    shared_daemon.ctl(f"release {eid}")
+
+
+def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemon, tmp_path):
+    """A recipe input's digest hashes every byte (holes too): an input truncated to 2 GiB
+    (sparse, 0 bytes stored) stops the promote at once, not after hashing 2 GiB."""
+    from rametfs.capture import MAX_INPUT_BYTES
+    policy = ('[rebuildable.deps]\npaths = ["deps/"]\ninputs = ["lock.txt"]\n'
+              'command = "true"\n')
+    snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"lock.txt": b"a==1\n",
+                                                                 "deps/x": b"x"}))
+    eid = shared_daemon.ctl(protocol.format_command("create", snap, policy=policy))["execution"]
+    lock = shared_daemon.exec_path(eid) / "lock.txt"
+    os.truncate(lock, 2 * MAX_INPUT_BYTES)
+    with pytest.raises(OSError) as caught:
+        shared_daemon.ctl(f"promote {eid}")
+    assert caught.value.errno == errno.EFBIG
+    assert caught.value.reply["error"] == (f"promote stopped by the policy: recipe input "
+                                           f"lock.txt holds more than {MAX_INPUT_BYTES} bytes")
+    os.truncate(lock, 5)
+    assert shared_daemon.ctl(f"promote {eid}")["ok"]
+    shared_daemon.ctl(f"release {eid}")
+
+
+def test_the_harness_comes_first_and_the_agent_never_cancels_it(long_work):
+    """A harness command cancels the one the execution's own ctl runs; the execution's own
+    commands, its reset included, are EBUSY while the harness's runs."""
+    d, eid, before = long_work
+    promote = _Promote(d, eid)
+    reply = d.ctl(f"verify {eid}")  # the harness's: the agent's promote goes
+    promote.cancelled(f"the verify of execution {eid} by the harness")
+    assert reply["verification"]["equal"] is False
+    harness = threading.Thread(target=lambda: d.ctl(f"checkpoint {eid}"), daemon=True)
+    harness.start()
+    wait_until(lambda: d.exec_status(eid)["state"] == "promoting", 30, "the checkpoint to start")
+    for line in ("reset", "promote", "verify"):
+        with pytest.raises(OSError) as caught:
+            d.exec_ctl(eid, line)
+        assert caught.value.errno == errno.EBUSY
+        assert caught.value.reply["error"] == f"execution {eid!r} is running checkpoint"
+    harness.join(60)
+    assert len(d.status()["snapshots"]) == len(before) + 1
+
+
+def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(long_work):
+    """A create that waited for the promote must not land in the layer the reset made."""
+    d, eid, _ = long_work
+    promote = _Promote(d, eid)
+    errors: list[OSError] = []
+
+    def create() -> None:
+        try:
+            (d.exec_path(eid) / "late").write_bytes(b"late")
+        except OSError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=create, daemon=True)
+    waiter.start()
+    time.sleep(0.5)
+    d.ctl(f"reset {eid}")
+    promote.cancelled(f"the reset of execution {eid} by the harness")
+    waiter.join(10)
+    assert [e.errno for e in errors] == [errno.ESTALE]
+    assert sorted(os.listdir(d.exec_path(eid))) == ["f"]
+
+
+def test_past_max_waiting_requests_of_one_execution_get_eagain(long_work):
+    from rametfs.overlay import MAX_WAITING
+    d, eid, _ = long_work
+    other = d.create(d.status()["snapshots"][-1]["id"])
+    count = MAX_WAITING + 40
+    for i in range(count):
+        (d.exec_path(eid) / f"w{i}").write_bytes(b"")
+    promote = _Promote(d, eid)
+    errors: list[int] = []
+
+    def write(i: int) -> None:
+        try:
+            with open(d.exec_path(eid) / f"w{i}", "r+b") as f:
+                f.write(b"w")
+        except OSError as exc:
+            errors.append(exc.errno)
+
+    writers = [threading.Thread(target=write, args=(i,), daemon=True) for i in range(count)]
+    for t in writers:
+        t.start()
+    wait_until(lambda: len(errors) == count - MAX_WAITING, 30, "the writers past the limit")
+    probe = d.exec_path(other) / "probe"
+    probe.write_bytes(b"served")
+    assert probe.read_bytes() == b"served"
+    d.ctl(f"cancel --execution {eid}")
+    promote.cancelled("the harness (cancel)")
+    for t in writers:
+        t.join(10)
+    assert errors == [errno.EAGAIN] * (count - MAX_WAITING)
+    written = sum((d.exec_path(eid) / f"w{i}").read_bytes() == b"w" for i in range(count))
+    assert written == MAX_WAITING
+
+
+def test_an_agents_own_captures_count_against_its_max_bytes(daemon, tmp_path):
+    """`head -c 1M /dev/urandom > blob; echo checkpoint > .ramet/ctl` in a loop filled a
+    store (292 checkpoints, 300 MB) while the execution used 1 MB: what the execution's own
+    captures store counts against its limit until its reset; the harness's never is."""
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    eid = daemon.ctl(f"create {snap} --max-bytes {4 * MIB}")["execution"]
+    blob = daemon.exec_path(eid) / "blob"
+    rounds = 0
+    with pytest.raises(OSError) as caught:
+        for rounds in range(1, 20):
+            blob.write_bytes(os.urandom(MIB))
+            daemon.exec_ctl(eid, "checkpoint")
+    assert caught.value.errno == errno.EDQUOT and rounds in (2, 3)
+    assert "the capture stores" in caught.value.reply["error"]
+    record = _harness_record(daemon, eid)
+    assert MIB * (rounds - 1) <= record["captured_bytes"] <= 4 * MIB
+    assert daemon.ctl(f"checkpoint {eid}")["ok"]  # the harness's capture is not charged
+    daemon.exec_ctl(eid, "reset")
+    assert _harness_record(daemon, eid)["captured_bytes"] == 0
+    blob.write_bytes(os.urandom(MIB))
+    assert daemon.exec_ctl(eid, "checkpoint")["ok"]
+
+
+async def test_store_flushes_are_group_commits(tmp_path):
+    """Overlay.sync_store: ten callers at once make at most two flushes, and each returns
+    only after a flush that started after its call."""
+    import trio
+
+    from rametfs.overlay import Overlay
+    from rametfs.store import Store
+    store = Store(tmp_path / "data")
+    overlay = Overlay(store)
+    flushes = []
+
+    def flush() -> None:
+        flushes.append(time.monotonic())
+        time.sleep(0.05)
+
+    store.sync = flush
+    returned = []
+
+    async def caller() -> None:
+        called = time.monotonic()
+        await overlay.sync_store()
+        returned.append((called, time.monotonic()))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):
+            nursery.start_soon(caller)
+    assert len(flushes) <= 2 and len(returned) == 10
+    for called, done in returned:  # a flush started after the call and ended before return
+        assert any(called <= started and started + 0.05 <= done for started in flushes)
+    store.close()
+
+
+def test_rmdir_knows_emptiness_without_listing(shared_daemon, tmp_path):
+    """Whiteouts, upper names and base names, each way: ENOTEMPTY exactly when a name is
+    left (rametfs.overlay.Overlay._is_empty_dir counts, it does not list)."""
+    src = write_tree(tmp_path / "src", {"d/a": b"a", "d/b": b"b", "e/x": b"x"})
+    eid = shared_daemon.create(shared_daemon.snapshot(src))
+    root = shared_daemon.exec_path(eid)
+
+    def rmdir_errno(path: Path) -> int:
+        try:
+            os.rmdir(path)
+        except OSError as exc:
+            return exc.errno
+        return 0
+
+    os.unlink(root / "d" / "a")
+    assert rmdir_errno(root / "d") == errno.ENOTEMPTY  # b is left
+    os.unlink(root / "d" / "b")
+    (root / "d" / "a").write_bytes(b"again")  # a base name made again over its whiteout
+    assert rmdir_errno(root / "d") == errno.ENOTEMPTY
+    os.unlink(root / "d" / "a")
+    assert rmdir_errno(root / "d") == 0  # every base name whited out
+    (root / "new").mkdir()
+    (root / "new" / "f").write_bytes(b"")
+    assert rmdir_errno(root / "new") == errno.ENOTEMPTY
+    os.unlink(root / "new" / "f")
+    assert rmdir_errno(root / "new") == 0
+    os.rename(root / "e" / "x", root / "x")  # renamed away: e is empty
+    assert rmdir_errno(root / "e") == 0
+    assert sorted(os.listdir(root)) == ["x"]
+    shared_daemon.ctl(f"release {eid}")
+
+
+async def test_a_big_base_tree_is_decoded_off_the_trio_thread(tmp_path):
+    """Overlay.prefetch: a stored tree of 200,000 names (several MB) is decoded in a worker
+    thread while other tasks run, then served from the cache."""
+    import stat as st
+
+    import trio
+
+    from rametfs.overlay import BIG_TREE_BYTES, Overlay
+    from rametfs.store import EMPTY_CONTENT, Store
+    from rametfs.store.importer import put_directory
+    from rametfs.store.trees import Entry
+    store = Store(tmp_path / "data")
+    names = [b"file-%07d" % i for i in range(200_000)]
+    with store.write() as txn:
+        big = put_directory(store, txn, [Entry(n, st.S_IFREG | 0o644, 0, 0, 0, 0, EMPTY_CONTENT,
+                                                (), 0, 1) for n in names], st.S_IFDIR | 0o755,
+                            0, 0, 0).renamed(b"big")
+        root = put_directory(store, txn, [big], st.S_IFDIR | 0o755, 0, 0, 0)
+        snap = store.put_snapshot(txn, root, [], "", "", "test", {})
+    assert store.tree_bytes(big.ref) >= BIG_TREE_BYTES
+    overlay = Overlay(store)
+    ex = overlay.create_execution(snap, "e")
+    d = overlay.lookup(ex.root_ino, b"big")
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.sleep(0)
+        before = turns
+        await overlay.prefetch(d.ino)
+        during = turns - before
+        nursery.cancel_scope.cancel()
+    assert during > 10 and big.ref in overlay.trees  # the other task ran while it decoded
+    assert overlay.lookup(d.ino, b"file-0123456").name == b"file-0123456"
+    store.close()

@@ -119,6 +119,27 @@ def test_verify_trusts_the_manifest_and_deep_reads_the_bytes(ramet, tmp_path):
     assert f.read_bytes() == b"alpha\n"
 
 
+def test_a_shared_directory_taken_from_the_base_keeps_its_parents_link_flag(ramet, tmp_path):
+    # The base's a/vendor/ holds a hard-link pair; the agent breaks the pair (same bytes, mode
+    # and mtime: the diff, and so the shared path, is unchanged; in FUSE mode the rewritten
+    # file is M).  The promote takes a/vendor/ from the base, hard links and all, so a/ must
+    # say a hard link lies below it, as in the base: the promoted tree is the base's.
+    src = write_tree(tmp_path / "src", {"a/vendor/x": b"linked\n", "a/other": b"o\n"})
+    os.link(src / "a/vendor/x", src / "a/vendor/y")
+    base = ramet.snapshot(src)
+    ex = ramet.create(base)
+    vendor = ex.path / "a" / "vendor"
+    st = os.stat(vendor / "y")
+    (vendor / "copy").write_bytes((vendor / "y").read_bytes())
+    os.replace(vendor / "copy", vendor / "y")
+    os.utime(vendor / "y", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(vendor / "x").st_nlink == 1 and ex.diff() == []
+    policy = tmp_path / "shared.toml"
+    policy.write_text('shared = ["a/vendor/"]\n')
+    store = ramet._backend.engine.store
+    assert store.snapshot(ex.promote(policy=policy)).root == store.snapshot(base).root
+
+
 def test_errors_only_fallback_has(ramet, tmp_path, monkeypatch):
     # The errors of both modes are in test_client.
     src = write_tree(tmp_path / "src", {"a": b"a\n"})

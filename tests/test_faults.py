@@ -201,7 +201,7 @@ def test_a_second_daemon_on_a_data_dir_in_use_refuses_with_ebusy(daemon, tmp_pat
                tmp_path / "mnt2", "--background", "--log", tmp_path / "second.log", check=False)
 
     assert proc.returncode == 5  # EBUSY
-    assert f"in use by another rametfs daemon (pid {daemon.pid})" in proc.stderr
+    assert f"in use by the rametfs daemon pid {daemon.pid}, serving {daemon.mnt}" in proc.stderr
     assert not os.path.ismount(tmp_path / "mnt2")
     assert daemon.status()["pid"] == daemon.pid
 

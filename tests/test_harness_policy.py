@@ -147,8 +147,14 @@ def test_a_policy_stored_at_create_applies_and_the_agent_cannot_change_it(ramet,
         shown = json.loads((ex.path / ".ramet" / "preview").read_text())
         assert (shown["policy"], {p["path"]: p["class"] for p in shown["paths"]}) == (
             "create --policy", classes)
-        # a preview the agent asks for with a policy of its own changes nothing stored
-        ctl_command(ex.path / ".ramet" / "ctl", "preview --policy none")
+        # the agent cannot give a policy of its own, not even for a preview
+        for line in ("preview --policy none", "promote --policy none", "checkpoint --policy tree"):
+            with pytest.raises(OSError) as caught:
+                ctl_command(ex.path / ".ramet" / "ctl", line)
+            assert caught.value.errno == errno.EACCES
+            assert caught.value.reply["error"].endswith(
+                "the policy is the harness's (create --policy, or the root ctl); an execution "
+                "cannot give its own")
     kept = {"main.py", "data/table.csv", "ramet.toml"}
     sid = ex.promote()
     assert (files_of(ramet, sid), record_of(ramet, sid)["policy"]) == (kept, "create --policy")
@@ -314,8 +320,9 @@ def test_runtime_records_are_the_harnesss_and_checked(ramet, base):
             ctl_command(ex.path / ".ramet" / "ctl", f"runtime {ex.id} docker --uid 0 --gid 0 "
                                                     "--image x")
         assert (info.value.errno, info.value.reply["error"]) == (
-            errno.EINVAL, "unknown command 'runtime'; expected one of checkpoint, preview, "
-                          "promote, reset, verify")
+            errno.EINVAL, "runtime: a command of the root .ramet/ctl, at the top of the mount "
+                          "(the harness's), not of an execution's; this one takes checkpoint, "
+                          "preview, promote, reset, verify")
 
     ex.record_runtime("docker", 1000, 1001, "python:3.12-slim")
     write(ex.path, {"ramet.toml": WHO_RECIPE, "who/uid": "1\n"})

@@ -25,6 +25,7 @@ import pytest
 from conftest import run, wait_until
 from rametfs import Ramet, RametError
 from rametfs.client import PoolTimeout
+from rametfs.errors import Busy
 from rametfs.overlay import UpperInode
 from rametfs.store import Store
 from rametfs.store.format import dentry_key, inode_key, page_key, u64
@@ -32,6 +33,7 @@ from test_snapshots import write_tree
 
 QUARANTINE_LOG = r"WARNING rametfs\.control: execution \S+ quarantined"
 BIG = bytes(range(256)) * 800  # 200 KiB: four pages, the last one short
+SECOND = 1_000_000_000  # ns
 
 
 @pytest.fixture
@@ -114,7 +116,8 @@ def test_acquire_renew_ebusy_timeout_and_ls(daemon, source):
 
             listing = cli_ls(daemon.mnt)
             row, = [line for line in listing.splitlines() if line.startswith(ex.id)]
-            assert row.split()[5:8] == ["leased", "agents", pool.holder]
+            assert row.split()[5:9] == [f"{os.getuid()}:{os.getgid()}/0700/full", "leased",
+                                        "agents", pool.holder]
             assert f"(pid {os.getpid()}@{socket.gethostname()})" in row
             assert row.split()[-2] == "in"
             assert [line.split() for line in listing.splitlines()[-2:]] == [
@@ -312,6 +315,21 @@ def test_a_lease_ending_while_the_daemon_is_down_is_returned_by_the_next(daemon,
     assert f"lease of {eid} by gone (pid 4242 on elsewhere) expired" in daemon.log_text()
 
 
+def test_a_lease_ending_before_the_one_the_lease_task_waits_for_wakes_it(shared_daemon,
+                                                                          source):
+    base = shared_daemon.snapshot(source)
+    shared_daemon.ctl(f"pool {base} --size 2 --name wake")
+    long = shared_daemon.ctl("acquire wake --holder a --ttl 3600")["execution"]
+    time.sleep(0.2)  # the lease task sleeps until the hour-long lease ends
+    short = shared_daemon.ctl("acquire wake --holder b --ttl 0.3")["execution"]
+    taken_at = time.monotonic()
+    wait_until(lambda: shared_daemon.exec_status(short)["state"] == "ready", 10,
+               "the short lease to be returned")
+    assert time.monotonic() - taken_at < 3
+    assert shared_daemon.exec_status(long)["state"] == "leased"
+    shared_daemon.ctl("drop wake")
+
+
 @pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
 def test_writes_into_a_ready_member_are_reset_before_its_next_lease(daemon, source, restart):
     # A process of an earlier holder outlives its lease and goes on writing in the execution.
@@ -414,20 +432,28 @@ def test_pool_commands_check_their_arguments(shared_daemon, source):
 def test_fallback_leases_expire_into_the_next_acquire_and_quarantine(tmp_path, source):
     with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
         base = ramet.snapshot(source)
-        held = killed_holder(ramet, base, "fb", ttl=0.5)
+        held = killed_holder(ramet, base, "fb", ttl=30)
 
         pool = ramet.execution_pool(base, concurrency=2, name="fb")  # reattach
         assert pool_record(ramet, "fb")["leased"] == 1
         with pytest.raises(RametError) as caught:
             ramet._backend.root_command("renew", held, holder=pool.holder, ttl="5")
         assert caught.value.errno == errno.EBUSY
+        engine = ramet._backend.engine
         with pool.acquire() as first:
             assert first.id != held  # the ready one goes first
-            # The dead harness's lease ends: the next acquire resets and verifies it.
-            with pool.acquire(timeout=5) as second:
+            with pytest.raises(PoolTimeout):  # the dead harness's lease still runs
+                with pool.acquire(timeout=0):
+                    pass
+            # Its lease ends (the clock given to the pools moves past it): the next acquire
+            # resets and verifies its execution, and takes it.
+            engine.pools.clock = lambda: time.time_ns() + 3600 * SECOND
+            with pool.acquire(timeout=0) as second:
                 assert second.id == held
                 assert (second.path / "README").read_bytes() == b"project\n"
                 assert member(ramet, held)["lease"]["holder"] == pool.holder
+            assert pool.renew_error is None
+        engine.pools.clock = time.time_ns
 
         # A ready execution changed behind the wrapper's back is quarantined by verify.
         victim = ramet.execution(held)
@@ -442,3 +468,59 @@ def test_fallback_leases_expire_into_the_next_acquire_and_quarantine(tmp_path, s
                 assert held not in (a.id, b.id)
         pool.drop()
         assert ramet.executions() == [] and ramet.pools() == []
+
+
+def test_fallback_take_over_of_a_member_failing_verification_quarantines_it(tmp_path, source,
+                                                                           monkeypatch):
+    with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
+        engine = ramet._backend.engine
+        base = ramet.snapshot(source)
+        reply = ramet._backend.root_command("pool", base, size="1", name="fb")
+        stale, = reply["executions"]
+        ramet._backend.root_command("acquire", "fb", holder="gone", ttl="10")
+        engine.pools.clock = lambda: time.time_ns() + 11 * SECOND  # its lease has ended
+        verification = engine.verification
+        monkeypatch.setattr(engine, "verification", lambda eid, mode: {
+            **verification(eid, mode), "equal": False, "differences": [["A", "junk"]]}
+            if eid == stale else verification(eid, mode))
+
+        got = ramet._backend.root_command("acquire", "fb", holder="next", ttl="10")
+        assert got["execution"] != stale  # the replacement, made when it was quarantined
+        record = member(ramet, stale)
+        assert (record["state"], record["lease"], record["quarantine_reason"]) == (
+            "quarantined", None, "root verification: differs from its base (A junk)")
+        record = pool_record(ramet, "fb")
+        assert (record["size"], record["ready"], record["leased"], record["quarantined"]) == (
+            1, 0, 1, 1)
+        ramet._backend.root_command("drop", "fb")
+
+
+def test_fallback_return_quarantines_on_unreadable_data_but_not_on_a_busy_execution(
+        tmp_path, source, monkeypatch):
+    with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
+        engine = ramet._backend.engine
+        base = ramet.snapshot(source)
+        ramet._backend.root_command("pool", base, size="1", name="fb")
+        eid = ramet._backend.root_command("acquire", "fb", holder="h", ttl="60")["execution"]
+        verification = engine.verification
+
+        def busy(eid, mode):
+            raise Busy(f"execution {eid!r} is running another command")
+
+        monkeypatch.setattr(engine, "verification", busy)
+        with pytest.raises(RametError) as caught:  # no verdict on the execution: kept leased
+            ramet._backend.root_command("return", eid, holder="h")
+        assert (caught.value.errno, str(caught.value)) == (
+            errno.EBUSY, f"execution {eid!r} is running another command")
+        assert member(ramet, eid)["state"] == "leased"
+
+        def unreadable(eid, mode):
+            raise PermissionError(errno.EACCES, "Permission denied", "data/big.bin")
+
+        monkeypatch.setattr(engine, "verification", unreadable)
+        reply = ramet._backend.root_command("return", eid, holder="h")
+        assert (reply["state"], reply["verification"]) == ("quarantined", None)
+        assert member(ramet, eid)["quarantine_reason"] == (
+            "root verification failed: [Errno 13] Permission denied: 'data/big.bin'")
+        monkeypatch.setattr(engine, "verification", verification)
+        ramet._backend.root_command("drop", "fb")

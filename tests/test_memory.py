@@ -26,7 +26,7 @@ def test_a_background_daemon_runs_on_glibc_malloc(daemon):
 
 @pytest.mark.parametrize("given", [None, "pymalloc"])
 def test_a_foreground_daemon_starts_again_on_glibc_malloc_unless_told(tmp_path, given):
-    """``rametfs serve`` in the foreground sets it and runs itself again (the same process,
+    """``rametfs mount`` (or serve) in the foreground sets it and runs itself again (the same process,
     so a supervisor's pid stays right); an allocator the caller chose is kept."""
     require_fuse()
     mnt, data = tmp_path / "mnt", tmp_path / "data"

@@ -126,12 +126,17 @@ def test_input_digest_of_a_file_and_a_directory(tmp_path):
     (tmp_path / "d" / "a").write_bytes(b"alpha")
     (tmp_path / "d" / "e" / "b").write_bytes(b"")
     os.symlink("a", tmp_path / "d" / "l")
-    assert policy.path_digest(tmp_path / "d" / "a") == blake3.blake3(b"alpha").hexdigest()
+    os.mkfifo(tmp_path / "d" / "p")
+    assert policy.path_digest(tmp_path, "d/a") == blake3.blake3(b"alpha").hexdigest()
+    assert policy.path_digest(tmp_path, "d/l") == blake3.blake3(b"a").hexdigest()
+    assert policy.path_digest(tmp_path, "d/p") == blake3.blake3(b"").hexdigest()
     lines = (f"f {blake3.blake3(b'alpha').hexdigest()} a\n" "d - e\n"
              f"f {blake3.blake3(b'').hexdigest()} e/b\n"
-             f"l {blake3.blake3(b'a').hexdigest()} l\n")
-    assert policy.path_digest(tmp_path / "d") == blake3.blake3(lines.encode()).hexdigest()
-    assert policy.path_digest(tmp_path / "missing") is None
+             f"l {blake3.blake3(b'a').hexdigest()} l\n" "o - p\n")
+    assert policy.path_digest(tmp_path, "d") == blake3.blake3(lines.encode()).hexdigest()
+    with pytest.raises(policy.InputError) as info:
+        policy.path_digest(tmp_path, "missing")
+    assert (info.value.errno, str(info.value)) == (errno.ENOENT, "input missing is missing")
 
 
 # ----- preview and promote, in both modes ------------------------------------------------------
@@ -191,7 +196,7 @@ def test_preview_then_promote_applies_the_policy(ramet, project, tmp_path):
     record = next(s for s in ramet.snapshots() if s["id"] == sid)
     assert record["recipes"] == [{
         "name": "bundle", "outputs": ["build"],
-        "inputs": [{"path": "src", "blake3": policy.path_digest(ex.path / "src")}],
+        "inputs": [{"path": "src", "blake3": policy.path_digest(ex.path, "src")}],
         "command": ["sh", "-c", "mkdir -p build && cat src/*.py > build/bundle.py"],
         "check": ["test", "-s", "build/bundle.py"], "timeout": 60.0}]
     assert (record["policy"], record["left_out"]) == ("ramet.toml", {
@@ -298,7 +303,7 @@ command = "mkdir -p two"
     assert [(s.recipe, s.step, s.ok) for s in err.steps] == [
         ("first", "inputs", True), ("first", "command", True), ("second", "inputs", False)]
     assert seen == err.steps
-    assert "recipe second: inputs failed: conf/second.cfg changed" in str(err)
+    assert "recipe second: inputs failed: input conf/second.cfg changed" in str(err)
     assert (err.execution.path / "conf" / "second.cfg").read_text() == "v1\nclobbered\n"
     ramet.release(err.execution)  # it was left for inspection
 

@@ -52,8 +52,8 @@ def test_format_then_parse_round_trips(name, positional, options, line, args):
     ("", ROOT_COMMANDS, "empty command"),
     ("  \n", EXECUTION_COMMANDS, "empty command"),
     ("frobnicate x", ROOT_COMMANDS,
-     "unknown command 'frobnicate'; expected one of acquire, checkpoint, create, diff, drop, "
-     "fault, pool, preview, promote, release, renew, reset, return, runtime, snapshot, "
+     "unknown command 'frobnicate'; expected one of acquire, cancel, checkpoint, create, diff, "
+     "drop, fault, pool, preview, promote, release, renew, reset, return, runtime, snapshot, "
      "snapshot-git, status, verify"),
     ("promote", ROOT_COMMANDS, "promote: expected <execution>, got 0 argument(s)"),
     ("status", EXECUTION_COMMANDS,
@@ -101,9 +101,11 @@ def fake_mount(tmp_path):
     ]
     executions = [{"id": "run-1", "base": ID_A, "head": ID_C,
                    "created_ns": now - DAY_NS - 60 * 10**9, "upper_bytes": 2048,
-                   "state": "ready"}]
+                   "state": "ready", "owner": 1000, "group": 100, "share": "0750",
+                   "control": "read"}]
     root = {"pid": 1, "data": "/data", "mount": str(tmp_path), "version": "0.1.0",
-            "snapshots": snapshots, "executions": executions, "last": None}
+            "open_less": True, "snapshots": snapshots, "executions": executions,
+            "last": None}
     (tmp_path / ".ramet").mkdir()
     (tmp_path / ".ramet" / "status").write_text(json.dumps(root))
     control = tmp_path / "executions" / "run-1" / ".ramet"
@@ -154,7 +156,7 @@ def test_pool_timeout_is_a_timeout_and_a_ramet_error():
 
 def test_exit_code_table():
     assert EXIT_CODES == {errno.ENOENT: 3, errno.EINVAL: 4, errno.EBUSY: 5, errno.ENOSPC: 6,
-                          errno.ENOTCONN: 7}
+                          errno.ENOTCONN: 7, errno.EEXIST: 8, errno.EACCES: 9}
     assert [exit_code(e) for e in (errno.EIO, errno.ETIMEDOUT, None)] == [1, 1, 1]
 
 
@@ -201,16 +203,18 @@ def test_cli_diff_status_log_ls(fake_mount):
     assert run("log", "cccccccc", "-m", mount).stdout == (
         f"{ID_C} 2d fix try 2\n{ID_B} 3d\n{ID_A} 10d clean first import\n")
     assert run("ls", "-m", mount).stdout == (
+        f"mount: {mount}  mode: open-less\n"
+        "\n"
         "SNAPSHOT      LABEL  FILES  BYTES  AGE\n"
         "aaaaaaaaaaaa  clean  3      1.5K   10d\n"
         "abbbbbbbbbbb         4      10M    3d\n"
         "cccccccccccc  fix    4      512B   2d\n"
         "\n"
-        "EXECUTION  BASE          HEAD          UPPER  AGE\n"
-        "run-1      aaaaaaaaaaaa  cccccccccccc  2.0K   1d\n")
+        "EXECUTION  BASE          HEAD          UPPER  AGE  ACCESS\n"
+        "run-1      aaaaaaaaaaaa  cccccccccccc  2.0K   1d   1000:100/0750/read\n")
     listing = json.loads(run("ls", "--json", "-m", mount).stdout)
     assert (sorted(listing), len(listing["snapshots"]), listing["executions"][0]["id"]) == (
-        ["executions", "snapshots"], 3, "run-1")
+        ["executions", "mode", "open_less", "snapshots"], 3, "run-1")
 
 
 @pytest.mark.parametrize(("n", "text"), [

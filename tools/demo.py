@@ -4,7 +4,7 @@ Run it through ``tools/demo`` (which prepares .venv first)::
 
     tools/demo [--workdir DIR] [--source DIR] [--promote A|B|C|D] [--sequential] [--json FILE]
 
-1. serve a fresh daemon (``rametfs serve --background``) in a new work directory;
+1. mount a fresh daemon (``rametfs mount --background``) in a new work directory;
 2. snapshot the standard library (tens of thousands of files) and check the file count and
    bytes that the root status reports against a walk of the source;
 3. create four executions of it and run in each, at once (or with ``--sequential`` one after
@@ -20,12 +20,18 @@ Run it through ``tools/demo`` (which prepares .venv first)::
 Exit status: 0 when every step is OK, 1 when one failed, 130 on Ctrl-C.  The daemon is
 stopped and its mount removed whatever happens; a temporary work directory is deleted, one
 given with ``--workdir`` is kept (it must be empty or new).
+
+On a terminal, a step that runs over a second shows its progress on stderr (tqdm): a bar
+where the work is counted (the snapshot: bytes the daemon has read of the source, from
+/proc/PID/io; ``git add``: the files it added; ``cp -a``: the entries copied), else what
+it has done so far or the seconds it has run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -43,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+from tqdm import tqdm
 
 from rametfs import Execution, Ramet, RametError
 from rametfs.cli import human_bytes
@@ -85,15 +92,54 @@ def os_errors_fail() -> Iterator[None]:
 
 # ----- the report --------------------------------------------------------------------------
 
+PROGRESS_DELAY_S = 1.0  # a step's progress shows once it has run this long
+TICK_S = 0.5  # how often a shown progress line is redrawn
+UNCOUNTED = "{desc}: {elapsed}"  # a step's progress line until it counts something
+
+
 @dataclass
 class Step:
-    """One timed step: ``seconds`` of wall time; ``notes`` are printed under it, not tabled."""
+    """One timed step: ``seconds`` of wall time; ``notes`` are printed under it, not tabled;
+    ``bar`` its progress line (tqdm; silent off a terminal): a step that counts its work
+    sets ``bar.total`` and calls ``bar.update(n)``, or sets ``poll`` to a function giving
+    the count so far."""
 
     name: str
     seconds: float = 0.0
     ok: bool = True
     detail: str = ""
     notes: list[str] = field(default_factory=list)
+    bar: tqdm | None = field(default=None, repr=False)
+    poll: Callable[[], int] | None = field(default=None, repr=False)
+
+
+@contextlib.contextmanager
+def progress(step: Step, unit: str) -> Iterator[None]:
+    """Show ``step``'s progress on stderr while the block runs (from its first second on,
+    and only on a terminal), redrawn every TICK_S so that the seconds run on."""
+    step.bar = tqdm(desc=step.name, unit=unit, unit_scale=unit == "B", leave=False,
+                    delay=PROGRESS_DELAY_S, disable=None, dynamic_ncols=True,
+                    bar_format=UNCOUNTED)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(TICK_S):
+            if step.poll is not None:
+                step.bar.n = min(step.poll(), step.bar.total or math.inf)
+            if step.bar.total or step.bar.n:
+                step.bar.bar_format = None  # tqdm's own: a bar, or a count and a rate
+            step.bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    if not step.bar.disable:
+        ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if ticker.is_alive():
+            ticker.join()
+        step.bar.close()
 
 
 class Report:
@@ -108,13 +154,15 @@ class Report:
         return all(s.ok for s in self.steps)
 
     @contextlib.contextmanager
-    def step(self, name: str) -> Iterator[Step]:
-        """Time the block as step ``name``.  A CheckFailed in it makes the step FAIL and is
-        swallowed; any other exception makes it FAIL and propagates."""
+    def step(self, name: str, unit: str = "it") -> Iterator[Step]:
+        """Time the block as step ``name``, its progress shown (:func:`progress`, counted
+        in ``unit``).  A CheckFailed in it makes the step FAIL and is swallowed; any other
+        exception makes it FAIL and propagates."""
         record = Step(name)
         start = time.perf_counter()
         try:
-            yield record
+            with progress(record, unit):
+                yield record
         except BaseException as exc:
             record.ok = False
             if isinstance(exc, CheckFailed):
@@ -128,10 +176,10 @@ class Report:
             record.seconds = time.perf_counter() - start
             with self._lock:
                 self.steps.append(record)
-                click.echo(f"{'OK' if record.ok else 'FAIL':<4} {record.seconds:9.3f} s  "
-                           f"{name}" + (f": {record.detail}" if record.detail else ""))
-                for note in record.notes:
-                    click.echo(f"{'':17}{note}")
+                lines = [f"{'OK' if record.ok else 'FAIL':<4} {record.seconds:9.3f} s  "
+                         f"{name}" + (f": {record.detail}" if record.detail else "")]
+                lines += [f"{'':17}{note}" for note in record.notes]
+                tqdm.write("\n".join(lines), file=sys.stdout)  # above the progress lines
 
     def table(self) -> str:
         """Aligned columns: step, seconds (3 decimals), OK/FAIL, first line of the detail."""
@@ -158,6 +206,31 @@ def run(argv: list[str], cwd: Path | None = None) -> str:
         output = "\n".join((done.stdout + done.stderr).splitlines()[:OUTPUT_LINES])
         raise CheckFailed(f"{shlex.join(argv)} {ended}" + (f": {output}" if output else ""))
     return done.stdout
+
+
+def run_counting(argv: list[str], bar: tqdm, cwd: Path | None = None) -> None:
+    """Run a program that prints a line per thing it did (``git add --verbose``, ``cp -v``),
+    counting the lines on ``bar``.  Raises CheckFailed when it exits non-zero."""
+    with subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, errors="replace") as proc:
+        errors: list[str] = []
+        reader = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
+        reader.start()
+        for _ in proc.stdout:
+            bar.update()
+        reader.join()
+        code = proc.wait()
+    if code:
+        ended = f"exited {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}"
+        output = "".join(errors[:OUTPUT_LINES]).rstrip()
+        raise CheckFailed(f"{shlex.join(argv)} {ended}" + (f": {output}" if output else ""))
+
+
+def read_bytes_of(pid: int) -> int:
+    """The bytes process ``pid`` has read so far (``rchar`` of /proc/PID/io): the
+    snapshot's progress, as the daemon reads each source file once."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def rametfs(*args: str) -> str:
@@ -200,19 +273,21 @@ class Scan:
     noisy: list[str] = field(default_factory=list)
 
 
-def scan(path: str | Path, into: Scan | None = None) -> Scan:
-    """Walk ``path`` without following symlinks."""
+def scan(path: str | Path, into: Scan | None = None, bar: tqdm | None = None) -> Scan:
+    """Walk ``path`` without following symlinks, counting the entries on ``bar``."""
     into = into or Scan()
     try:
         entries = list(os.scandir(path))
     except OSError as exc:
         into.noisy.append(f"{path} (unreadable directory: {exc.strerror})")
         return into
+    if bar is not None:
+        bar.update(len(entries))
     for entry in entries:
         st = entry.stat(follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             into.dirs += 1
-            scan(entry.path, into)
+            scan(entry.path, into, bar)
         elif stat.S_ISREG(st.st_mode):
             into.files += 1
             into.bytes += st.st_size
@@ -251,21 +326,24 @@ def diff_trees(a: Path, b: Path) -> None:
 
 @dataclass(frozen=True)
 class Job:
-    """What one execution does: ``run(tree)`` changes the tree; ``verify(tree, source)``
+    """What one execution does: ``run(tree, step, counted)`` changes the tree (``step``'s
+    bar may count its work; ``counted`` is the source's scan); ``verify(tree, source)``
     raises CheckFailed unless ``tree`` holds the change; ``diff(tree, source)`` is the
     ``.ramet/diff`` expected after ``run``."""
 
     key: str
     name: str  # the execution id
     title: str
-    run: Callable[[Path], None]
+    run: Callable[[Path, Step, Scan], None]
     verify: Callable[[Path, Path], None]
     diff: Callable[[Path, Path], Diff]
 
 
-def git_commit(tree: Path) -> None:
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
-        run([*GIT, *args], cwd=tree)
+def git_commit(tree: Path, step: Step, counted: Scan) -> None:
+    run([*GIT, "init", "-q"], cwd=tree)
+    step.bar.total = counted.files + counted.symlinks  # git adds each, not directories
+    run_counting([*GIT, "add", "--verbose", "-A"], step.bar, cwd=tree)
+    run([*GIT, "commit", "-q", "-m", "base"], cwd=tree)
 
 
 def git_verify(tree: Path, source: Path) -> None:
@@ -279,7 +357,7 @@ def git_diff(tree: Path, source: Path) -> Diff:
     return {("A", p) for p in tree_paths(tree, ".git")}
 
 
-def compile_packages(tree: Path) -> None:
+def compile_packages(tree: Path, step: Step, counted: Scan) -> None:
     run([sys.executable, "-m", "compileall", "-q", "-f", "--invalidation-mode", "checked-hash",
          *(str(tree / package) for package in COMPILED)])
 
@@ -308,7 +386,7 @@ def compile_diff(tree: Path, source: Path) -> Diff:
     return expected
 
 
-def reshape(tree: Path) -> None:
+def reshape(tree: Path, step: Step, counted: Scan) -> None:
     shutil.rmtree(tree / REMOVED)
     for old, new in RENAMED:
         run(["mv", old, new], cwd=tree)
@@ -329,7 +407,7 @@ def reshape_diff(tree: Path, source: Path) -> Diff:
     return expected  # no "M" for the parents: a directory's mtime is not a change
 
 
-def edit_files(tree: Path) -> None:
+def edit_files(tree: Path, step: Step, counted: Scan) -> None:
     with open(tree / "this.py", "ab") as f:
         f.write(APPENDED)
     os.truncate(tree / "antigravity.py", SHRUNK_TO)
@@ -367,15 +445,18 @@ JOBS = {job.key: job for job in (
 
 def take_snapshot(report: Report, ramet: Ramet, source: Path) -> tuple[str, Scan]:
     """Step 2: snapshot ``source``; return its id and the scan of the source."""
-    with report.step("2 scan the source (files, bytes)") as step:
-        counted = scan(source)
+    with report.step("2 scan the source (files, bytes)", unit=" entries") as step:
+        counted = scan(source, bar=step.bar)
         step.detail = (f"{counted.files} files, {counted.dirs} dirs, {counted.symlinks} "
                        f"symlinks, {counted.bytes} bytes; {len(counted.noisy)} entries "
                        "diff -r cannot compare")
         step.notes = counted.noisy[:MAX_NOTES]
         step.notes += [f"... and {len(counted.noisy) - MAX_NOTES} more"] * (
             len(counted.noisy) > MAX_NOTES)
-    with report.step("2 snapshot the source") as step:
+    with report.step("2 snapshot the source", unit="B") as step:
+        daemon = ramet.status()["pid"]
+        start = read_bytes_of(daemon)
+        step.bar.total, step.poll = counted.bytes, lambda: read_bytes_of(daemon) - start
         base = ramet.snapshot(source, label="stdlib", message="the demo's base")
         record = next(s for s in ramet.snapshots() if s["id"] == base)
         step.detail = (f"{base[:12]}: {record['files']} files, {record['bytes']} bytes "
@@ -385,9 +466,9 @@ def take_snapshot(report: Report, ramet: Ramet, source: Path) -> tuple[str, Scan
     return base, counted
 
 
-def run_job(report: Report, job: Job, tree: Path, source: Path) -> None:
-    with report.step(f"3{job.key} {job.title}") as step, os_errors_fail():
-        job.run(tree)
+def run_job(report: Report, job: Job, tree: Path, source: Path, counted: Scan) -> None:
+    with report.step(f"3{job.key} {job.title}", unit=" files") as step, os_errors_fail():
+        job.run(tree, step, counted)
     if step.ok:
         with report.step(f"3{job.key} check the result"), os_errors_fail():
             job.verify(tree, source)
@@ -405,7 +486,7 @@ def check_diff(report: Report, job: Job, execution: Execution, source: Path) -> 
                f"{missing[:SAMPLE_LINES]}, unexpected {len(extra)} {extra[:SAMPLE_LINES]}")
 
 
-def run_jobs(report: Report, ramet: Ramet, base: str, source: Path,
+def run_jobs(report: Report, ramet: Ramet, base: str, source: Path, counted: Scan,
              sequential: bool) -> dict[str, Execution]:
     """Step 3: an execution per job, the jobs, their results and diffs."""
     with report.step("3 create 4 executions") as step:
@@ -418,17 +499,19 @@ def run_jobs(report: Report, ramet: Ramet, base: str, source: Path,
     how = "one after another" if sequential else "at once"
     with report.step(f"3 jobs A-D {how}, wall time"):
         with ThreadPoolExecutor(max_workers=1 if sequential else len(JOBS)) as pool:
-            list(pool.map(lambda job: run_job(report, job, executions[job.key].path, source),
-                          JOBS.values()))
+            list(pool.map(lambda job: run_job(report, job, executions[job.key].path, source,
+                                              counted), JOBS.values()))
     for job in JOBS.values():
         check_diff(report, job, executions[job.key], source)
     return executions
 
 
-def promote_one(report: Report, job: Job, execution: Execution, copy: Path) -> str:
+def promote_one(report: Report, job: Job, execution: Execution, copy: Path,
+                counted: Scan) -> str:
     """Step 4a: copy the execution's tree to ``copy``, then promote it; return the id."""
-    with report.step(f"4 cp -a execution {job.key} to a scratch dir"):
-        run(["cp", "-a", str(execution.path), str(copy)])
+    with report.step(f"4 cp -a execution {job.key} to a scratch dir", unit=" entries") as step:
+        step.bar.total = counted.files + counted.dirs + counted.symlinks  # about: D's edits
+        run_counting(["cp", "-a", "-v", str(execution.path), str(copy)], step.bar)
         expect(not (copy / ".ramet").exists(), "the copy has .ramet: readdir listed it")
     with report.step(f"4 promote {job.key}") as step:
         promoted = execution.promote(label=f"demo {job.key}", message=job.title)
@@ -455,8 +538,8 @@ def restart(report: Report, data: Path, mnt: Path, snapshots: set[str],
     """Step 5: stop and serve again; the snapshots and executions must still be listed."""
     with report.step("5 stop daemon (rametfs umount)"):
         rametfs("umount", str(mnt))
-    with report.step("5 start daemon (rametfs serve --background)"):
-        rametfs("serve", "--data", str(data), str(mnt), "--background")
+    with report.step("5 start daemon (rametfs mount --background)"):
+        rametfs("mount", "--data", str(data), str(mnt), "--background")
     ramet = Ramet(mnt)
     with report.step("5 snapshots and executions survived the restart"):
         status = ramet.status()
@@ -494,13 +577,13 @@ def demo(report: Report, source: Path, work: Path, promoted_key: str,
     """Steps 1-6, in ``work``: data/ (the store), mnt/ and copy/ (the promoted tree)."""
     data, mnt, copy = work / "data", work / "mnt", work / "copy"
     mnt.mkdir()
-    with report.step("1 start daemon (rametfs serve --background)"):
-        rametfs("serve", "--data", str(data), str(mnt), "--background")
+    with report.step("1 start daemon (rametfs mount --background)"):
+        rametfs("mount", "--data", str(data), str(mnt), "--background")
     ramet = Ramet(mnt)
     base, counted = take_snapshot(report, ramet, source)
-    executions = run_jobs(report, ramet, base, source, sequential)
+    executions = run_jobs(report, ramet, base, source, counted, sequential)
     job = JOBS[promoted_key]
-    promoted = promote_one(report, job, executions[promoted_key], copy)
+    promoted = promote_one(report, job, executions[promoted_key], copy, counted)
     reset_others(report, executions, promoted_key)
     ramet = restart(report, data, mnt, {base, promoted}, (e.id for e in executions.values()))
     verify_after_restart(report, ramet, job, promoted, base, source, copy, counted)

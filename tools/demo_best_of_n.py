@@ -199,7 +199,7 @@ def table(rows: list[Row]) -> str:
 
 def serve(data: Path, mnt: Path) -> Ramet:
     """Start a daemon (``--allow-other``, for the sandboxes' uid) and return a Ramet on it."""
-    rametfs("serve", "--data", str(data), str(mnt), "--background", "--allow-other",
+    rametfs("mount", "--data", str(data), str(mnt), "--background", "--allow-other",
             "--log", str(data.with_name("daemon.log")))
     return Ramet(mnt)
 

@@ -6,8 +6,8 @@ scan it against its manifest, hashing only the files that may have changed.  Sna
 in the same store as in FUSE mode.  docs/fallback.md has the design, format and costs.
 
 Modules: ``clone`` (copy methods), ``manifest`` (the per-execution record file), ``scan``
-(the tree as snapshot entries), ``sync`` (make a directory equal to a snapshot), ``diff``
-(compare two trees), ``executions`` (the commands).
+(the tree as snapshot entries), ``sync`` (make a directory equal to a snapshot),
+``executions`` (the commands); the diff is rametfs.core.diff's, over the scan's entries.
 """
 
 from .clone import CLONEFILE, COPY, REFLINK

@@ -17,12 +17,10 @@ Errors are rametfs.errors classes with their errno, or OSError from the file sys
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import os
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -31,12 +29,14 @@ from pathlib import Path
 from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
+from ..core.pools import verification_json
+from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
-from ..longpath import cached, short
+from ..longpath import cached
 from ..store import Entry, Store, import_git, import_tree
-from ..store.trees import encode_tree
+from ..store.entries import directory_entry
+from ..store.trees import tree_id
 from . import clone, manifest, scan, sync
-from .diff import diff_trees
 from .pools import Pools
 
 # LMDB must not be opened twice in one process: one Store per data directory, shared by
@@ -129,6 +129,10 @@ class Fallback:
         while writing the tree.
         """
         settings = Access().given(access)
+        if settings.max_bytes is not None or settings.max_inodes is not None:
+            raise RametError("create: --max-bytes and --max-inodes need FUSE mode (a fallback "
+                             "execution is a plain directory: use the file system's project "
+                             "quotas)", errno.EOPNOTSUPP)
         stored_policy = _policy.stored(policy, _policy.CREATE) or stored_policy
         snap = self.store.snapshot(snapshot)
         eid = name or secrets.token_hex(6)
@@ -236,7 +240,7 @@ class Fallback:
                     base = self.store.snapshot(meta.base)
                     problems += _policy.shared_problems(pol, diff_trees(
                         base.root, now.root, lambda tid: now.tree(self.store, tid)))
-                problems += _policy.input_problems(pol, classified, _exists(root))
+                problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
         return _policy.preview_report(pol, classified, problems)
 
     def reset(self, eid: str) -> dict:
@@ -268,18 +272,31 @@ class Fallback:
         counts as different).  ``deep``: reads and hashes every file, as ``diff`` reports.  A
         ready pool member that differs is quarantined (rametfs.fallback.pools).
         """
+        verification = self.verification(eid, "deep" if deep else "root")
+        self.pools.verified(eid, verification)
+        return [(letter, os.fsencode(path)) for letter, path in verification["differences"]]
+
+    def verification(self, eid: str, mode: str) -> dict:
+        """Verify execution ``eid`` in ``mode`` (``"root"``: quick, ``"deep"``; see
+        :meth:`verify`): the verification as replies carry it
+        (rametfs.core.pools.verification_json).  Its ``root`` is the tree id the execution
+        holds: the base's when quick mode finds no difference, else that of a scan (reading
+        what the manifest does not vouch for; every file in deep mode)."""
+        started = time.monotonic_ns()
         with self._locked(eid):
             meta = self._load(eid)
             base = self.store.snapshot(meta.base)
             root = os.fsencode(self.path(eid))
-            if not deep:
-                differences = sync.differences(self.store, root, base, meta.records)
-            else:
+            if mode == "deep":
                 now = scan.scan(self.store, root, meta.records, hash_all=True)
                 differences = diff_trees(base.root, now.root,
                                          lambda tid: now.tree(self.store, tid))
-        self.pools.verified(eid, "deep" if deep else "root", differences)
-        return differences
+            else:
+                differences = sync.differences(self.store, root, base, meta.records)
+                now = scan.scan(self.store, root, meta.records) if differences else None
+        tree = base.root if now is None else now.root
+        return verification_json(mode, tree.ref.hex(), base.root.ref.hex(), differences,
+                                 _ms_since(started))
 
     def execution_status(self, eid: str) -> dict:
         """``{"execution", "id", "base", "head", "state", "pool", "lease",
@@ -322,7 +339,7 @@ class Fallback:
             if pol is not None:
                 root_entry = self._apply(pol, classified, meta, rootb, now)
                 stats.update(_policy.policy_stats(pol, classified))
-                digests = {p: _policy.path_digest(rootb + b"/" + os.fsencode(p))
+                digests = {p: _policy.path_digest(rootb, p)
                            for name in classified.outputs for p in pol.recipes[name].inputs}
                 recipes = _policy.recipe_records(pol, classified, digests)
             with self.store.write() as txn:
@@ -349,7 +366,7 @@ class Fallback:
         if pol.patterns[_policy.SHARED]:
             problems += _policy.shared_problems(pol, diff_trees(
                 base.root, now.root, lambda tid: now.tree(self.store, tid)))
-        problems += _policy.input_problems(pol, classified, _exists(root))
+        problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
         if problems:
             raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
                                   + "; ".join(problems))
@@ -371,12 +388,14 @@ class Fallback:
         for name in parts[:-1]:
             path.append(now.tree(self.store, path[-1].ref)[name])
         entry = new
-        for directory, name in zip(reversed(path), reversed(parts)):  # bottom-up
-            entries = now.tree(self.store, directory.ref)
+        for up, name in zip(reversed(path), reversed(parts)):  # bottom-up
+            entries = now.tree(self.store, up.ref)
             entries[name] = entry.renamed(name)
-            tid, _ = encode_tree(list(entries.values()))
-            now.trees[tid] = list(entries.values())
-            entry = dataclasses.replace(directory, ref=tid)
+            children = list(entries.values())
+            tid = tree_id(children)
+            now.trees[tid] = children
+            entry = directory_entry(children, tid, up.mode, up.uid, up.gid, up.mtime_ns,
+                                    up.xattrs, up.name)
         return entry
 
     def _json(self, meta: manifest.Meta) -> dict:
@@ -453,12 +472,3 @@ def _load_policy(root: bytes, chosen: _policy.Setting | None) -> _policy.Policy 
         return _policy.load(f.read(_policy.MAX_POLICY_BYTES), _policy.POLICY_FILE)
 
 
-def _exists(root: bytes):
-    """``exists(path)`` for rametfs.policy.input_problems, under the directory ``root``."""
-    def exists(path: str) -> bool | None:
-        try:
-            with short(root + b"/" + os.fsencode(path)) as p:
-                return stat.S_ISDIR(os.lstat(p).st_mode)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-    return exists

@@ -26,15 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import blake3
-
 from ..errors import RametError
 from ..longpath import cached, short
-from ..store import FLAG_HAS_LINKS, PAGE_SIZE, Entry, Store
+from ..store import PAGE_SIZE, Entry, Store
 from ..store.chunks import Content, page_id
+from ..store.entries import directory_entry, link_id
 from ..store.importer import read_xattrs
 from ..store.writer import ChunkWriter
-from ..store.trees import encode_tree
+from ..store.trees import tree_id
 from ..treewalk import postorder, preorder
 from .manifest import UNTRUSTED, Record
 
@@ -213,7 +212,7 @@ class _Scanner:
             record = self.by_ino.get(ino)
             link = record.entry.link if record is not None else 0
             if not link or link in used:
-                link = int.from_bytes(blake3.blake3(b"/" + names[0]).digest()[:8], "big") >> 1
+                link = link_id(b"/" + names[0])
             used.add(link)
             self.links[ino] = (link, len(names))
 
@@ -236,12 +235,10 @@ class _Scanner:
         st = node.st
         uid, gid = self._owner(rel, node)
         if entries is not None:
-            tid, _ = encode_tree(entries)
+            tid = tree_id(entries)
             self.trees[tid] = entries
-            has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
-            entry = Entry(name, st.st_mode, uid, gid, st.st_mtime_ns, 0, tid, node.xattrs, 0,
-                          2 + sum(1 for e in entries if e.is_dir),
-                          FLAG_HAS_LINKS if has_links else 0)
+            entry = directory_entry(entries, tid, st.st_mode, uid, gid, st.st_mtime_ns,
+                                    node.xattrs, name)
         else:
             link, nlink = self.links.get(st.st_ino, (0, 1))
             entry = Entry(name, st.st_mode, uid, gid, st.st_mtime_ns, node.size, node.ref,

@@ -54,10 +54,12 @@ Databases (one LMDB environment, ``<data>/meta``):
 ``orphans``    layer (u64) + ino (u64) -> ``b""``: an upper inode whose last name is gone while
                processes may still hold it; deleted with its record when the kernel forgets
                it, or at the next start (like ext4's orphan list).
-``pools``      pool name (utf-8) -> msgpack map ``{base, size, created_ns}``: an execution pool
-               (:mod:`rametfs.pools`); ``base`` the snapshot id as hex, ``size`` the number of
-               executions kept for hand-out.
-``leases``     execution id (utf-8) -> msgpack map ``{pool, state, lease, reason,
+``pools``      pool name (utf-8) -> msgpack map ``{base, size, created_ns, access, policy}``: an
+               execution pool (:mod:`rametfs.store.catalog`, :mod:`rametfs.core.pools`);
+               ``base`` the snapshot id as hex, ``size`` the number of executions kept for
+               hand-out, ``access`` and ``policy`` what every member is created with.
+``leases``     execution id (utf-8, ``<pool>-<8 hex>``: a pool's members are the keys starting
+               with its name and ``-``) -> msgpack map ``{pool, state, lease, reason,
                returned_ns}``: a pool member.  ``state`` is ``"ready"``, ``"leased"`` or
                ``"quarantined"``; ``lease`` nil or ``{holder, pid, host, expires_ns,
                acquired_ns}`` (wall-clock ns); ``reason`` why verification quarantined it;

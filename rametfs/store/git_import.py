@@ -50,6 +50,7 @@ from .writer import ChunkWriter
 
 BLOB_CACHE_PREFIX = b"git-blob:"  # + raw blob id: key of the blob cache in ``sources``
 READ_AHEAD_BYTES = 64 << 20  # blob bytes read and waiting for a worker, at most
+MAX_BRANCHES_SHOWN = 10  # named when a revision is not found
 
 # git tree entry modes (git's tree-walk.h; libgit2 git_filemode_t)
 _TREE = 0o040000
@@ -97,7 +98,10 @@ class _GitImporter:
         try:
             return repo.revparse_single(self.rev).peel(pygit2.Commit)
         except (KeyError, pygit2.GitError, ValueError) as exc:
-            raise NotFound(f"{self.path}: no commit {self.rev!r} ({exc})") from None
+            why = "" if str(exc).strip("'\"") == self.rev else f" ({exc})"  # KeyError: the rev
+            branches = sorted(repo.branches.local)[:MAX_BRANCHES_SHOWN]
+            raise NotFound(f"{self.path}: no commit {self.rev!r}{why}; its branches: "
+                           f"{', '.join(branches) or 'none'}") from None
 
     # -- contents ------------------------------------------------------------------------
 

@@ -47,25 +47,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import blake3
 import msgpack
 
 from ..errors import InvalidArgument, NoSpace, NotFound, RametError
+from ..nofollow import DIR_FLAGS, FILE_FLAGS, GONE, same_file
 from ..protocol import CONTROL_DIR, ON_CHANGE
 from .format import clamp_time_ns, source_key
+from .entries import directory_entry, link_id
 from .store import EMPTY_CONTENT, Snapshot, Store
-from .trees import FLAG_HAS_LINKS, Entry
+from .trees import Entry
 from .writer import ChunkWriter
 
 READ_AHEAD_FILES = 64  # files opened and waiting for a reader thread, at most (open fds)
 SHOWN_PATH_BYTES = 1024  # of a path in an error message (the middle is elided)
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
-# What an open(2) of a listed name failing with these says about it
-_GONE = {errno.ENOENT: "is gone", errno.ELOOP: "is now a symlink",
-         errno.ENOTDIR: "is no longer a directory", errno.ENXIO: "is now a socket"}
 _CHANGED = object()  # a content job's result: the file changed while read (on_change skip)
 
 
@@ -126,12 +122,6 @@ def _fd_xattrs(fd: int, o_path: bool) -> tuple[tuple[bytes, bytes], ...]:
     except FileNotFoundError:
         raise RametError("importing symlinks and special files needs /proc mounted (their "
                          "xattrs are read through /proc/self/fd)", errno.EOPNOTSUPP) from None
-
-
-def _same(st: os.stat_result, listed: os.stat_result) -> bool:
-    """Whether ``st`` is the inode the listing saw: device, inode number and file type."""
-    return (st.st_dev == listed.st_dev and st.st_ino == listed.st_ino
-            and stat.S_IFMT(st.st_mode) == stat.S_IFMT(listed.st_mode))
 
 
 def _shown(path: bytes) -> str:
@@ -265,12 +255,12 @@ class DirectoryImporter:
         try:
             fd = os.open(node.name, flags, dir_fd=dir_fd)
         except OSError as exc:
-            if exc.errno not in _GONE:
+            if exc.errno not in GONE:
                 raise
-            self._changed(node, _GONE[exc.errno])
+            self._changed(node, GONE[exc.errno])
             return None
         st = os.fstat(fd)
-        what = None if _same(st, node.st) else "is another file than the one listed"
+        what = None if same_file(st, node.st) else "is another file than the one listed"
         if what is None and not again:
             key = (st.st_dev, st.st_ino)
             met = self._met.get(key, 0) + 1
@@ -317,7 +307,7 @@ class DirectoryImporter:
         if stat.S_ISDIR(mode):
             return  # opened when the walk gets to it
         regular = stat.S_ISREG(mode)
-        fd = self._open(dir_fd, child, _FILE_FLAGS if regular else _PATH_FLAGS)
+        fd = self._open(dir_fd, child, FILE_FLAGS if regular else _PATH_FLAGS)
         if fd is None:
             return
         try:
@@ -348,12 +338,12 @@ class DirectoryImporter:
         ``stack[-1]``; the parent's fd.  Through ``..`` when that is still the parent, else
         found again from ``top`` (:meth:`_reach`), and ``left`` moved during its walk."""
         try:
-            up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            up = os.open("..", DIR_FLAGS, dir_fd=fd)
         except FileNotFoundError:  # ``left`` was removed
             up = None
         os.close(fd)
         if up is not None:
-            if _same(os.fstat(up), stack[-1][0].st):
+            if same_file(os.fstat(up), stack[-1][0].st):
                 if len(stack) == 1:
                     os.close(up)
                     return top
@@ -370,7 +360,7 @@ class DirectoryImporter:
         and the ones below it leave ``stack``."""
         fd = top
         for depth in range(1, len(stack)):
-            sub = self._open(fd, stack[depth][0], _DIR_FLAGS, again=True)
+            sub = self._open(fd, stack[depth][0], DIR_FLAGS, again=True)
             if sub is None:
                 del stack[depth:]
                 return fd
@@ -396,7 +386,7 @@ class DirectoryImporter:
                         fd = self._climb(fd, top, stack, node)
                     continue
                 try:
-                    sub = self._open(fd, child, _DIR_FLAGS)
+                    sub = self._open(fd, child, DIR_FLAGS)
                 except OSError as exc:
                     raise self._unreadable(child.path(), exc) from None
                 if sub is None:
@@ -428,7 +418,7 @@ class DirectoryImporter:
         if not self.source.is_absolute():
             raise InvalidArgument(f"source path {str(self.source)!r} is not absolute")
         try:
-            top = os.open(self.source, _DIR_FLAGS)
+            top = os.open(self.source, DIR_FLAGS)
         except FileNotFoundError:
             raise NotFound(f"source {self.source} does not exist") from None
         except OSError as exc:
@@ -476,8 +466,7 @@ class DirectoryImporter:
                 stack.append(iter(child.children))
             elif st.st_nlink > 1:
                 links.setdefault((st.st_dev, st.st_ino), []).append(child)
-        self.link_ids = {key: int.from_bytes(blake3.blake3(nodes[0].path()).digest()[:8],
-                                             "big") >> 1
+        self.link_ids = {key: link_id(nodes[0].path())
                          for key, nodes in links.items() if len(nodes) > 1}
         self.link_counts = {key: len(nodes) for key, nodes in links.items()}
 
@@ -519,14 +508,9 @@ class DirectoryImporter:
 def put_directory(store: Store, txn, entries: list[Entry], mode: int, uid: int, gid: int,
                   mtime_ns: int, xattrs: tuple[tuple[bytes, bytes], ...] = ()) -> Entry:
     """Store the tree of ``entries`` (their subtrees already stored) in ``txn``; returns the
-    directory's own entry (name ``b""``, ``mode`` the full st_mode, ``mtime_ns`` in ns), with
-    its link count (2 + subdirectories) and :data:`FLAG_HAS_LINKS` when a hard link lies
-    below."""
-    ndirs = sum(1 for e in entries if e.is_dir)
-    has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
-    tid = store.put_tree(txn, entries)
-    return Entry(b"", mode, uid, gid, mtime_ns, 0, tid, xattrs, 0, 2 + ndirs,
-                 FLAG_HAS_LINKS if has_links else 0)
+    directory's own entry, named ``b""`` (rametfs.store.entries.directory_entry)."""
+    return directory_entry(entries, store.put_tree(txn, entries), mode, uid, gid, mtime_ns,
+                           xattrs)
 
 
 def import_tree(store: Store, source: str | os.PathLike, label: str = "", message: str = "",

@@ -75,6 +75,8 @@ class Store:
     rametfs does not read.
     """
 
+    read_only = False  # opened by open_read_only
+
     def __init__(self, data_dir: str | os.PathLike, cache_max_bytes: int | None = None):
         self.root = Path(data_dir).absolute()
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -103,6 +105,44 @@ class Store:
         if cache_max_bytes is not None:
             self.cache.scan()
 
+    @classmethod
+    def open_read_only(cls, data_dir: str | os.PathLike) -> Store:
+        """The store in ``data_dir`` for reading only (``rametfs fsck``, beside a live daemon
+        or none): nothing in the directory is made or changed, LMDB is opened read-only,
+        no write method may be called and :meth:`close` syncs nothing.
+
+        Raises RametError: ENOENT when ``data_dir`` does not exist or holds no store (no
+        ``meta/data.mdb``), EINVAL when it is not a directory, EIO when its format is one
+        this rametfs does not read or its metadata does not open.
+        """
+        root = Path(data_dir).absolute()
+        if not root.exists():
+            raise RametError(f"{root} does not exist", errno.ENOENT)
+        if not root.is_dir():
+            raise RametError(f"{root} is not a directory", errno.EINVAL)
+        if not (root / "meta" / "data.mdb").is_file():
+            raise RametError(f"{root} holds no rametfs store (no meta/data.mdb): give the "
+                             "--data directory a daemon was served with", errno.ENOENT)
+        store = cls.__new__(cls)
+        store.root, store.page_size, store.read_only = root, PAGE_SIZE, True
+        try:
+            store.env = lmdb.open(str(root / "meta"), readonly=True, max_dbs=len(DATABASES),
+                                  readahead=False, max_readers=1024)
+            store.db = {name: store.env.open_db(name.encode(), create=False)
+                        for name in DATABASES}
+        except lmdb.Error as exc:
+            raise RametError(f"{root}/meta: not a rametfs store's metadata: {exc}",
+                             errno.EIO) from None
+        with store.read() as txn:
+            version = txn.get(b"format", db=store.db["meta"])
+        if version is None or from_u64(version) not in READABLE_VERSIONS:
+            store.close()
+            raise RametError(f"{root}: store format "
+                             f"{'unknown' if version is None else from_u64(version)}, this "
+                             f"rametfs reads {READABLE_VERSIONS}", errno.EIO)
+        store.cache = HydrationCache(root / "cache")
+        return store
+
     def _reserve_metadata(self) -> None:
         """Keep :data:`METADATA_RESERVE` bytes allocated past LMDB's last committed page
         (posix_fallocate(3)); on a full disk the reserve left is kept as it is.  Call it
@@ -126,7 +166,8 @@ class Store:
         return st.f_bavail * st.f_frsize < 1 << 20
 
     def close(self) -> None:
-        self.env.sync(True)
+        if not self.read_only:
+            self.env.sync(True)
         self.env.close()
 
     def sync(self) -> None:
@@ -277,6 +318,12 @@ class Store:
             if value is None:
                 raise IntegrityError(f"tree {tid.hex()} is missing")
             return decode_tree(value)
+
+    def tree_bytes(self, tid: bytes) -> int:
+        """Bytes of tree ``tid``'s stored value (what decoding it costs); 0 when missing."""
+        with self.env.begin(db=self.db["trees"], buffers=True) as txn:
+            value = txn.get(tid)
+            return 0 if value is None else len(value)
 
     def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""

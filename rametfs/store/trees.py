@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import stat
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import blake3
 import msgpack
-
-from ..treewalk import preorder
 
 FLAG_HAS_LINKS = 1  # a directory with a hard-linked file somewhere below it
 
@@ -71,18 +68,12 @@ def encode_tree(entries: list[Entry]) -> tuple[bytes, bytes]:
     return blake3.blake3(value).digest(), value
 
 
+def tree_id(entries: list[Entry]) -> bytes:
+    """The id of the tree of ``entries`` (:func:`encode_tree`'s), stored or not: a tree's id
+    without a transaction."""
+    return encode_tree(entries)[0]
+
+
 def decode_tree(value: bytes) -> dict[bytes, Entry]:
     """Parse a stored tree into ``{name: Entry}``, in name order."""
     return {item[0]: Entry.unpack(item) for item in msgpack.unpackb(value, raw=True)}
-
-
-def subtree_paths(entry: Entry, path: bytes, tree: Callable[[bytes], dict[bytes, Entry]]
-                  ) -> Iterator[bytes]:
-    """``path`` (the path of ``entry``) and every path below it, depth first in name order,
-    directories ending in ``/``; ``tree(id)`` gives a tree's entries by name."""
-    def below(item: tuple[Entry, bytes]):
-        e, p = item
-        return [(c, p + b"/" + name) for name, c in tree(e.ref).items()] if e.is_dir else None
-
-    for e, p in preorder([(entry, path)], below):
-        yield p + (b"/" if e.is_dir else b"")

@@ -1,0 +1,126 @@
+"""What changed in a tree against its stored base: the one diff of both modes.
+
+The output is ``[(letter, path)]``: ``A`` added, ``D`` deleted, ``M`` modified (a file's
+content, mode, owner, mtime or xattrs; a directory's mode, owner or xattrs, not its mtime,
+which moves with every change inside); a path whose file type changed is ``D`` then ``A``;
+paths are relative to the top, directories end in ``/``, and each directory's names come in
+byte order, depth first (what ``.ramet/diff`` and ``rametfs diff`` show).
+
+The base is a stored tree.  The current tree is a :class:`TreeSide`: the daemon's execution
+nodes (``rametfs.capture``, answered from metadata, never hashing) or a fallback scan's
+entries (:class:`Stored` over the scan's trees).  A side says where content may differ, and
+the walk descends only there: a subtree whose id both sides share is skipped unread (a Merkle
+tree), so the overlay side costs O(copied-up directories).
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol, TypeVar
+
+from ..store.trees import Entry
+from ..treewalk import Steps, preorder, run_steps
+
+Change = tuple[str, bytes]  # (letter, path)
+Trees = Callable[[bytes], Mapping[bytes, Entry]]  # tree id -> its entries by name
+# What a diff compares besides content: st_mode, uid, gid, sorted (name, value) xattr pairs,
+# mtime in ns (a directory's is not compared).
+Attrs = tuple[int, int, int, tuple[tuple[bytes, bytes], ...], int]
+T = TypeVar("T")
+
+
+class TreeSide(Protocol[T]):
+    """The current tree of a diff, over items that are entry-like (``item.mode`` is the
+    st_mode)."""
+
+    def children(self, directory: T) -> Mapping[bytes, T]:
+        """The items of a directory by name."""
+
+    def attrs(self, item: T) -> Attrs:
+        """The item's mode, owner, xattrs and mtime."""
+
+    def differs(self, item: T, base: Entry) -> bool:
+        """Whether what ``item`` holds may differ from what ``base`` (of the same file type)
+        holds: a file's bytes, a symlink's target, a device's number, or for a directory
+        anything below it.  True where unsure: a directory is then walked, a file marked
+        ``M``."""
+
+
+class Stored:
+    """:class:`TreeSide` over stored entries, or a scan's not stored yet: ``tree(id)`` gives
+    a tree's entries by name; content differs where the ids (``ref``) or sizes differ."""
+
+    def __init__(self, tree: Trees):
+        self.tree = tree
+
+    def children(self, directory: Entry) -> Mapping[bytes, Entry]:
+        return self.tree(directory.ref)
+
+    @staticmethod
+    def attrs(item: Entry) -> Attrs:
+        return entry_attrs(item)
+
+    @staticmethod
+    def differs(item: Entry, base: Entry) -> bool:
+        return item.ref != base.ref or item.size != base.size
+
+
+def entry_attrs(e: Entry) -> Attrs:
+    """The :data:`Attrs` of an entry."""
+    return e.mode, e.uid, e.gid, e.xattrs, e.mtime_ns
+
+
+def _paths(side: TreeSide[T], item: T, path: bytes) -> Iterator[bytes]:
+    """``path`` (the path of ``item``) and every path below it, depth first in name order,
+    directories ending in ``/``."""
+    def below(pair: tuple[T, bytes]):
+        it, p = pair
+        if not stat.S_ISDIR(it.mode):
+            return None
+        return [(c, p + b"/" + name) for name, c in side.children(it).items()]
+
+    for it, p in preorder([(item, path)], below):
+        yield p + (b"/" if stat.S_ISDIR(it.mode) else b"")
+
+
+def diff_steps(base: Entry, tree: Trees, current: T, side: TreeSide[T]) -> Steps[list[Change]]:
+    """The changes from the root entry ``base`` (``tree`` gives its trees) to the top item
+    ``current`` of ``side``, as steps (rametfs.treewalk.run_steps): one per directory
+    compared."""
+    out: list[Change] = []
+    stored = Stored(tree)
+
+    def pairs(item: tuple[Entry, T, bytes]) -> Iterator[tuple[Entry, T, bytes]]:
+        """Compare one pair of directories; yields the pairs below to compare in turn (the
+        walk does so before this one goes on)."""
+        b, c, path = item
+        if not side.differs(c, b):
+            return
+        old, new = tree(b.ref), side.children(c)
+        for name in sorted(old.keys() | new.keys()):
+            be, ce = old.get(name), new.get(name)
+            p = path + name
+            if ce is None:
+                out.extend(("D", x) for x in _paths(stored, be, p))
+            elif be is None:
+                out.extend(("A", x) for x in _paths(side, ce, p))
+            elif stat.S_IFMT(be.mode) != stat.S_IFMT(ce.mode):
+                out.extend(("D", x) for x in _paths(stored, be, p))
+                out.extend(("A", x) for x in _paths(side, ce, p))
+            elif be.is_dir:
+                if side.attrs(ce)[:4] != entry_attrs(be)[:4]:  # not the mtime
+                    out.append(("M", p + b"/"))
+                yield be, ce, p + b"/"
+            elif side.attrs(ce) != entry_attrs(be) or side.differs(ce, be):
+                out.append(("M", p))
+
+    for _ in preorder([(base, current, b"")], pairs):
+        yield
+    return out
+
+
+def diff_trees(base: Entry, current: Entry, tree: Trees) -> list[Change]:
+    """The changes from root entry ``base`` to root entry ``current``; ``tree(id)`` gives a
+    directory's entries by name (either side's)."""
+    return run_steps(diff_steps(base, tree, current, Stored(tree)))
