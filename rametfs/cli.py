@@ -62,9 +62,6 @@ The message is on stderr, as "rametfs: <message>"."""
 WAIT_SECONDS = 30.0
 CANCELLED_GRACE_S = 2.0  # a busy unmount is tried again for this long after a cancel
 _POLL_SECONDS = 0.05
-# The daemon allocates with glibc's malloc, which can give the memory of dropped nodes back
-# (rametfs.daemon.TRIM_NODES says why); a PYTHONMALLOC set by the caller is kept.
-DAEMON_ENV = {"PYTHONMALLOC": "malloc"}
 
 
 def exit_code(err: int | None) -> int:
@@ -222,8 +219,6 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
             if not _start_detached(argv, mountpoint, log_file)["open_less"]:
                 _say_plain_mode()
             return
-        if "PYTHONMALLOC" not in os.environ:  # set at start-up only: run again with it
-            os.execve(sys.executable, sys.orig_argv, {**os.environ, **DAEMON_ENV})
         # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
         from rametfs.daemon import run_daemon
         if log_file and not _is_stderr(log_file):  # else the log, this stderr, says it
@@ -272,8 +267,7 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> dict:
         # cwd /: "python -m" puts the working directory first on the import path, and a
         # rametfs/ there must not be what runs.
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                 start_new_session=True, cwd="/",
-                                 env={**DAEMON_ENV, **os.environ})
+                                 start_new_session=True, cwd="/")
     deadline = time.monotonic() + WAIT_SECONDS
     while child.poll() is None:
         status = _ready(mountpoint, child.pid) if os.path.ismount(mountpoint) else None

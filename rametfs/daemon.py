@@ -84,19 +84,16 @@ async def _guarded(name: str, task, *args) -> None:
 
 
 # The memory of dropped nodes goes back to the system once they are all dropped, when at
-# least TRIM_NODES went since the last time (about 15 MB: a node with its records and
-# names takes about 1.5 KB).  The daemon runs on
-# glibc's malloc (``PYTHONMALLOC=malloc``, set by ``rametfs mount``): pymalloc keeps each
-# 1 MiB arena while one object in it lives, and every object allocated during a burst of
-# creates that outlives the reset (a precreated file's path, another execution's node)
-# pins one, so the heap only grew: RssAnon 22 MB at start, 39, 48, 57 MB after three
-# cycles of 20,000 files created and reset.  glibc frees chunks but keeps their pages until
-# ``malloc_trim``, which hands back every whole free page, wherever it is: 26, 27, 28 MB
-# (56, 64, 64 MB without it); docs/benchmarks.md, rss-cycles, has the 100,000-file figures.
-# Not after each batch of drop_stale_nodes: a batch frees nodes all over the heap, and few
-# pages are wholly free before the last one (ten trims during a reset of 100,000 files gave
-# back 5 MB, one after them 150 MB).  It holds the arena's lock while it works: 50-70 ms
-# after 100,000 nodes on a loaded 2-core machine.
+# least TRIM_NODES went since the last time.  pymalloc hands back a 1 MiB arena only once
+# every object in it is gone; objects over 512 bytes (dict, set and list tables, long
+# names) come from glibc's malloc, which keeps freed pages until ``malloc_trim``.  Heap
+# (RssAnon, MiB) after each of 10 cycles of 20,000 files created and reset, from 24 at
+# start (docs/benchmarks.md, rss-cycles): 37-52 with the trim, 44-59 without; glibc's malloc
+# for everything (PYTHONMALLOC=malloc) with the trim kept 56-59 and cost the daemon 20%
+# more CPU (untar 9%, a cold read of every file 75%), so pymalloc stays.  Not after each
+# batch of drop_stale_nodes: a batch frees nodes all over the heap, and few pages are
+# wholly free before the last one.  The trim holds the arena's lock while it works (tens
+# of ms after 100,000 nodes), so it runs in a worker thread.
 TRIM_NODES = 10_000
 _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 
