@@ -205,3 +205,46 @@ def _control(text: str | None, default: str) -> str:
         raise InvalidArgument(f"--control must be one of {', '.join(protocol.CONTROLS)}, "
                               f"not {text!r}")
     return text
+
+
+class ReadIndex:
+    """The executions each caller may read (their ``r`` bit, :meth:`Access.allows`), found
+    in O(what it may read): ids by owner, by group where the group has ``r``, and those whose
+    others have ``r``.  ``add`` and ``remove`` as executions come and go (an execution's
+    access never changes)."""
+
+    def __init__(self) -> None:
+        self.access: dict[str, Access] = {}
+        self.by_owner: dict[int, set[str]] = {}
+        self.by_group: dict[int, set[str]] = {}  # the group has r
+        self.by_others: set[str] = set()  # the others have r
+
+    def add(self, eid: str, access: Access) -> None:
+        self.access[eid] = access
+        self.by_owner.setdefault(access.owner, set()).add(eid)
+        if access.share >> 3 & R:
+            self.by_group.setdefault(access.group, set()).add(eid)
+        if access.share & R:
+            self.by_others.add(eid)
+
+    def remove(self, eid: str) -> None:
+        access = self.access.pop(eid)
+        for table, key in ((self.by_owner, access.owner), (self.by_group, access.group)):
+            ids = table.get(key)
+            if ids is not None:
+                ids.discard(eid)
+                if not ids:
+                    del table[key]
+        self.by_others.discard(eid)
+
+    def readable(self, caller: Caller) -> set[str]:
+        """The ids of the executions ``caller`` (not the harness) may read, as
+        :meth:`Access.allows` says: its own, its groups' with the group's ``r`` unless it
+        owns them, and the others' ``r`` of those neither its own nor its groups'."""
+        uid, out = caller.uid, set(self.by_owner.get(caller.uid, ()))
+        groups = caller.groups if self.by_group or self.by_others else frozenset()
+        for gid in groups:
+            out.update(e for e in self.by_group.get(gid, ()) if self.access[e].owner != uid)
+        out.update(e for e in self.by_others if (a := self.access[e]).owner != uid
+                   and a.group not in groups)
+        return out

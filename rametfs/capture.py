@@ -24,6 +24,7 @@ from . import overlay as ov
 from . import policy
 from .core import diff as core_diff
 from .errors import Cancelled, InvalidArgument, NotFound, RametError
+from .faults import FAULTS
 from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
@@ -410,9 +411,10 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
     """
     started = time.monotonic_ns()
     overlay.check_not_failed(ex)
-    with overlay.freeze(ex):
+    with overlay.freeze(ex), overlay.store.gc_guard.writing():  # a gc waits for it
         cap = Capture(overlay, ex, cancel)
         plan = await in_slices(cap.plan_steps(chosen))
+        await FAULTS.hold("hold:capture", ex)
         await cap.hash()
         await cap.digest_inputs()
         if charged:
@@ -428,17 +430,20 @@ def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
     return run_steps(diff_steps(overlay, ex))
 
 
-async def diff_in_slices(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
+async def diff_in_slices(overlay: Overlay, ex: Execution, out: list | None = None
+                         ) -> list[tuple[str, bytes]]:
     """:func:`diff`, in slices of the trio thread (``Overlay.in_slices``), ``ex`` frozen
-    meanwhile so it is one point in time."""
+    meanwhile so it is one point in time; ``out`` as :func:`diff_steps` takes it."""
     with overlay.freeze(ex):
-        return await in_slices(diff_steps(overlay, ex))
+        return await in_slices(diff_steps(overlay, ex, out))
 
 
-def diff_steps(overlay: Overlay, ex: Execution) -> Steps[list[tuple[str, bytes]]]:
-    """:func:`diff` as steps (rametfs.treewalk.run_steps): one per directory compared."""
+def diff_steps(overlay: Overlay, ex: Execution, out: list | None = None
+               ) -> Steps[list[tuple[str, bytes]]]:
+    """:func:`diff` as steps (rametfs.treewalk.run_steps): one per directory compared;
+    ``out`` as rametfs.core.diff.diff_steps takes it."""
     return core_diff.diff_steps(ex.base.root, overlay.tree, overlay.node(ex.root_ino),
-                                _NodeSide(overlay, _has_upper_links(overlay, ex)))
+                                _NodeSide(overlay, _has_upper_links(overlay, ex)), out)
 
 
 class _NodeSide:
@@ -635,19 +640,21 @@ def _spec_digest(store: Store, spec: tuple, cancel: CancelToken) -> str:
     return one(kind, what) if kind in ("f", "l") else blake3.blake3(b"").hexdigest()
 
 
-async def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None) -> dict:
+async def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None,
+                  paths: list | None = None) -> dict:
     """What a promote of ``ex`` under the policy ``chosen`` would keep
     (rametfs.policy.preview_report); changes nothing.  Runs in slices of the trio thread
-    (``Overlay.in_slices``), ``ex`` frozen meanwhile.  Raises InvalidArgument (EINVAL) for
+    (``Overlay.in_slices``), ``ex`` frozen meanwhile.  ``paths``: the list the classified
+    paths are appended to (``policy.classify_steps``).  Raises InvalidArgument (EINVAL) for
     a malformed policy."""
     with overlay.freeze(ex):
-        return await in_slices(_preview_steps(overlay, ex, chosen))
+        return await in_slices(_preview_steps(overlay, ex, chosen, paths))
 
 
-def _preview_steps(overlay: Overlay, ex: Execution, chosen: policy.Setting | None
-                   ) -> Steps[dict]:
+def _preview_steps(overlay: Overlay, ex: Execution, chosen: policy.Setting | None,
+                   paths: list | None) -> Steps[dict]:
     pol = load_policy(overlay, ex, chosen)
     classified = yield from policy.classify_steps(pol, _ViewTree(overlay),
-                                                  overlay.node(ex.root_ino))
+                                                  overlay.node(ex.root_ino), paths=paths)
     problems = (yield from _problem_steps(overlay, ex, pol, classified)) if pol else []
     return policy.preview_report(pol, classified, problems)

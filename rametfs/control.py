@@ -23,13 +23,15 @@ from typing import Awaitable, Callable
 import trio
 
 from . import mounts, policy, protocol
-from .authority import HARNESS, Access, Caller, R
+from .authority import HARNESS, Access, Caller
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import pools
+from .core import lifecycle, pools
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
-from .overlay import Execution, Overlay
-from .store import import_git, import_tree
+from .fallback import manifest
+from .overlay import Execution, Overlay, in_slices
+from .treewalk import Steps
+from .store import gc, import_git, import_tree
 from .store.catalog import Lease
 from .verify import ROOT, verify
 
@@ -55,6 +57,10 @@ exec 3<>"$0" && printf '%s\n%s' "$2" "$prefix" >&3 && exec cat /proc/self/fd/3
 Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
 ENDS_COMMANDS = ("reset", "release", "return")  # cancel a command running on the execution
 CAPTURES = ("promote", "checkpoint")  # a running one shows the state "promoting"
+LOG_INTERVAL_S = 1.0  # a scope (an execution, the root) logs one failed command per interval
+JSON_STEP = 4096  # pieces of JSON text made per step (json_steps)
+PREVIEW_ITEM_BYTES = 96  # a preview path's JSON besides the path itself, at most
+ROOT_SCOPE = ""  # the root ctl's scope of the log limits; an execution's is its id
 
 
 @dataclass
@@ -69,22 +75,6 @@ class Running:
     done: trio.Event = field(default_factory=trio.Event)
 
 
-MAX_ECHO_CHARS = 200  # of a command written, shown in .ramet/error
-MAX_ERROR_CHARS = 2000  # of an error message kept for .ramet/error
-
-
-def shown(text: str, limit: int = MAX_ECHO_CHARS) -> str:
-    """``text`` safe to show: each character that is not printable (control and format
-    characters, U+FFFD of undecodable bytes) as its Python escape, cut at ``limit``
-    characters."""
-    def one(c: str) -> str:
-        return c if c.isprintable() and c != "\ufffd" else \
-            c.encode("unicode_escape").decode("ascii")
-
-    out = "".join(map(one, text[:limit]))
-    return out + (f"... ({len(text)} characters)" if len(text) > limit else "")
-
-
 def _parse(text: str, table: dict) -> tuple[str, dict[str, str]]:
     """:func:`protocol.parse_command` of ``text`` for ``table`` (the root's or an
     execution's), whose error, for a command of the other scope, says where it belongs."""
@@ -96,7 +86,8 @@ def _parse(text: str, table: dict) -> tuple[str, dict[str, str]]:
         if table is protocol.EXECUTION_COMMANDS and name in (protocol.DIFF, protocol.STATUS):
             raise InvalidArgument(f"{name}: read this execution's .ramet/{name} "
                                   "instead") from None
-        if table is protocol.EXECUTION_COMMANDS and name in protocol.ROOT_COMMANDS:
+        if table is protocol.EXECUTION_COMMANDS and name in protocol.ROOT_COMMANDS \
+                and name not in protocol.EXECUTION_COMMANDS:
             raise InvalidArgument(
                 f"{name}: a command of the root .ramet/ctl, at the top of the mount (the "
                 f"harness's), not of an execution's; this one takes "
@@ -117,14 +108,23 @@ class Control:
     (rametfs.mounts), with ``snapshots_bind_failure`` saying why it failed, if it did."""
 
     def __init__(self, overlay: Overlay, mountpoint: str, invalidate: Invalidate, *,
-                 open_less: bool = False, faults: bool = False):
+                 open_less: bool = False, faults: bool = False,
+                 max_answer_bytes: int = protocol.MAX_ANSWER_BYTES):
         self.overlay = overlay
         self.faults = faults
+        self.max_answer_bytes = max_answer_bytes  # of one answer or reply (EFBIG)
+        self.logs = LogLimit(LOG_INTERVAL_S)
+        # The harness's status: the snapshots' JSON, made again only when a snapshot is
+        # added (they are never changed or removed): (count, ids, text of each).
+        self._snapshots: tuple[int, int, list[str], dict[str, str]] = (-1, 0, [], {})
+        self._listing_changes = 0  # names set or deleted, snapshots removed
         self.mountpoint = mountpoint
         self.invalidate = invalidate
         self.open_less = open_less
         self.snapshots_settled = False
         self.snapshots_bind_failure: str | None = None
+        self.snapshots_dir_ino: int | None = None  # the adapter's snapshots/, to invalidate
+        self.gc_progress: dict | None = None  # a running gc's {phase, done, total}
         self.root_last: dict | None = None
         self.root_error = ""
         self.last: dict[str, dict] = {}
@@ -141,7 +141,9 @@ class Control:
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
             "renew": self._renew, "return": self._return, "drop": self._drop,
-            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel}
+            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel,
+            "name": self._name, "unname": self._unname, "resolve": self._resolve,
+            "rm": self._rm, "gc": self._gc}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -154,25 +156,24 @@ class Control:
 
     async def run_root(self, command: bytes) -> dict:
         """Run one root command (one write to ``ctl``); returns the reply, raises RametError
-        (errno; E2BIG over :data:`protocol.MAX_COMMAND_BYTES`, EINVAL if not UTF-8)."""
-        text = command.decode(errors="replace")
+        (errno; E2BIG over :data:`protocol.MAX_COMMAND_BYTES`, checked first; EINVAL if not
+        UTF-8)."""
         try:
             try:
                 name, args = _parse(self._text(command), protocol.ROOT_COMMANDS)
                 reply = await self.root_handlers[name](args)
             except Exception as exc:
-                raise self._as_rametfs(exc, text) from None
+                raise self._as_rametfs(exc, ROOT_SCOPE, command) from None
         except RametError as exc:
-            self.root_error = self._failed(exc, text)
-            self.root_last = self._error_reply(exc)
+            self.root_error = self._failed(ROOT_SCOPE, exc, command)
+            self.root_last = kept_reply(self._error_reply(exc))
             raise
-        self.root_last = reply
+        self.root_last = kept_reply(reply)
         return reply
 
     async def run_execution(self, ex: Execution, command: bytes) -> dict:
         """Run one command written to execution ``ex``'s own ``ctl``; returns the reply as the
         execution sees it (:func:`execution_reply`), raises RametError (as :meth:`run_root`)."""
-        text = command.decode(errors="replace")
         try:
             try:
                 name, args = _parse(self._text(command), protocol.EXECUTION_COMMANDS)
@@ -182,10 +183,10 @@ class Control:
                                      errno.EACCES)
                 reply = await self._on_execution(ex, name, args, harness=False)
             except Exception as exc:
-                raise self._as_rametfs(exc, text) from None
+                raise self._as_rametfs(exc, ex.id, command) from None
         except RametError as exc:
-            self.errors[ex.id] = self._failed(exc, text)
-            self.last[ex.id] = self._error_reply(exc)
+            self.errors[ex.id] = self._failed(ex.id, exc, command)
+            self.last[ex.id] = kept_reply(self._error_reply(exc))
             raise
         return execution_reply(reply)
 
@@ -202,7 +203,7 @@ class Control:
             except Exception as exc:
                 self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
                 raise
-        self.last[ex.id] = reply
+        self.last[ex.id] = kept_reply(reply)
         return reply
 
     @contextlib.asynccontextmanager
@@ -274,28 +275,38 @@ class Control:
         except UnicodeDecodeError:
             raise InvalidArgument("a command is UTF-8 text") from None
 
-    @staticmethod
-    def _as_rametfs(exc: Exception, text: str) -> RametError:
+    def _as_rametfs(self, exc: Exception, scope: str, command: bytes) -> RametError:
         """``exc`` as the RametError a command fails with: a ProtocolError is EINVAL; any
-        other exception is a bug, logged with its traceback and answered EIO."""
+        other exception is a bug, logged with its traceback (at most one per ``scope`` and
+        :data:`LOG_INTERVAL_S`, :class:`LogLimit`) and answered EIO."""
         if isinstance(exc, RametError):
             return exc
         if isinstance(exc, protocol.ProtocolError):
             return InvalidArgument(str(exc))
-        log.error("internal error in command %r", text.strip(), exc_info=exc)
-        return RametError(f"internal error: {exc!r}", errno.EIO)
+        if (skipped := self.logs.take("error", scope)) is not None:
+            log.error("internal error in command %s%s",
+                      protocol.shown(command.decode(errors="replace").strip()),
+                      _skipped(skipped), exc_info=exc)
+        return RametError(f"internal error: {protocol.shown(repr(exc))}", errno.EIO)
 
     @staticmethod
     def _error_reply(exc: Exception) -> dict:
         return {"ok": False, "errno": exc.errno, "error": str(exc)}
 
-    @staticmethod
-    def _failed(exc: Exception, text: str) -> str:
-        """The ``.ramet/error`` text of a failed command: the command as written and the
-        error, each printable (:func:`shown`), so no bytes an agent wrote reach a
-        terminal raw."""
-        message = f"{shown(text.strip())}: {shown(str(exc), MAX_ERROR_CHARS)}"
-        log.info("command failed: %s", message)
+    def _failed(self, scope: str, exc: Exception, command: bytes | str) -> str:
+        """The ``.ramet/error`` text of a failed command of ``scope``: the command as written
+        and the error, each printable and cut (:func:`protocol.shown`), so no bytes an agent
+        wrote reach a terminal raw and the file and the log line stay one short line; logged
+        at INFO at most once per scope and :data:`LOG_INTERVAL_S`, with the number of those
+        not logged since."""
+        if isinstance(command, bytes):
+            command = command.decode(errors="replace")
+        message = (f"{protocol.shown(command.strip())}: "
+                   f"{protocol.shown(str(exc), protocol.MAX_ERROR_CHARS)}")
+        if (skipped := self.logs.take("failed", scope)) is not None:
+            log.info("command failed (%s): %s%s",
+                     f"execution {scope}" if scope != ROOT_SCOPE else "root ctl", message,
+                     _skipped(skipped))
         return message + "\n"
 
     def refuse_read_only(self, ex: Execution, command: bytes) -> None:
@@ -307,8 +318,8 @@ class Control:
         writes come here.)"""
         exc = RametError("this execution's control files are read-only (--control read); "
                          "the harness acts on it through the root ctl", errno.EACCES)
-        self.errors[ex.id] = self._failed(exc, command.decode(errors="replace"))
-        self.last[ex.id] = self._error_reply(exc)
+        self.errors[ex.id] = self._failed(ex.id, exc, command)
+        self.last[ex.id] = kept_reply(self._error_reply(exc))
 
     # -- root commands -------------------------------------------------------------------
 
@@ -394,6 +405,58 @@ class Control:
         return {"ok": True, "site": args["site"], "execution": args.get("execution"),
                 "count": count}
 
+    # -- snapshot lifecycle (rametfs.core.lifecycle, docs/lifecycle.md) --------------------
+
+    async def _name(self, args: dict) -> dict:
+        snap, previous = self.overlay.store.set_name(args["name"], args["snapshot"])
+        self._listing_changes += 1
+        return {"ok": True, "name": args["name"], "snapshot": snap.id, "previous": previous}
+
+    async def _unname(self, args: dict) -> dict:
+        sid = self.overlay.store.delete_name(args["name"])
+        self._listing_changes += 1
+        return {"ok": True, "name": args["name"], "snapshot": sid}
+
+    async def _resolve(self, args: dict) -> dict:
+        return {"ok": True, "snapshot": self.overlay.store.snapshot(args["snapshot"]).id}
+
+    async def _rm(self, args: dict) -> dict:
+        force = protocol.yes_no("rm", "force", args.get("force"))
+        # On the trio thread, one transaction: no create or promote comes in between.
+        reply = lifecycle.remove_snapshots(
+            self.overlay.store, [args["snapshot"]], force,
+            [(ex.id, ex.base.id, ex.head) for ex in self.overlay.executions.values()])
+        self._listing_changes += 1
+        stale: list[tuple[int, bytes]] = []
+        for sid in reply["removed"]:
+            view = self.overlay.snapshot_views.pop(sid, None)
+            if view is not None:
+                stale += [(view.root_ino, b"")]
+            if self.snapshots_dir_ino is not None:
+                stale.append((self.snapshots_dir_ino, sid.encode()))
+        await self.invalidate(stale)
+        return reply
+
+    async def _gc(self, args: dict) -> dict:
+        dry_run = protocol.yes_no("gc", "dry-run", args.get("dry-run"))
+        if protocol.yes_no("gc", "compact", args.get("compact")):
+            raise Busy("gc --compact rewrites the metadata file, which this daemon has open: "
+                       "stop it (rametfs umount), then run rametfs gc --compact --data DIR")
+        store = self.overlay.store
+
+        def progress(phase: str, done: int, total: int) -> None:  # in gc's worker thread
+            self.gc_progress = {"phase": phase, "done": done, "total": total}
+
+        try:
+            # A worker thread: marking reads every reached record (rametfs.store.gc).
+            report = await trio.to_thread.run_sync(
+                gc.collect, store, functools.partial(manifest.gc_roots, store.root),
+                dry_run, progress)
+        finally:
+            self.gc_progress = None
+        log.info("gc%s: %s", " (dry run)" if dry_run else "", report.to_json())
+        return {"ok": True, "gc": report.to_json()}
+
     # -- execution commands --------------------------------------------------------------
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
@@ -422,16 +485,45 @@ class Control:
     def _forget_replies(self, eid: str) -> None:
         for table in (self.last, self.errors, self.promoted):
             table.pop(eid, None)
+        self.logs.forget(eid)
 
     async def _preview(self, ex: Execution, args: dict) -> dict:
-        return {"ok": True, "preview": await preview(
-            self.overlay, ex, policy.choose(args.get("policy"), ex.policy))}
+        return {"ok": True, "preview": await self._bounded_preview(
+            ex, policy.choose(args.get("policy"), ex.policy))}
 
     async def _diff(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
-        return {"ok": True, "execution": ex.id,
-                "diff": [[letter, os.fsdecode(path)]
-                         for letter, path in await diff_in_slices(self.overlay, ex)]}
+        return {"ok": True, "execution": ex.id, "diff": await self._bounded_diff(
+            ex, lambda item: [item[0], os.fsdecode(item[1])])}
+
+    async def _bounded_diff(self, ex: Execution, keep: Callable[[tuple[str, bytes]], object]
+                            ) -> list:
+        """``ex``'s diff, each item as ``keep`` keeps it; EFBIG as soon as its lines as
+        ``.ramet/diff`` shows them take more than :attr:`max_answer_bytes` (so no more than
+        that is made)."""
+        out = Bounded(self.max_answer_bytes, lambda item: len(_diff_line(item)), keep,
+                      f"the diff of execution {ex.id}")
+        return await diff_in_slices(self.overlay, ex, out)
+
+    async def _bounded_preview(self, ex: Execution, chosen: policy.Setting | None) -> dict:
+        """``ex``'s preview under ``chosen``; EFBIG as soon as the paths it lists would take
+        more than :attr:`max_answer_bytes` as JSON (each counted as its text and
+        :data:`PREVIEW_ITEM_BYTES`)."""
+        paths = Bounded(self.max_answer_bytes,
+                        lambda item: len(json.dumps(item[0])) + PREVIEW_ITEM_BYTES,
+                        lambda item: item, f"the preview of execution {ex.id}")
+        return await preview(self.overlay, ex, chosen, paths)
+
+    async def encoded(self, value: object, what: str, indent: int | None = None,
+                      sort_keys: bool = False) -> bytes:
+        """``value`` as JSON text and a newline (``json.dumps``' text with the same
+        arguments), made in slices of the trio thread (:func:`json_steps`); EFBIG when it
+        takes more than :attr:`max_answer_bytes` (``what`` names it in the message)."""
+        text = await in_slices(json_steps(value, indent, sort_keys))
+        data = (text + "\n").encode()
+        if len(data) > self.max_answer_bytes:
+            raise too_big(what, self.max_answer_bytes)
+        return data
 
     async def _status(self, args: dict) -> dict:
         ex = self.overlay.execution(args["execution"])
@@ -568,26 +660,51 @@ class Control:
     def root_status(self, caller: Caller = HARNESS) -> bytes:
         """The root ``.ramet/status`` as ``caller`` may read it: whole for the harness; for
         another uid only the executions whose ``r`` bit it has (as their own ``status`` shows
-        them) and their base and head snapshots, without store-wide figures or sources."""
+        them, oldest first) and their base and head snapshots, without store-wide figures
+        or sources.  Another uid's costs what it shows: its executions are found by the
+        index of readers (authority.ReadIndex), its snapshots looked up by id; the harness's
+        decodes the snapshots only when one was added (:meth:`_snapshots_json`)."""
         common = {"mount": self.mountpoint, "version": "0.1.0", "open_less": self.open_less,
                   "snapshots_bind": self._snapshots_bind()}
         if caller.harness:
-            status = {"pid": os.getpid(), "data": str(self.overlay.store.root), **common,
-                      "snapshots": [s.to_json() for s in self.overlay.store.snapshots()],
-                      "executions": [self.execution_json(ex)
-                                     for ex in self.overlay.executions.values()],
-                      "pools": self.pools.to_json(),
-                      "last": self.root_last}
-        else:
-            visible = [ex for ex in self.overlay.executions.values()
-                       if ex.access.allows(caller, R)]
-            seen = {ex.base.id for ex in visible} | {ex.head for ex in visible}
-            status = {**common,
-                      "snapshots": [_local_stats(s.to_json(), "source")
-                                    for s in self.overlay.store.snapshots() if s.id in seen],
-                      "executions": [self.execution_view(ex) for ex in visible],
-                      "pools": []}
-        return (json.dumps(status, indent=1) + "\n").encode()
+            return _json_object({
+                "pid": os.getpid(), "data": str(self.overlay.store.root), **common,
+                "snapshots": self._snapshots_json(),
+                "executions": [self.execution_json(ex) for ex in self.overlay.executions.values()],
+                "pools": self.pools.to_json(), "last": self.root_last, "gc": self.gc_progress})
+        visible = sorted((self.overlay.executions[eid]
+                          for eid in self.overlay.readers.readable(caller)),
+                         key=lambda ex: (ex.created_ns, ex.id))
+        seen = {ex.base.id: ex.base for ex in visible}
+        for sid in {ex.head for ex in visible} - seen.keys():
+            with contextlib.suppress(NotFound):
+                seen[sid] = self.overlay.store.snapshot(sid)
+        return _json_object({
+            **common,
+            "snapshots": [_local_stats(s.to_json(), "source")
+                          for s in sorted(seen.values(), key=lambda s: (s.created_ns, s.id))],
+            "executions": [self.execution_view(ex) for ex in visible], "pools": []})
+
+    def _snapshots_json(self) -> str:
+        """The ``snapshots`` of the harness's status as JSON text (``json.dumps(...,
+        indent=1)`` of Store.snapshots_json, oldest first), nested at the status's first
+        level.  Made again when the store's count of snapshots changed (a snapshot added) or
+        a name or rm changed the list (:attr:`_listing_changes`), each snapshot's text once
+        while no name changes."""
+        store = self.overlay.store
+        with store.env.begin() as txn:
+            count = txn.stat(store.db["snapshots"])["entries"]
+        *cached, ids, texts = self._snapshots
+        if (count, self._listing_changes) != tuple(cached):
+            if cached[1] != self._listing_changes:
+                texts = {}  # a name moved: the texts show names
+            snaps = store.snapshots_json()
+            texts = {s["id"]: texts.get(s["id"]) or _nested(json.dumps(s, indent=1), 2)
+                     for s in snaps}
+            ids = [s["id"] for s in snaps]
+            self._snapshots = (count, self._listing_changes, ids, texts)
+        return _RawJSON("[]" if not ids else
+                        "[\n  " + ",\n  ".join(texts[i] for i in ids) + "\n ]")
 
     def _snapshots_bind(self) -> str:
         """"pending", "read-only", "failed: <why>", or "absent" (unmounted since)."""
@@ -603,50 +720,189 @@ class Control:
     async def diff_text(self, ex: Execution) -> bytes:
         """``.ramet/diff``: ``<letter> <path>`` lines, each path quoted as ``git status
         --porcelain`` quotes it (rametfs.protocol.quote_path); made in slices of the trio
-        thread."""
-        return "".join(f"{letter} {protocol.quote_path(path)}\n"
-                       for letter, path in await diff_in_slices(self.overlay, ex)).encode()
+        thread.  EFBIG past :attr:`max_answer_bytes`, its message kept in ``.ramet/error``."""
+        try:
+            return b"".join(await self._bounded_diff(ex, _diff_line))
+        except RametError as exc:
+            self.errors[ex.id] = self._failed(ex.id, exc, protocol.DIFF)
+            raise
 
     async def preview_text(self, ex: Execution) -> bytes:
         """``.ramet/preview``: the preview under the policy the harness stored with the
         execution (none if it stored none), as JSON; the tree's ``ramet.toml`` only if that
-        policy is ``tree``.  A malformed policy fails the open (EINVAL) with its message in
-        ``.ramet/error``."""
+        policy is ``tree``.  A malformed policy fails the lookup (EINVAL), a report past
+        :attr:`max_answer_bytes` too (EFBIG), with its message in ``.ramet/error``."""
         try:
-            report = await preview(self.overlay, ex, policy.Setting.from_record(ex.policy))
+            report = await self._bounded_preview(ex, policy.Setting.from_record(ex.policy))
+            return await self.encoded(report, f"the preview of execution {ex.id}", indent=1)
         except RametError as exc:
-            self.errors[ex.id] = self._failed(exc, protocol.PREVIEW)
+            self.errors[ex.id] = self._failed(ex.id, exc, protocol.PREVIEW)
             raise
-        return (json.dumps(report, indent=1) + "\n").encode()
 
-    def fsmonitor_answer(self, ex: Execution, request: bytes) -> bytes:
+    async def fsmonitor_answer(self, ex: Execution, request: bytes) -> bytes:
         """The answer to git's fsmonitor hook, protocol 2 (githooks(5), "fsmonitor-watchman").
 
         ``request`` is ``TOKEN\nPREFIX``: the token git kept from the last answer, and the
         work tree's path relative to the execution root (empty at the root).  The answer is
         ``NEW_TOKEN\0`` followed by each changed path under the work tree (relative to it, not
-        in ``.git/``) and a NUL, or by ``/\0`` when everything may have changed (a token of
-        another daemon run or layer, or none).
+        in ``.git/``) and a NUL, or by ``/\0`` when everything may have changed: a token of
+        another daemon run or layer, or none, or paths that would take the answer past
+        :attr:`max_answer_bytes` (git then scans, which is always right).  Made in slices of
+        the trio thread, the execution frozen (Overlay.changed_since_in_slices).
         """
         token, _, prefix = request.decode(errors="surrogateescape").partition("\n")
-        out = [self.overlay.fsmonitor_token(ex).encode()]
-        paths = self.overlay.changed_since(ex, token)
-        if paths is None:
-            out.append(b"/")
-        else:
-            base = os.fsencode(prefix.strip("/"))
-            cut = len(base) + 1 if base else 0
-            for path in paths:
-                if base and not path.startswith(base + b"/"):
-                    continue
-                path = path[cut:]
-                if path != b".git" and not path.startswith(b".git/"):
-                    out.append(path)
-        return b"\0".join(out) + b"\0"
+        new = self.overlay.fsmonitor_token(ex).encode()
+        base = os.fsencode(prefix.strip("/"))
+        under = base + b"/" if base else b""
+
+        def shown(path: bytes) -> bytes | None:
+            if not path.startswith(under):
+                return None
+            path = path[len(under):]
+            return None if path == b".git" or path.startswith(b".git/") else path
+
+        paths = await self.overlay.changed_since_in_slices(
+            ex, token, shown, self.max_answer_bytes - len(new) - 1)
+        return b"\0".join([new, *(paths if paths is not None else [b"/"])]) + b"\0"
 
     def promoted_text(self, ex: Execution) -> bytes:
         sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
+
+
+def kept_reply(reply: dict | None) -> dict | None:
+    """``reply`` as ``last`` keeps it: whole when its JSON takes at most
+    :data:`protocol.LAST_REPLY_BYTES`, else its scalar fields (long strings as
+    :func:`protocol.shown` shows them) and ``"omitted"``, the sorted names of the others;
+    only as much of a large reply is looked at as that bound."""
+    if reply is None or _json_fits(reply, protocol.LAST_REPLY_BYTES) and len(
+            json.dumps(reply)) <= protocol.LAST_REPLY_BYTES:
+        return reply
+    kept: dict = {"omitted": sorted(k for k, v in reply.items() if isinstance(v, (dict, list)))}
+    for key, value in reply.items():
+        if isinstance(value, str):
+            kept[key] = protocol.shown(value)
+        elif not isinstance(value, (dict, list)):
+            kept[key] = value
+    return kept
+
+
+def _json_fits(value: object, limit: int) -> bool:
+    """False once the strings, keys and punctuation of ``value`` take more than ``limit``
+    characters (a lower bound of its JSON's length): looks at no more than that."""
+    size, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            size += 2 + 4 * len(v)
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            size += 2 + 2 * len(v)
+            todo.extend(v)
+        else:
+            size += len(v) + 2 if isinstance(v, str) else 1
+        if size > limit:
+            return False
+    return True
+
+
+def _diff_line(item: tuple[str, bytes]) -> bytes:
+    letter, path = item
+    return f"{letter} {protocol.quote_path(path)}\n".encode()
+
+
+def too_big(what: str, limit: int) -> RametError:
+    """EFBIG for an answer over ``limit`` bytes, named by ``what``."""
+    return RametError(f"{what} is more than {limit} bytes; it is not made (the limit of one "
+                      f"answer: rametfs mount --max-answer-bytes)", errno.EFBIG)
+
+
+class Bounded(list):
+    """A list that the walk of one answer fills (``append``, ``extend``), holding each item
+    as ``keep`` keeps it, that raises EFBIG (:func:`too_big`, ``what``) as soon as the sizes
+    ``size`` gives its items add up to more than ``max_bytes``: no answer is made past its
+    limit."""
+
+    def __init__(self, max_bytes: int, size: Callable[[object], int],
+                 keep: Callable[[object], object], what: str):
+        super().__init__()
+        self.left, self.limit, self.size, self.keep, self.what = \
+            max_bytes, max_bytes, size, keep, what
+
+    def append(self, item: object) -> None:
+        self.left -= self.size(item)
+        if self.left < 0:
+            raise too_big(self.what, self.limit)
+        super().append(self.keep(item))
+
+    def extend(self, items) -> None:
+        for item in items:
+            self.append(item)
+
+
+def json_steps(value: object, indent: int | None = None, sort_keys: bool = False
+               ) -> Steps[str]:
+    """``json.dumps(value, indent=indent, sort_keys=sort_keys)`` as steps: its encoder's
+    pieces (``JSONEncoder.iterencode``), joined and a step per :data:`JSON_STEP` of them,
+    so a large reply delays other requests by a slice, not by its encoding."""
+    done: list[str] = []
+    pieces: list[str] = []
+    for piece in json.JSONEncoder(indent=indent, sort_keys=sort_keys).iterencode(value):
+        pieces.append(piece)
+        if len(pieces) == JSON_STEP:
+            done.append("".join(pieces))
+            pieces.clear()
+            yield
+    done.append("".join(pieces))
+    return "".join(done)
+
+
+class _RawJSON(str):
+    """JSON text already made, which :func:`_json_object` puts in as it is."""
+
+
+def _nested(text: str, depth: int) -> str:
+    """``json.dumps(..., indent=1)`` text as it reads ``depth`` levels down (JSON text has
+    no newline but those of its indentation)."""
+    return text.replace("\n", "\n" + " " * depth)
+
+
+def _json_object(fields: dict) -> bytes:
+    """``json.dumps(fields, indent=1)`` and a newline, as bytes, each :class:`_RawJSON`
+    value put in as it is."""
+    items = [f" {json.dumps(key)}: "
+             f"{value if isinstance(value, _RawJSON) else _nested(json.dumps(value, indent=1), 1)}"
+             for key, value in fields.items()]
+    return ("{\n" + ",\n".join(items) + "\n}\n").encode()
+
+
+class LogLimit:
+    """At most one log line per scope, kind and ``interval_s`` (monotonic): :meth:`take`
+    answers None to skip one, else the number skipped since the last."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        # scope -> kind -> (when it logged last, lines skipped since)
+        self.scopes: dict[str, dict[str, tuple[float, int]]] = {}
+
+    def take(self, kind: str, scope: str) -> int | None:
+        now = time.monotonic()
+        kinds = self.scopes.setdefault(scope, {})
+        logged, skipped = kinds.get(kind, (-self.interval_s, 0))
+        if now - logged < self.interval_s:
+            kinds[kind] = (logged, skipped + 1)
+            return None
+        kinds[kind] = (now, 0)
+        return skipped
+
+    def forget(self, scope: str) -> None:
+        """Forget a released execution's scope."""
+        self.scopes.pop(scope, None)
+
+
+def _skipped(count: int) -> str:
+    return f" ({count} more not logged since the last)" if count else ""
 
 
 def execution_reply(reply: dict | None) -> dict | None:

@@ -18,6 +18,7 @@ import time
 import pyfuse3
 import trio
 
+from . import protocol
 from .control import Control
 from .errors import RametError
 from .faults import FAULTS
@@ -241,12 +242,14 @@ async def _serve(overlay: Overlay, control: Control) -> None:
 
 def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
                debug: bool = False, max_file_size: int | None = None,
-               cache_max_bytes: int | None = None, faults: bool = False) -> None:
+               cache_max_bytes: int | None = None, max_answer_bytes: int | None = None,
+               faults: bool = False) -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
 
     ``max_file_size``: the size in bytes past which a file may not grow (EFBIG; None:
     ``overlay.MAX_FILE_SIZE``); ``cache_max_bytes``: the hydration cache's limit on disk
-    (None: a quarter of the data directory's file system, rametfs.store.cache).
+    (None: a quarter of the data directory's file system, rametfs.store.cache);
+    ``max_answer_bytes``: of one control file answer (None: protocol.MAX_ANSWER_BYTES).
 
     Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
     ``fusermount3 -u -z``).  ``faults`` enables the ``fault`` command (rametfs.faults).  Raises
@@ -265,20 +268,21 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
         _serve_store(data_dir, mountpoint, allow_other, debug,
                      MAX_FILE_SIZE if max_file_size is None else max_file_size,
                      default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes,
-                     faults)
+                     max_answer_bytes or protocol.MAX_ANSWER_BYTES, faults)
     finally:
         os.close(lock)
 
 
 def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
-                 max_file_size: int, cache_max_bytes: int, faults: bool) -> None:
+                 max_file_size: int, cache_max_bytes: int, max_answer_bytes: int,
+                 faults: bool) -> None:
     store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
     overlay = Overlay(store)
     overlay.max_file_size = max_file_size
     overlay.remove_orphans()
     overlay.count_usage()
     overlay.precreated = Precreated(overlay.upper_root)
-    ops = Operations(overlay, mountpoint, faults=faults)
+    ops = Operations(overlay, mountpoint, faults=faults, max_answer_bytes=max_answer_bytes)
     options = set(pyfuse3.default_options) | {"fsname=rametfs", "subtype=rametfs"}
     if allow_other:
         options.add("allow_other")

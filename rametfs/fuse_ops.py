@@ -38,6 +38,7 @@ patch they are opened with direct I/O.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -46,13 +47,14 @@ import re
 import stat
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pyfuse3
 import trio
 
 from . import protocol
-from .authority import DAEMON_GID, DAEMON_UID, HARNESS, Caller, X
+from .authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
@@ -70,7 +72,10 @@ OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
 NEGATIVE_ROOT_NAMES = 4096  # missing names cached per execution root (Execution.negative_root)
-GENERATIONS = 64  # inodes kept per control file: older ones read as ESTALE
+GENERATIONS = 64  # inodes kept per control file and caller: older ones read as ESTALE
+# Bytes of content a caller's control file inodes keep, all files together, in answer limits
+# (Control.max_answer_bytes): past them its oldest go (ESTALE).
+GENERATION_ANSWERS = 2
 RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (Operations._reclaim)
 # The root .ramet/ files: ctl and error are the harness's; status is the harness's whole, and
 # as much as the caller may see for another uid (Control.root_status).
@@ -84,14 +89,16 @@ SNAPSHOT_PREFIX_RE = re.compile(rf"[0-9a-f]{{{protocol.MIN_ID_PREFIX},63}}")
 @dataclass
 class ControlSlot:
     """One control file name in a ``.ramet/`` directory; each of its contents is an inode
-    (a generation), newest last in ``gens``."""
+    (a generation), kept per caller (:func:`caller_key`), newest last in ``gens``; a caller
+    who may not read it finds ``stub``, one empty inode made once."""
 
     mode: int
     kind: str  # a name of protocol.ROOT_CONTROL_FILES or EXECUTION_CONTROL_FILES
     execution: Execution | None  # None: the root scope
     uid: int = DAEMON_UID  # of its inodes: an execution's owner and group
     gid: int = DAEMON_GID
-    gens: list[int] = field(default_factory=list)
+    gens: dict[int, list[int]] = field(default_factory=dict)  # caller key -> inode numbers
+    stub: Virtual | None = None
     reply: bytes = b""  # a ctl file: the reply of the last command written to it
 
 
@@ -112,11 +119,19 @@ class Virtual:
     mtime_ns: int = field(default_factory=time.time_ns)  # changes with content or listing
     uid: int = DAEMON_UID
     gid: int = DAEMON_GID
+    caller: int | None = None  # of a generation: its caller's key (caller_key); None: a stub
+    counted: int = 0  # of a generation: the bytes of its content counted for its caller
 
     def changed(self, content: bytes | None = None) -> None:
         if content is None or content != self.content:
             self.content = self.content if content is None else content
             self.mtime_ns = time.time_ns()
+
+
+def caller_key(caller: Caller) -> int:
+    """Whose generations a lookup by ``caller`` makes and may drop: the harness's (uid 0 and
+    the daemon's, as one) or its uid's."""
+    return DAEMON_UID if caller.harness else caller.uid
 
 
 def _errors(fn):
@@ -158,11 +173,18 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, overlay: Overlay, mountpoint: str, *, faults: bool = False):
+    def __init__(self, overlay: Overlay, mountpoint: str, *, faults: bool = False,
+                 max_answer_bytes: int = protocol.MAX_ANSWER_BYTES):
         super().__init__()
         self.overlay = overlay
         self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS,
-                               faults=faults)
+                               faults=faults, max_answer_bytes=max_answer_bytes)
+        self.control.snapshots_dir_ino = SNAPSHOTS
+        # Per caller key: its generations holding content of their own, oldest first, and
+        # those bytes (GENERATION_ANSWERS); one answer made at a time (_one_answer).
+        self.kept: dict[int, OrderedDict[int, None]] = {}
+        self.kept_bytes: dict[int, int] = {}
+        self.answering: dict[int, trio.Lock] = {}
         self.virtual: dict[int, Virtual] = {}
         self._add_virtual(Virtual(ROOT, stat.S_IFDIR | 0o755, "dir",
                                   children={**TOP, CONTROL_NAME: CONTROL}))
@@ -170,7 +192,8 @@ class Operations(pyfuse3.Operations):
         # for every caller); anyone may look a name up, which an execution checks.
         self._add_virtual(Virtual(SNAPSHOTS, stat.S_IFDIR | 0o711, "dir"))
         self._add_virtual(Virtual(EXECUTIONS, stat.S_IFDIR | 0o711, "dir"))
-        self._add_virtual(Virtual(CONTROL, stat.S_IFDIR | 0o755, "dir", files={
+        # Others may look up the root status (by name), not list what the harness has.
+        self._add_virtual(Virtual(CONTROL, stat.S_IFDIR | 0o711, "dir", files={
             name.encode(): ControlSlot(stat.S_IFREG | ROOT_MODES[name], name, None)
             for name in protocol.ROOT_CONTROL_FILES}))
         self.exec_control: dict[int, int] = {}  # execution root ino -> its .ramet dir ino
@@ -244,43 +267,135 @@ class Operations(pyfuse3.Operations):
         return self._entry(a, CACHE_TIMEOUT if is_dir else 0)
 
     async def _control_file(self, slot: ControlSlot, caller: Caller = HARNESS) -> Virtual:
-        """The inode to hand out for ``slot`` to ``caller`` now: the newest one if its
-        content and mode are still current, else a new one; always a new one for a file that
-        takes commands.  The root status the harness reads is 0400, so another uid can never
-        read it, even through a dentry it shares."""
-        content = slot.reply if slot.kind == protocol.CTL else \
-            await self._control_content(slot, caller)
-        return self._generation(slot, content, caller)
+        """The inode to hand out for ``slot`` to ``caller`` now: its stub (nothing made) if
+        the caller may neither read it nor write commands to it; else the caller's newest if
+        its content and mode are still current, or a new one; always a new one where the
+        caller may write commands.  The root status the harness reads is 0400, so another uid
+        can never read it, even through a dentry it shares."""
+        if not (self._may_read(slot, caller) or self._takes_commands(slot, caller)):
+            return self._stub(slot)
+        if slot.kind == protocol.CTL:
+            return self._generation(slot, slot.reply, caller, counted=0)  # the slot's bytes
+        return self._generation(slot, await self._control_content(slot, caller), caller)
+
+    def _may_read(self, slot: ControlSlot, caller: Caller) -> bool:
+        """Whether ``caller`` may read ``slot``: the root ``ctl`` and ``error`` are the
+        harness's, the root status anyone's; an execution's files need its ``r`` bit."""
+        if slot.execution is None:
+            return caller.harness or slot.kind == protocol.STATUS
+        return self._execution_of(slot).access.allows(caller, R)
+
+    def _takes_commands(self, slot: ControlSlot, caller: Caller) -> bool:
+        """Whether a lookup of ``slot`` by ``caller`` is for a command of its own (a new
+        inode each time): the root ``ctl`` for the harness; an execution's ``ctl`` and
+        ``promote`` where its ``w`` bit and ``control full`` allow writes; ``fsmonitor``
+        for a reader."""
+        if slot.kind not in WRITTEN:
+            return False
+        if slot.execution is None:
+            return caller.harness
+        access = self._execution_of(slot).access
+        if slot.kind == protocol.FSMONITOR:
+            return access.allows(caller, R)
+        return access.control == protocol.CONTROL_FULL and access.allows(caller, W)
+
+    def _stub(self, slot: ControlSlot) -> Virtual:
+        """The one empty inode of ``slot`` for callers who may not read it: looking it up
+        makes nothing and drops nothing."""
+        if slot.stub is None:
+            slot.stub = Virtual(self.overlay._alloc_ino(), slot.mode, slot.kind,
+                                slot.execution, slot=slot, uid=slot.uid, gid=slot.gid)
+            self._add_virtual(slot.stub)
+        return slot.stub
 
     def _listed_control_file(self, slot: ControlSlot) -> Virtual:
-        """The inode a listing of ``.ramet/`` shows for ``slot``: its newest, or one made
-        with what is cheap to show; a diff or preview is made only when the file is looked
-        up (to be read), never for a listing."""
-        if slot.gens:
-            return self.virtual[slot.gens[-1]]
+        """The inode a listing of ``.ramet/`` shows for ``slot`` (one listing for every
+        caller, who may read the files of an execution's ``.ramet/`` it may list): the
+        harness's newest, or one made with what is cheap to show; a diff or preview is made
+        only when the file is looked up (to be read), never for a listing."""
+        gens = slot.gens.get(caller_key(HARNESS))
+        if gens:
+            return self.virtual[gens[-1]]
         if slot.kind == protocol.CTL:
-            content = slot.reply
-        elif slot.kind in (protocol.DIFF, protocol.PREVIEW):
-            content = b""
-        else:
-            content = self._cheap_content(slot)
+            return self._generation(slot, slot.reply, HARNESS, counted=0)
+        content = b"" if slot.kind in (protocol.DIFF, protocol.PREVIEW) else \
+            self._cheap_content(slot)
         return self._generation(slot, content, HARNESS)
 
-    def _generation(self, slot: ControlSlot, content: bytes, caller: Caller) -> Virtual:
+    def _generation(self, slot: ControlSlot, content: bytes, caller: Caller,
+                    counted: int | None = None) -> Virtual:
+        """The inode showing ``content`` of ``slot`` to ``caller``: the newest of the
+        caller's, or a new one (:meth:`_takes_commands`: always), kept in the caller's
+        generations (:data:`GENERATIONS` per file, :meth:`_count` its bytes)."""
         mode = slot.mode
         if slot.execution is None and slot.kind == protocol.STATUS and caller.harness:
             mode = HARNESS_STATUS_MODE
-        if slot.kind not in WRITTEN and slot.gens:
-            newest = self.virtual[slot.gens[-1]]
+        key = caller_key(caller)
+        gens = slot.gens.setdefault(key, [])
+        if gens and not self._takes_commands(slot, caller):
+            newest = self.virtual[gens[-1]]
             if newest.content == content and newest.mode == mode:
                 return newest
         v = Virtual(self.overlay._alloc_ino(), mode, slot.kind, slot.execution,
-                    slot=slot, content=content, uid=slot.uid, gid=slot.gid)
+                    slot=slot, content=content, uid=slot.uid, gid=slot.gid, caller=key)
         self._add_virtual(v)
-        slot.gens.append(v.ino)
-        if len(slot.gens) > GENERATIONS:
-            del self.virtual[slot.gens.pop(0)]
+        gens.append(v.ino)
+        if len(gens) > GENERATIONS:
+            self._drop_generation(self.virtual[gens[0]])
+        self._count(v, len(content) if counted is None else counted)
         return v
+
+    def _count(self, v: Virtual, nbytes: int) -> None:
+        """Count ``nbytes`` of content for generation ``v`` (what it holds of its own), then
+        drop its caller's oldest generations while they hold more than
+        :data:`GENERATION_ANSWERS` answer limits (never ``v``)."""
+        self._uncount(v)
+        key, v.counted = v.caller, nbytes
+        if nbytes:
+            self.kept.setdefault(key, OrderedDict())[v.ino] = None
+            self.kept_bytes[key] = self.kept_bytes.get(key, 0) + nbytes
+        budget = GENERATION_ANSWERS * self.control.max_answer_bytes
+        while self.kept_bytes.get(key, 0) > budget and len(self.kept[key]) > 1:
+            self._drop_generation(self.virtual[next(i for i in self.kept[key] if i != v.ino)])
+
+    def _uncount(self, v: Virtual) -> None:
+        """Take generation ``v``'s counted bytes off its caller's."""
+        if v.counted:
+            key = v.caller
+            del self.kept[key][v.ino]
+            self.kept_bytes[key] -= v.counted
+            if not self.kept[key]:
+                del self.kept[key], self.kept_bytes[key]
+            v.counted = 0
+
+    def _drop_generation(self, v: Virtual) -> None:
+        """Forget generation ``v``: an inode the kernel still holds then reads as ESTALE."""
+        del self.virtual[v.ino]
+        gens = v.slot.gens[v.caller]
+        gens.remove(v.ino)
+        if not gens:
+            del v.slot.gens[v.caller]
+        self._uncount(v)
+
+    def _forget_generation(self, v: Virtual, count: int) -> None:
+        """The kernel forgot ``count`` lookups of control file inode ``v``: a generation
+        goes at 0 (else a lookup was answered since the kernel let it go); a stub stays."""
+        v.lookups -= count
+        if v.lookups <= 0 and v.caller is not None:
+            self._drop_generation(v)
+
+    @contextlib.asynccontextmanager
+    async def _one_answer(self, key: int) -> AsyncIterator[None]:
+        """Make the block's answer (a diff, preview or fsmonitor answer) alone among those of
+        caller ``key``: one caller's concurrent lookups hold one answer in memory at a
+        time, not one each."""
+        lock = self.answering.setdefault(key, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self.answering.pop(key, None)
 
     def _node_attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         return self._entry(self.overlay.attrs(node), CACHE_TIMEOUT)
@@ -327,7 +442,7 @@ class Operations(pyfuse3.Operations):
     def _writable(self, v: Virtual) -> bool:
         """Whether control file ``v`` takes writes: ``ctl``, ``promote`` and ``fsmonitor``
         (a query), but an execution's ``ctl`` and ``promote`` only under ``--control full``."""
-        if v.kind not in WRITTEN:
+        if v.kind not in WRITTEN or v.caller is None:  # a stub is for those who may not
             return False
         if v.execution is None or v.kind == protocol.FSMONITOR:
             return True
@@ -337,7 +452,8 @@ class Operations(pyfuse3.Operations):
         """A write to an execution's ``ctl`` or ``promote`` (``command``, the bytes written
         to ``ctl``, None for an open, a truncation or ``promote``) that ``--control read``
         refuses: say why in its ``.ramet/error`` (Control.refuse_read_only)."""
-        if v.execution is not None and v.kind in (protocol.CTL, protocol.PROMOTE):
+        if v.execution is not None and v.kind in (protocol.CTL, protocol.PROMOTE) \
+                and v.caller is not None:  # not a stub: its caller may not act at all
             what = f"a write to {protocol.CONTROL_DIR}/{v.kind}".encode()
             self.control.refuse_read_only(self._execution_of(v), command or what)
 
@@ -705,11 +821,8 @@ class Operations(pyfuse3.Operations):
         nodes = [self.overlay.nodes[ino] for ino, _ in inode_list if ino in self.overlay.nodes]
         for ino, count in inode_list:
             v = self.virtual.get(ino)
-            if v is not None and v.slot is not None:  # a control file generation
-                v.lookups -= count
-                if v.lookups <= 0:  # else a lookup answered since the kernel let it go
-                    del self.virtual[ino]
-                    v.slot.gens.remove(ino)
+            if v is not None and v.slot is not None:  # a control file's inode
+                self._forget_generation(v, count)
         self.overlay.forgotten(nodes)
         if self.overlay.reclaim and not self._reclaiming:
             self._reclaiming = True
@@ -750,10 +863,12 @@ class Operations(pyfuse3.Operations):
                                ) -> bytes:
         """What a control file other than ``ctl`` shows ``caller`` now; a diff or preview
         is made in slices of the trio thread (rametfs.control)."""
-        if v.execution is not None and v.kind == protocol.DIFF:
-            return await self.control.diff_text(self._execution_of(v))
-        if v.execution is not None and v.kind == protocol.PREVIEW:
-            return await self.control.preview_text(self._execution_of(v))
+        if v.execution is not None and v.kind in (protocol.DIFF, protocol.PREVIEW):
+            ex = self._execution_of(v)
+            async with self._one_answer(caller_key(caller)):
+                if v.kind == protocol.DIFF:
+                    return await self.control.diff_text(ex)
+                return await self.control.preview_text(ex)
         return self._cheap_content(v, caller)
 
     def _cheap_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS) -> bytes:
@@ -779,7 +894,9 @@ class Operations(pyfuse3.Operations):
         if v.kind == protocol.FSMONITOR:
             if len(buf) > protocol.MAX_COMMAND_BYTES:
                 raise pyfuse3.FUSEError(errno.E2BIG)
-            v.changed(self.control.fsmonitor_answer(self._execution_of(v), buf))
+            async with self._one_answer(v.caller):
+                answer = await self.control.fsmonitor_answer(self._execution_of(v), buf)
+            self._show(v, answer)
             return len(buf)
         # One write is one command: a quoted argument may hold a newline.
         line = b"promote" if v.kind == protocol.PROMOTE else buf
@@ -797,10 +914,22 @@ class Operations(pyfuse3.Operations):
             self.virtual[listing].changed()
         await self._invalidate([(SNAPSHOTS, b""), (EXECUTIONS, b"")])
         if v.kind == protocol.CTL:
-            v.slot.reply = protocol.encode_reply(reply)
-            v.changed(v.slot.reply)
+            try:
+                encoded = await self.control.encoded(reply, "the reply", sort_keys=True)
+            except RametError as exc:  # EFBIG: what the command did stays done
+                reply = {"ok": False, "errno": exc.errno, "error": str(exc)}
+                encoded = protocol.encode_reply(reply)
+            v.slot.reply = encoded
+            self._show(v, encoded)
         else:
             v.changed(await self._control_content(v))
         if not reply["ok"]:
             raise pyfuse3.FUSEError(reply["errno"])
         return len(buf)
+
+    def _show(self, v: Virtual, content: bytes) -> None:
+        """Generation ``v`` shows ``content`` from now on (the answer to what was written to
+        it), counted as its own; unless it was dropped meanwhile (then ESTALE)."""
+        v.changed(content)
+        if self.virtual.get(v.ino) is v:
+            self._count(v, len(content))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import heapq
 import itertools
 import os
 import re
@@ -41,7 +42,7 @@ from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 import msgpack
 import trio
 
-from .authority import Access
+from .authority import Access, ReadIndex
 from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
 from .precreate import Precreated
 from .protocol import CONTROL_DIR
@@ -413,6 +414,7 @@ class Overlay:
         self.nodes: dict[int, Node] = {}
         self.snapshot_views: dict[str, SnapshotView] = {}
         self.executions: dict[str, Execution] = {}
+        self.readers = ReadIndex()  # who may read which execution (its r bit)
         self.trees: OrderedDict[bytes, dict[bytes, Entry]] = OrderedDict()  # least used first
         self.tree_entries = 0  # of the trees kept
         with store.read() as txn:
@@ -562,6 +564,7 @@ class Overlay:
         if ex.waiting >= MAX_WAITING:
             raise fs_error(errno.EAGAIN, f"execution {ex.id} has {ex.waiting} requests "
                                          f"waiting for its promote")
+        layer = ex.layer  # the root keeps its inode across a reset: compare the layer too
         ex.waiting += 1
         try:
             while ex.freezes:
@@ -569,6 +572,9 @@ class Overlay:
         finally:
             ex.waiting -= 1
         self._check_live(node)
+        if ex.layer != layer:
+            raise fs_error(errno.ESTALE, f"execution {ex.id} was reset while inode "
+                                         f"{node.ino} waited")
 
     def snapshot_view(self, sid: str) -> SnapshotView:
         """The view of snapshot ``sid``, its full id as the store spells it (64 lower-case hex
@@ -597,6 +603,7 @@ class Overlay:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
         upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
         self.executions[eid] = ex
+        self.readers.add(eid, ex.access)
         root = self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
         root.record_bytes = len(value) if value else 0
         return ex
@@ -628,6 +635,7 @@ class Overlay:
             self._new_layer(txn, ex)
             self._persist_counters(txn)
         self.executions[eid] = ex
+        self.readers.add(eid, ex.access)
         return ex
 
     def execution(self, eid: str) -> Execution:
@@ -678,6 +686,7 @@ class Overlay:
             txn.put(u64(ex.layer), b"", db=self.store.db["dead"])
             txn.delete(ex.id.encode(), db=self.store.db["executions"])
         del self.executions[ex.id]
+        self.readers.remove(ex.id)
         ex.layer = RELEASED
         self.dead_layers.set()
         return stale
@@ -931,22 +940,29 @@ class Overlay:
             ex.changes, ex.changes_floor = {}, self.clock
         ex.changes[key] = self.clock
 
-    def path(self, node: Node) -> bytes:
-        """``node``'s path relative to its view's root (b"" for the root), by its parents."""
-        parts = []
-        while node.ino != node.view.root_ino:
-            parts.append(node.name)
-            node = self.node(node.parent)
-        return b"/".join(reversed(parts))
-
     def fsmonitor_token(self, ex: Execution) -> str:
-        """An opaque token for "now" in ``ex``, for :meth:`changed_since`."""
+        """An opaque token for "now" in ``ex``, for :meth:`changed_since_steps`."""
         return f"rametfs:{self.boot}:{ex.layer}:{self.clock}"
 
-    def changed_since(self, ex: Execution, token: str) -> list[bytes] | None:
-        """Paths (relative to the execution root, sorted) of the files, symlinks and names
-        changed in ``ex`` after ``token`` was given out; None when the token is not one of
-        this daemon run and layer (after a restart or a reset), so everything may differ."""
+    async def changed_since_in_slices(self, ex: Execution, token: str,
+                                      shown: Callable[[bytes], bytes | None],
+                                      max_bytes: int) -> list[bytes] | None:
+        """:meth:`changed_since_steps` in slices of the trio thread (:func:`in_slices`),
+        ``ex`` frozen meanwhile (one point in time, as a diff)."""
+        with self.freeze(ex):
+            return await in_slices(self.changed_since_steps(ex, token, shown, max_bytes))
+
+    def changed_since_steps(self, ex: Execution, token: str,
+                            shown: Callable[[bytes], bytes | None], max_bytes: int
+                            ) -> Steps[list[bytes] | None]:
+        """The files, symlinks and names changed in ``ex`` after ``token`` was given out,
+        each path (relative to the execution root) as ``shown`` gives it (None: left out),
+        sorted, each once.  None, "everything may have changed", when the token is not one
+        of this daemon run and layer (after a restart or a reset, also one during the walk),
+        or when one path, or the paths shown with a byte after each, take more than
+        ``max_bytes``: no more than that is made.  Steps: one per :data:`CHANGES_STEP`
+        changes looked at and per :data:`CHANGES_STEP` names of one path, then the sort's
+        (:func:`sorted_steps`)."""
         prefix = f"rametfs:{self.boot}:{ex.layer}:"
         clock = token[len(prefix):]
         if not token.startswith(prefix) or not (clock.isascii() and clock.isdigit()) \
@@ -955,19 +971,52 @@ class Overlay:
         since = int(clock)
         if since < ex.changes_floor:
             return None
-        paths = set()
-        for key, clock in ex.changes.items():
-            if clock <= since:
-                continue
-            if isinstance(key, tuple):
-                parent = self.nodes.get(key[0])
-                if parent is not None and self.is_live(parent):
-                    paths.add(b"/".join(p for p in (self.path(parent), key[1]) if p))
-            else:
-                node = self.nodes.get(key)
-                if node is not None and self.is_live(node) and not node.is_dir:
-                    paths.add(self.path(node))
-        return sorted(paths)
+        layer = ex.layer
+        paths: set[bytes] = set()
+        left = max_bytes
+        try:
+            for i, (key, clock) in enumerate(ex.changes.items(), 1):  # frozen: it stays
+                if i % CHANGES_STEP == 0:
+                    yield
+                    if ex.layer != layer:
+                        return None
+                if clock <= since:
+                    continue
+                name = key[1] if isinstance(key, tuple) else None
+                node = self.nodes.get(key[0] if name is not None else key)
+                if node is None or not self.is_live(node) or (name is None and node.is_dir):
+                    continue
+                path = yield from self._path_steps(node, name, max_bytes)
+                if ex.layer != layer:
+                    return None
+                item = shown(path) if path is not None else None
+                if item is not None and item not in paths:
+                    left -= len(item) + 1
+                    if left < 0:
+                        return None
+                    paths.add(item)
+        except _TooLong:
+            return None
+        return (yield from sorted_steps(paths))
+
+    def _path_steps(self, node: Node, name: bytes | None, max_bytes: int
+                    ) -> Steps[bytes | None]:
+        """The path of ``node`` (with ``name`` in it, if given) relative to its view's root,
+        by its parents; None when a parent is gone (an unlinked directory forgotten);
+        :class:`_TooLong` past ``max_bytes``.  One step per :data:`CHANGES_STEP` names."""
+        parts = [] if name is None else [name]
+        size = 0 if name is None else len(name)
+        while node.ino != node.view.root_ino:
+            parts.append(node.name)
+            size += len(node.name) + 1
+            if size > max_bytes:
+                raise _TooLong
+            node = self.nodes.get(node.parent)
+            if node is None or not self.is_live(node):
+                return None
+            if len(parts) % CHANGES_STEP == 0:
+                yield
+        return b"/".join(reversed(parts))
 
     def copy_up(self, node: Node) -> UpperInode:
         """Materialise ``node`` (and its parent directories) in its execution's upper layer.
@@ -1784,6 +1833,11 @@ class Overlay:
 
 
 SLICE_S = 0.002  # seconds a walk runs on the trio thread before it lets other tasks run
+CHANGES_STEP = 1024  # changes, names of one path, or paths sorted per step of an fsmonitor walk
+
+
+class _TooLong(Exception):
+    """A path of an fsmonitor walk (Overlay._path_steps) past the walk's byte limit."""
 
 
 async def in_slices(steps: Steps[R]) -> R:
@@ -1799,6 +1853,24 @@ async def in_slices(steps: Steps[R]) -> R:
         if time.perf_counter() >= deadline:
             await trio.sleep(0)
             deadline = time.perf_counter() + SLICE_S
+
+
+def sorted_steps(items: Iterable[bytes]) -> Steps[list[bytes]]:
+    """``sorted(items)`` as steps: runs of :data:`CHANGES_STEP` items sorted one per step,
+    then merged (heapq.merge), a step per :data:`CHANGES_STEP` items, so that sorting a
+    million paths delays other requests by a slice, not by the sort."""
+    items = list(items)
+    runs = []
+    for i in range(0, len(items), CHANGES_STEP):
+        runs.append(sorted(items[i:i + CHANGES_STEP]))
+        yield
+    del items
+    out = []
+    for i, item in enumerate(heapq.merge(*runs), 1):
+        out.append(item)
+        if i % CHANGES_STEP == 0:
+            yield
+    return out
 
 
 def walk_names(overlay: Overlay, ino: int, prefix: bytes = b"") -> Iterator[tuple[bytes, Node]]:

@@ -488,10 +488,12 @@ def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True)
     return run_steps(classify_steps(policy, tree, root, durable))
 
 
-def classify_steps(policy: Policy | None, tree: Tree, root, durable: bool = True
-                   ) -> Steps[Classified]:
-    """:func:`classify_tree` as steps (rametfs.treewalk.run_steps): one per directory."""
-    out = Classified()
+def classify_steps(policy: Policy | None, tree: Tree, root, durable: bool = True,
+                   paths: list | None = None) -> Steps[Classified]:
+    """:func:`classify_tree` as steps (rametfs.treewalk.run_steps): one per directory.
+    ``paths``: the list ``Classified.paths`` is (a caller's may bound it: only its
+    ``append`` is called); a new one by default."""
+    out = Classified() if paths is None else Classified(paths)
 
     def below(item: tuple[object, str]) -> Iterator[tuple[object, str]]:
         """Classify the paths of one durable directory; yields its durable subdirectories,

@@ -22,9 +22,11 @@ Layout (paths relative to the mountpoint)::
     executions/<id>/.ramet/fsmonitor git's fsmonitor hook (protocol 2): run it, or write
                                      ``TOKEN\nPREFIX`` and read ``TOKEN\0PATH\0...`` back
 
-A command is one line written to a ``ctl`` file, split like a POSIX shell does (``shlex``), so
-arguments with spaces are quoted.  The ``write()`` returns once the command is done: the
-written length on success, else -1 with a precise errno (:data:`EINVAL` malformed,
+A command is one line written to a ``ctl`` file, split as ``shlex.split`` splits it
+(:func:`split_command`), so arguments with spaces are quoted; it is at most
+:data:`MAX_COMMAND_BYTES` bytes (E2BIG, checked before anything else) and
+:data:`MAX_COMMAND_PARTS` parts (EINVAL).  The ``write()`` returns once the command is done:
+the written length on success, else -1 with a precise errno (:data:`EINVAL` malformed,
 :data:`ENOENT` unknown id or path, :data:`EBUSY` busy, :data:`ENOSPC` no room, :data:`EIO`
 store failure, :data:`EACCES` not allowed: see "Who may do what").  After the write, reading the same open file descriptor from offset 0 gives
 the reply as one JSON object followed by a newline: ``{"ok": true, ...}`` or
@@ -148,7 +150,17 @@ harness acts on an execution whatever its ``--control``::
     status <execution-id>               -> {"ok", "status": {...}} (the root status's record)
 
 Their replies are those above, with the store-wide figures an execution's own files leave out
-(below).  ``diff`` paths are the names' bytes decoded as UTF-8 with surrogate escapes.  Root
+(below).  ``diff`` paths are the names' bytes decoded as UTF-8 with surrogate escapes.
+
+Answers are bounded (:data:`MAX_ANSWER_BYTES` by default; ``rametfs mount
+--max-answer-bytes``): a diff (``.ramet/diff``, as its text; ``diff <id>``, as the
+``.ramet/diff`` text of the same paths), a preview (``.ramet/preview``, the ``preview``
+commands: as the JSON report) or any other reply longer than that fails with EFBIG (``the
+diff of execution X is more than N bytes; ...``) and is never made whole in memory;
+``.ramet/fsmonitor`` then answers ``TOKEN\0/\0``, "everything may have changed", which git
+handles by scanning (githooks(5)).  The ``last`` reply a status shows is the whole reply
+when its JSON takes at most :data:`LAST_REPLY_BYTES` bytes, else its scalar fields and
+``"omitted"``, the names of the others.  Root
 and execution commands on one execution exclude each other (EBUSY) as execution commands do;
 ``diff`` and ``status`` answer while one runs.
 
@@ -195,7 +207,7 @@ import json
 import math
 import re
 import secrets
-import shlex
+import shlex  # format_command quotes; split_command splits as shlex.split does
 
 CONTROL_DIR = ".ramet"
 CTL = "ctl"
@@ -214,6 +226,11 @@ EXECUTION_CONTROL_FILES = (CTL, PROMOTE, STATUS, DIFF, ERROR, PREVIEW, FSMONITOR
 MIN_ID_PREFIX = 8
 EXECUTION_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_COMMAND_BYTES = 64 * 1024
+MAX_ANSWER_BYTES = 64 * 1024 * 1024  # default of one control file answer or reply (EFBIG)
+LAST_REPLY_BYTES = 16 * 1024  # of the JSON of the ``last`` reply a status shows whole
+MAX_ECHO_CHARS = 200  # of a command or word a message, the log or ``.ramet/error`` shows
+MAX_ERROR_CHARS = 2000  # of an error message kept for ``.ramet/error`` and the log
+MAX_COMMAND_PARTS = 4096  # words, spaces, quoted strings and escapes of one command (EINVAL)
 MAX_LABEL_BYTES = 256  # of a --label (UTF-8)
 MAX_MESSAGE_BYTES = 16 * 1024  # of a --message (UTF-8): room for a --policy in the same command
 
@@ -246,6 +263,11 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "snapshot-git": (("repo",), frozenset({"rev", "gitdir", "label", "message"})),
     "fault": (("site",), frozenset({"execution", "count"})),
     "cancel": ((), frozenset({"execution"})),
+    "name": (("name", "snapshot"), frozenset()),
+    "unname": (("name",), frozenset()),
+    "resolve": (("snapshot",), frozenset()),
+    "rm": (("snapshot",), frozenset({"force"})),
+    "gc": ((), frozenset({"dry-run", "compact"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first the default)
@@ -294,15 +316,13 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
     argument, an unknown, repeated or missing required option (:data:`REQUIRED_OPTIONS`), or
     unbalanced quotes.
     """
-    try:
-        words = shlex.split(line)
-    except ValueError as exc:
-        raise ProtocolError(f"cannot split command {line.strip()!r}: {exc}") from None
+    words = split_command(line)
     if not words:
         raise ProtocolError("empty command")
     name, rest = words[0], words[1:]
     if name not in table:
-        raise ProtocolError(f"unknown command {name!r}; expected one of {', '.join(sorted(table))}")
+        raise ProtocolError(f"unknown command {shown(name, quoted=True)}; "
+                            f"expected one of {', '.join(sorted(table))}")
     positional, options = table[name]
     args: dict[str, str] = {}
     values: list[str] = []
@@ -312,7 +332,7 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
         if word.startswith("--"):
             option = word[2:]
             if option not in options:
-                raise ProtocolError(f"{name}: unknown option {word!r}")
+                raise ProtocolError(f"{name}: unknown option {shown(word, quoted=True)}")
             if option in args:
                 raise ProtocolError(f"{name}: option {word!r} given twice")
             if i + 1 >= len(rest):
@@ -331,6 +351,63 @@ def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[s
     check_text(name, args.get("label"), args.get("message"))
     args.update(zip(positional, values))
     return name, args
+
+
+# One part of a command line as shlex.split (POSIX mode, no comments) reads it: a run of
+# plain characters, a backslash and the character it escapes, a single-quoted or a
+# double-quoted string, whitespace between words; anything else is an opening quote or a
+# backslash with nothing after it.
+_PART = re.compile(r"""([^ \t\r\n'"\\]+)|\\(.)|'([^']*)'|"((?:[^"\\]|\\.)*)"|([ \t\r\n]+)|(.)""",
+                   re.S)
+_OPEN_ESCAPE = re.compile(r'"(?:[^"\\]|\\.)*\\', re.S)  # a double quote ending in "\"
+
+
+def split_command(line: str) -> list[str]:
+    """The words of ``line``, exactly as ``shlex.split(line)`` gives them, in C for the most
+    part and in at most :data:`MAX_COMMAND_PARTS` steps: shlex reads a character at a time
+    in Python (a quoted 64 KiB word took it 69 ms of the daemon's one thread here, this
+    0.02 ms; 4,096 parts take both about 1 ms).  Raises ProtocolError (EINVAL) for an
+    unclosed quote or a trailing backslash (with shlex's words for them), or for more
+    parts."""
+    words: list[str] = []
+    word: list[str] | None = None  # the parts of the word being read, None between words
+    for count, m in enumerate(_PART.finditer(line), 1):
+        if count > MAX_COMMAND_PARTS:
+            raise ProtocolError(f"a command has at most {MAX_COMMAND_PARTS} parts (words, "
+                                f"spaces between them, quoted strings, escapes)")
+        plain, escaped, single, double, space, bad = m.groups()
+        if space is not None:
+            if word is not None:
+                words.append("".join(word))
+                word = None
+        elif bad is not None:
+            why = ("No escaped character" if bad == "\\" or _OPEN_ESCAPE.fullmatch(
+                line, m.start()) else "No closing quotation")
+            raise ProtocolError(f"cannot split command {shown(line.strip(), quoted=True)}: "
+                                f"{why}")
+        else:
+            if word is None:
+                word = []
+            if double:  # only \" and \\ are escapes there, and every \ starts a pair
+                double = "\\".join(p.replace('\\"', '"') for p in double.split("\\\\"))
+            word.append(plain or escaped or single or double or "")
+    if word is not None:
+        words.append("".join(word))
+    return words
+
+
+def shown(text: str, limit: int = MAX_ECHO_CHARS, quoted: bool = False) -> str:
+    """``text`` (what a client sent, bytes decoded with U+FFFD for what is not UTF-8) safe to
+    show in a message, the log or ``.ramet/error``: its first ``limit`` characters, each that
+    is not printable (control and format characters, U+FFFD) as its Python escape
+    (``quoted``: as ``repr`` of that part shows it), then ``... (N characters)`` when it is
+    longer: one line of at most about ``10 * limit`` characters, whatever was sent."""
+    def one(c: str) -> str:
+        return c if c.isprintable() and c != "\ufffd" else \
+            c.encode("unicode_escape").decode("ascii")
+
+    head = repr(text[:limit]) if quoted else "".join(map(one, text[:limit]))
+    return head + (f"... ({len(text)} characters)" if len(text) > limit else "")
 
 
 def check_text(command: str, label: str | None, message: str | None) -> None:

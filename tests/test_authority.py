@@ -11,6 +11,7 @@ name or what it read, so each case asserts the exact outcome.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import stat
@@ -26,6 +27,7 @@ from benchmarks.fuse_trace import FuseTrace
 from benchmarks.systems import Unsupported
 from conftest import ctl_command, require_bwrap
 from rametfs import Ramet, RametError, protocol
+from rametfs.authority import Access, Caller, R, ReadIndex
 from rametfs.cli import main
 from rametfs.sandbox import Bubblewrap
 from test_snapshots import write_tree
@@ -606,3 +608,26 @@ def test_an_executions_status_shows_nothing_of_the_harness(harness, base):
                       "max_inodes": None, "last": None}
     for leak in (pool.holder, pool.host, str(harness.mount), harness.status()["data"]):
         assert leak not in seen["status"]
+
+
+def test_the_read_index_answers_as_access_allows():
+    """authority.ReadIndex gives exactly the executions Access.allows(caller, R) grants, for
+    owners, members of the group (primary or supplementary) and others, as executions are
+    added and removed."""
+    class Member(Caller):  # groups given, not read from /proc
+        def __init__(self, uid: int, gid: int, groups: frozenset[int]):
+            super().__init__(uid, gid)
+            self.__dict__["groups"] = groups
+
+    index, accesses = ReadIndex(), {}
+    shares = [0o700, 0o740, 0o704, 0o744, 0o710, 0o750, 0o755, 0o777]
+    for i, (owner, group, share) in enumerate(itertools.product((1000, 1001), (50, 51), shares)):
+        accesses[f"e{i}"] = Access(owner=owner, group=group, share=share)
+        index.add(f"e{i}", accesses[f"e{i}"])
+    for gone in ("e3", "e17", "e30"):
+        index.remove(gone)
+        del accesses[gone]
+    callers = [Member(uid, gid, frozenset(groups)) for uid in (1000, 1001, 1002)
+               for gid in (50, 51, 99) for groups in ({gid}, {gid, 50}, {gid, 51})]
+    for caller in callers:
+        assert index.readable(caller) == {e for e, a in accesses.items() if a.allows(caller, R)}

@@ -14,7 +14,9 @@ import ctypes
 import errno
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, ctl_command, pid_alive, read_reply, run, serving, wait_until
+from conftest import (Daemon, allowed_log, ctl_command, pid_alive, read_reply, run, serving,
+                      wait_until)
 from rametfs import protocol
 from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
 from rametfs.fuse_ops import OPEN_LESS
@@ -557,6 +560,19 @@ def long_work(daemon, tmp_path):
     return daemon, eid, [s["id"] for s in daemon.status()["snapshots"]]
 
 
+@pytest.fixture
+def held_work(tmp_path, request):
+    """``(daemon, execution id, snapshot ids before)``: a daemon served with ``--faults``
+    whose captures of the execution wait (``fault hold:capture``) until the test disarms the
+    site or a command cancels them, however fast the machine."""
+    with serving(tmp_path, ("--faults",), allowed_log(request)) as d:
+        snap = d.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+        eid = d.create(snap)
+        (d.exec_path(eid) / "new").write_bytes(b"new")
+        d.ctl(f"fault hold:capture --execution {eid}")
+        yield d, eid, [s["id"] for s in d.status()["snapshots"]]
+
+
 @pytest.mark.parametrize("command", ["reset {eid}", "release {eid}", "cancel --execution {eid}",
                                      "cancel"])
 def test_a_long_promote_is_cancelled_and_stores_nothing(long_work, command):
@@ -619,10 +635,10 @@ def test_umount_cancels_a_long_promote_and_unmounts(long_work):
     assert [s["id"] for s in d.status()["snapshots"]] == before
 
 
-def test_writers_waiting_on_a_frozen_execution_do_not_stall_the_others(long_work):
+def test_writers_waiting_on_a_frozen_execution_do_not_stall_the_others(held_work):
     """Each request waiting for a promote to end holds one of the daemon's request tasks:
     150 of them (pyfuse3's default was 99 tasks) leave the bystander served."""
-    d, eid, _ = long_work
+    d, eid, _ = held_work
     other = d.create(d.status()["snapshots"][-1]["id"])
     for i in range(150):  # files of their own: writes to one file take its lock in the kernel
         (d.exec_path(eid) / f"waiting{i}").write_bytes(b"")
@@ -729,10 +745,10 @@ def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemo
     shared_daemon.ctl(f"release {eid}")
 
 
-def test_the_harness_comes_first_and_the_agent_never_cancels_it(long_work):
+def test_the_harness_comes_first_and_the_agent_never_cancels_it(held_work):
     """A harness command cancels the one the execution's own ctl runs; the execution's own
     commands, its reset included, are EBUSY while the harness's runs."""
-    d, eid, before = long_work
+    d, eid, before = held_work
     promote = _Promote(d, eid)
     reply = d.ctl(f"verify {eid}")  # the harness's: the agent's promote goes
     promote.cancelled(f"the verify of execution {eid} by the harness")
@@ -745,13 +761,17 @@ def test_the_harness_comes_first_and_the_agent_never_cancels_it(long_work):
             d.exec_ctl(eid, line)
         assert caught.value.errno == errno.EBUSY
         assert caught.value.reply["error"] == f"execution {eid!r} is running checkpoint"
+    d.ctl("fault hold:capture --count 0")
     harness.join(60)
     assert len(d.status()["snapshots"]) == len(before) + 1
 
 
-def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(long_work):
-    """A create that waited for the promote must not land in the layer the reset made."""
-    d, eid, _ = long_work
+def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(held_work):
+    """A create that waited for the promote must not land in the layer the reset made: it is
+    ESTALE, or (woken by the cancel before the reset swapped the layer) it lands in the old
+    layer, which the reset then drops: either way the new layer does not hold it.  In the
+    execution's root too, whose inode a reset keeps (it landed in the new layer)."""
+    d, eid, _ = held_work
     promote = _Promote(d, eid)
     errors: list[OSError] = []
 
@@ -767,13 +787,13 @@ def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(long_work)
     d.ctl(f"reset {eid}")
     promote.cancelled(f"the reset of execution {eid} by the harness")
     waiter.join(10)
-    assert [e.errno for e in errors] == [errno.ESTALE]
+    assert [e.errno for e in errors] in ([errno.ESTALE], [])
     assert sorted(os.listdir(d.exec_path(eid))) == ["f"]
 
 
-def test_past_max_waiting_requests_of_one_execution_get_eagain(long_work):
+def test_past_max_waiting_requests_of_one_execution_get_eagain(held_work):
     from rametfs.overlay import MAX_WAITING
-    d, eid, _ = long_work
+    d, eid, _ = held_work
     other = d.create(d.status()["snapshots"][-1]["id"])
     count = MAX_WAITING + 40
     for i in range(count):
@@ -932,3 +952,205 @@ async def test_a_big_base_tree_is_decoded_off_the_trio_thread(tmp_path):
     assert during > 10 and big.ref in overlay.trees  # the other task ran while it decoded
     assert overlay.lookup(d.ino, b"file-0123456").name == b"file-0123456"
     store.close()
+
+
+# ----- control files: bounded answers, generations, logs, commands ---------------------------
+
+ANSWER_LIMIT = 4096  # --max-answer-bytes of the bounded daemon (its smallest)
+OWNER = 65534  # the execution's owner in these tests: another uid than the harness
+LINE = 47  # bytes of one .ramet/diff line of a file named by _name
+TOO_BIG = ("the {} of execution {} is more than 4096 bytes; it is not made (the limit of "
+           "one answer: rametfs mount --max-answer-bytes)")
+
+
+def _name(i: int) -> str:
+    return f"f{i:02d}-" + "x" * 40  # "A " + 44 bytes + "\n": LINE bytes in the diff
+
+
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory):
+    """A daemon of its own with the smallest answer limit, serving other uids."""
+    with serving(tmp_path_factory.mktemp("bounded"),
+                 ("--allow-other", "--max-answer-bytes", str(ANSWER_LIMIT))) as d:
+        yield d
+
+
+@pytest.fixture
+def owned(bounded, tmp_path):
+    """An execution of an empty tree owned by :data:`OWNER` (its root too); released after."""
+    src = tmp_path / "src"
+    src.mkdir()
+    os.chown(src, OWNER, OWNER)
+    eid = bounded.ctl(f"create {bounded.snapshot(src)} --owner {OWNER}")["execution"]
+    yield bounded, eid, bounded.exec_path(eid)
+    bounded.ctl(f"release {eid}")
+
+
+def _as_owner(code: str, cwd: Path) -> object:
+    """Run Python ``code`` as :data:`OWNER` in ``cwd``; what it prints, as JSON."""
+    proc = subprocess.run(["/usr/bin/python3", "-c", code], cwd=cwd, user=OWNER, group=OWNER,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _errno_of(call) -> int | None:
+    try:
+        call()
+    except OSError as exc:
+        return exc.errno
+    return None
+
+
+def test_a_diff_or_preview_past_the_answer_limit_is_efbig_and_says_so(owned):
+    d, eid, ex = owned
+    for i in range(80):
+        (ex / _name(i)).write_bytes(b"")
+    diff = (ex / ".ramet" / "diff").read_text()
+    assert diff == "".join(f"A {_name(i)}\n" for i in range(80)) and len(diff) == 80 * LINE
+    for i in range(80, 120):  # 120 lines: 5,640 bytes
+        (ex / _name(i)).write_bytes(b"")
+    error = ex / ".ramet" / "error"
+    assert _errno_of((ex / ".ramet" / "diff").read_bytes) == errno.EFBIG
+    assert error.read_text() == f"diff: {TOO_BIG.format('diff', eid)}\n"
+    assert _errno_of((ex / ".ramet" / "preview").read_bytes) == errno.EFBIG
+    assert error.read_text() == f"preview: {TOO_BIG.format('preview', eid)}\n"
+    for line, what in ((f"diff {eid}", "diff"), (f"preview {eid}", "preview")):
+        with pytest.raises(OSError) as caught:
+            d.ctl(line)
+        assert caught.value.errno == errno.EFBIG
+        assert caught.value.reply["error"] == TOO_BIG.format(what, eid)
+    assert d.ctl(f"status {eid}")["status"]["upper_inodes"] == 121  # the daemon goes on
+
+
+def test_fsmonitor_answers_everything_past_the_answer_limit(owned):
+    from test_fsmonitor import hook
+    _, _, ex = owned
+    token, _ = hook(ex, "")
+    for i in range(60):
+        (ex / _name(i)).write_bytes(b"")
+    token, paths = hook(ex, token)
+    assert paths == [_name(i) for i in range(60)]  # 2,700 bytes and the token: they fit
+    for i in range(100):  # 100 paths: 4,500 bytes
+        (ex / _name(i)).write_bytes(b"changed")
+    after, paths = hook(ex, token)
+    assert paths == ["/"]  # "everything may have changed": git scans (githooks(5))
+    (ex / _name(0)).write_bytes(b"again")
+    assert hook(ex, after)[1] == [_name(0)]
+
+
+def test_another_uid_cannot_make_or_drop_the_harness_s_control_inodes(bounded):
+    """Another uid's lookups of the root ctl (O_PATH opens, kept) used to make a generation
+    each, pushing out the harness's: its open ctl then read ESTALE."""
+    control = bounded.mnt / protocol.CONTROL_DIR
+    assert stat_mode(control) == 0o40711
+    fd = os.open(control / protocol.CTL, os.O_RDWR)
+    try:
+        os.write(fd, b"cancel\n")
+        seen = _as_owner(
+            "import errno, json, os\n"
+            "fds = [os.open('.ramet/ctl', os.O_PATH) for _ in range(200)]\n"
+            "inos = {os.fstat(f).st_ino for f in fds}\n"
+            "def err(call):\n"
+            "    try: call()\n"
+            "    except OSError as e: return errno.errorcode[e.errno]\n"
+            "status = json.load(open('.ramet/status'))\n"
+            "print(json.dumps([len(inos), err(lambda: os.open('.ramet/ctl', os.O_RDONLY)),\n"
+            "                  err(lambda: os.listdir('.ramet')), sorted(status)]))\n",
+            bounded.mnt)
+        assert seen == [1, "EACCES", "EACCES",
+                        ["executions", "mount", "open_less", "pools", "snapshots",
+                         "snapshots_bind", "version"]]
+        assert read_reply(fd) == {"ok": True, "cancelled": []}
+    finally:
+        os.close(fd)
+
+
+def test_a_callers_control_inodes_are_bounded_in_bytes(owned):
+    """Each caller keeps at most two answer limits of control file content: its oldest goes
+    (ESTALE), whatever it holds open; another caller's are not touched."""
+    d, _, ex = owned
+    for i in range(63):  # a diff of 2,961 bytes, then 7 more a file
+        (ex / _name(i)).write_bytes(b"")
+    harness_fd = os.open(ex / ".ramet" / "diff", os.O_RDONLY)
+    try:
+        seen = _as_owner(
+            "import errno, json, os\n"
+            "fds = []\n"
+            "for i in range(3):\n"
+            "    open(f'new{i}', 'w').close()\n"
+            "    fds.append(os.open('.ramet/diff', os.O_RDONLY))\n"
+            "def size(fd):\n"
+            "    try: return len(os.pread(fd, 1 << 20, 0))\n"
+            "    except OSError as e: return errno.errorcode[e.errno]\n"
+            "print(json.dumps([size(fd) for fd in fds]))\n", ex)
+        assert seen == ["ESTALE", 63 * LINE + 2 * 7, 63 * LINE + 3 * 7]
+        assert len(os.pread(harness_fd, 1 << 20, 0)) == 63 * LINE
+    finally:
+        os.close(harness_fd)
+
+
+def stat_mode(path: Path) -> int:
+    return os.stat(path).st_mode
+
+
+def test_a_flood_of_failed_commands_is_logged_once_a_second_and_cut(owned):
+    d, eid, ex = owned
+    count = 300
+    start = time.monotonic()
+    fd = os.open(ex / ".ramet" / "ctl", os.O_WRONLY)
+    try:
+        for i in range(count):
+            assert _errno_of(lambda: os.write(fd, f"flood-{i} ".encode() + b"y" * 5000)) \
+                == errno.EINVAL
+        time.sleep(1.1)  # the next one is logged, with how many were not
+        assert _errno_of(lambda: os.write(fd, b"flood-last")) == errno.EINVAL
+    finally:
+        os.close(fd)
+    elapsed = time.monotonic() - start
+    lines = [line for line in d.log_text().splitlines()
+             if f"command failed (execution {eid}): flood-" in line]
+    assert 2 <= len(lines) <= elapsed + 2
+    assert max(map(len, lines)) < 700
+    skipped = [int(m) for line in lines
+               for m in re.findall(r"\((\d+) more not logged since the last\)$", line)]
+    assert sum(skipped) + len(lines) == count + 1  # every failure logged or counted
+    assert (ex / ".ramet" / "error").read_text() == \
+        "flood-last: unknown command 'flood-last'; expected one of checkpoint, preview, " \
+        "promote, reset, verify\n"
+
+
+def test_a_command_of_too_many_parts_is_einval_before_it_is_split(owned):
+    d, eid, ex = owned
+    with pytest.raises(OSError) as caught:
+        d.exec_ctl(eid, "promote" + " x" * 2100)  # 4,201 parts, 4,207 bytes
+    assert caught.value.errno == errno.EINVAL
+    assert caught.value.reply["error"] == (
+        "a command has at most 4096 parts (words, spaces between them, quoted strings, "
+        "escapes)")
+    with pytest.raises(OSError) as caught:
+        d.exec_ctl(eid, "promote" + " x" * 2000)  # 4,001 parts: split, then refused
+    assert caught.value.errno == errno.EINVAL
+    assert caught.value.reply["error"] == "promote: expected no arguments, got 2000 argument(s)"
+    assert d.exec_status(eid)["head"] == d.exec_status(eid)["base"]
+
+
+def test_a_status_shows_a_large_last_reply_by_its_scalars(shared_daemon, tmp_path):
+    """The ``last`` reply an execution's status (and the root status) shows is whole up to
+    16 KiB of JSON, else its scalar fields and the names of the others: a status stays small
+    whatever the agent ran last."""
+    src = tmp_path / "src"
+    src.mkdir()
+    d = shared_daemon
+    eid = d.create(d.snapshot(src))
+    try:
+        for i in range(600):
+            (d.exec_path(eid) / _name(i % 100).replace("f", f"g{i // 100}", 1)).write_bytes(b"")
+        reply = d.exec_ctl(eid, "preview")
+        assert len(json.dumps(reply)) > protocol.LAST_REPLY_BYTES
+        assert len(reply["preview"]["paths"]) == 600
+        assert d.exec_status(eid)["last"] == {"ok": True, "omitted": ["preview"]}
+        small = d.exec_ctl(eid, "reset")
+        assert d.exec_status(eid)["last"] == small  # whole
+    finally:
+        d.ctl(f"release {eid}")

@@ -3,6 +3,7 @@ must say exactly what git status without it says, while the hook names only what
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 from conftest import ctl_command, run
@@ -66,3 +67,36 @@ def test_git_status_with_the_hook_equals_git_status_without(shared_daemon, tmp_p
     ctl_command(ex / ".ramet" / "ctl", "reset")
     assert hook(ex, token)[1] == ["/"]
     assert status(ex, *monitor) == status(ex) == ""
+
+
+def test_many_changes_and_a_deep_path_are_answered_exactly(shared_daemon, tmp_path):
+    """The answer is made in steps (runs of 1,024 changes sorted, then merged; a path's
+    parents walked 1,024 at a time): 3,000 files in three new directories, 1,500 new
+    directories in a chain and a file at its bottom come back sorted, each once, relative
+    to the work tree."""
+    src = tmp_path / "src"
+    src.mkdir()
+    ex = shared_daemon.exec_path(shared_daemon.create(shared_daemon.snapshot(src)))
+    token, _ = hook(ex, "")
+    names = []
+    for i in range(3000):
+        directory = ex / f"d{i % 3}"
+        directory.mkdir(exist_ok=True)
+        (directory / f"f{i:04d}").write_bytes(b"")
+        names.append(f"d{i % 3}/f{i:04d}")
+    fd = os.open(ex, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1500):  # relative steps: the whole path is past PATH_MAX
+            os.mkdir("e", dir_fd=fd)
+            fd, old = os.open("e", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+            os.close(old)
+        os.close(os.open("deep", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    finally:
+        os.close(fd)
+    token, paths = hook(ex, token)
+    made = ["d0", "d1", "d2"] + ["/".join(["e"] * n) for n in range(1, 1501)]
+    assert paths == sorted(names + made + ["e/" * 1500 + "deep"])
+    sub = ex / "d1"
+    (sub / "f0001").write_bytes(b"changed")
+    (ex / "d2" / "f0002").write_bytes(b"changed")
+    assert hook(sub, token)[1] == ["f0001"]

@@ -84,11 +84,13 @@ def _paths(side: TreeSide[T], item: T, path: bytes) -> Iterator[bytes]:
         yield p + (b"/" if stat.S_ISDIR(it.mode) else b"")
 
 
-def diff_steps(base: Entry, tree: Trees, current: T, side: TreeSide[T]) -> Steps[list[Change]]:
+def diff_steps(base: Entry, tree: Trees, current: T, side: TreeSide[T],
+               out: list[Change] | None = None) -> Steps[list[Change]]:
     """The changes from the root entry ``base`` (``tree`` gives its trees) to the top item
     ``current`` of ``side``, as steps (rametfs.treewalk.run_steps): one per directory
-    compared."""
-    out: list[Change] = []
+    compared.  ``out``: the list the changes are added to and returned (a caller's may bound
+    it: only its ``append`` and ``extend`` are called); a new one by default."""
+    out = [] if out is None else out
     stored = Stored(tree)
 
     def pairs(item: tuple[Entry, T, bytes]) -> Iterator[tuple[Entry, T, bytes]]:

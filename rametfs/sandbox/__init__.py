@@ -1,10 +1,11 @@
 """Sandboxes for executions: run a command with one execution at ``/workspace``.
 
 A runtime has one method, ``run(execution, argv, timeout) -> Result`` (:class:`Runtime`).
-Two adapters: :class:`Bubblewrap` (``bwrap``: read-only host, no network, a non-root uid,
-the rest of the mount hidden) and :class:`Docker` (``docker run -v <execution>:/workspace``;
-Podman takes the same command line); and :class:`Host`, no sandbox at all, for commands the
-caller trusts.  None imports anything outside the standard library and the client wrapper::
+Two adapters: :class:`Bubblewrap` (``bwrap``: only ``/usr`` and ``/etc`` of the host,
+read-only, no network, a non-root uid) and :class:`Docker` (``docker run -v
+<execution>:/workspace``; Podman takes the same command line); and :class:`Host`, no sandbox
+at all, for commands the caller trusts.  None imports anything outside the standard library
+and the client wrapper::
 
     from rametfs.sandbox import Bubblewrap
 

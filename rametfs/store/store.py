@@ -30,7 +30,9 @@ from ..errors import IntegrityError, NoSpace, NotFound, RametError
 from . import chunks
 from .cache import HydrationCache
 from .chunks import Content
+from .gc_guard import GcGuard
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
+from .names import HEX_REF, MIN_ID_PREFIX, check_name
 from .trees import Entry, decode_tree, encode_tree
 
 MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is written
@@ -101,6 +103,7 @@ class Store:
                 # 2, so that no older rametfs reads the sparse records written from now on.
                 txn.put(b"format", u64(FORMAT_VERSION), db=self.db["meta"])
         self.page_size = PAGE_SIZE
+        self.gc_guard = GcGuard()
         self.cache = HydrationCache(self.root / "cache", cache_max_bytes)
         if cache_max_bytes is not None:
             self.cache.scan()
@@ -125,11 +128,17 @@ class Store:
                              "--data directory a daemon was served with", errno.ENOENT)
         store = cls.__new__(cls)
         store.root, store.page_size, store.read_only = root, PAGE_SIZE, True
+        store.gc_guard = GcGuard()
         try:
             store.env = lmdb.open(str(root / "meta"), readonly=True, max_dbs=len(DATABASES),
                                   readahead=False, max_readers=1024)
-            store.db = {name: store.env.open_db(name.encode(), create=False)
-                        for name in DATABASES}
+            store.db = {}
+            for name in DATABASES:
+                try:
+                    store.db[name] = store.env.open_db(name.encode(), create=False)
+                except lmdb.NotFoundError:  # a database newer than the store (names)
+                    if name != "names":
+                        raise
         except lmdb.Error as exc:
             raise RametError(f"{root}/meta: not a rametfs store's metadata: {exc}",
                              errno.EIO) from None
@@ -218,12 +227,12 @@ class Store:
             raise IntegrityError(f"content {cid.hex()} is missing")
         return Content.unpack(cid, value)
 
-    @staticmethod
-    def put_content(txn: lmdb.Transaction, db, content: Content) -> bytes:
+    def put_content(self, txn: lmdb.Transaction, content: Content) -> bytes:
         """Record ``content`` (its chunks already stored) in ``txn``; returns its id."""
         cid = content.id
         if cid != EMPTY_CONTENT:
-            txn.put(cid, content.pack(), db=db, overwrite=False)
+            self.gc_guard.pin(cid)
+            txn.put(cid, content.pack(), db=self.db["contents"], overwrite=False)
         return cid
 
     def hydrate(self, cid: bytes) -> str:
@@ -328,6 +337,7 @@ class Store:
     def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
         tid, value = encode_tree(entries)
+        self.gc_guard.pin(tid)
         if txn.put(tid, value, db=self.db["trees"], overwrite=False):
             totals = [0, 0, 0, 0]  # files, bytes, directories, symlinks below
             for e in entries:
@@ -380,16 +390,15 @@ class Store:
                         r.get("runtime"))
 
     def snapshot(self, ref: str) -> Snapshot:
-        """The snapshot with id, or unique id prefix (>= 8 hex digits), ``ref``.
+        """The snapshot ``ref`` names: its id, a unique id prefix (>= 8 hex digits) or a
+        snapshot name (:mod:`rametfs.store.names`).  The one resolver of snapshot
+        references: every command that takes a snapshot comes here.
 
         Raises NotFound (ENOENT) when none or several match.
         """
-        try:
-            prefix = bytes.fromhex(ref[: len(ref) // 2 * 2])
-        except ValueError:
-            raise NotFound(f"no snapshot {ref!r}: not a hex id") from None
-        if len(ref) < 8:
-            raise NotFound(f"no snapshot {ref!r}: give at least 8 hex digits")
+        if not HEX_REF.fullmatch(ref):
+            return self._named(ref)
+        prefix = bytes.fromhex(ref[: len(ref) // 2 * 2])
         found = []
         with self.env.begin(db=self.db["snapshots"]) as txn:
             cur = txn.cursor()
@@ -403,6 +412,57 @@ class Store:
             raise NotFound(f"no snapshot {ref!r}" if not found
                            else f"snapshot prefix {ref!r} is ambiguous")
         return self._snapshot(*found[0])
+
+    def _named(self, ref: str) -> Snapshot:
+        with self.env.begin() as txn:
+            sid = txn.get(ref.encode(errors="surrogateescape"), db=self.db["names"]) \
+                if "names" in self.db else None
+            value = None if sid is None else txn.get(sid, db=self.db["snapshots"])
+        if value is None:
+            if all(c in "0123456789abcdefABCDEF" for c in ref):
+                raise NotFound(f"no snapshot {ref!r}: give at least {MIN_ID_PREFIX} hex digits")
+            raise NotFound(f"no snapshot {ref!r}: no such snapshot name, and not an id prefix")
+        return self._snapshot(sid, value)
+
+    # -- names (rametfs.store.names) -------------------------------------------------------
+
+    def set_name(self, name: str, ref: str) -> tuple[Snapshot, str | None]:
+        """Point snapshot name ``name`` at the snapshot ``ref`` names (created, or moved);
+        returns the snapshot and the id (hex) the name pointed at before (None: new).
+        Raises InvalidArgument (EINVAL) for a bad name, NotFound (ENOENT) for ``ref``."""
+        check_name(name)
+        snap = self.snapshot(ref)
+        with self.write() as txn:
+            old = txn.get(name.encode(), db=self.db["names"])
+            txn.put(name.encode(), bytes.fromhex(snap.id), db=self.db["names"])
+        return snap, None if old is None else old.hex()
+
+    def delete_name(self, name: str) -> str:
+        """Delete snapshot name ``name``; returns the id (hex) it pointed at.  Raises
+        NotFound (ENOENT) when there is no such name."""
+        with self.write() as txn:
+            old = txn.get(name.encode(errors="surrogateescape"), db=self.db["names"])
+            if old is None:
+                raise NotFound(f"no snapshot name {name!r}")
+            txn.delete(name.encode(errors="surrogateescape"), db=self.db["names"])
+        return old.hex()
+
+    def names(self, txn: lmdb.Transaction | None = None) -> dict[str, str]:
+        """Every snapshot name and the id (hex) it points at, by name."""
+        if "names" not in self.db:
+            return {}
+        with contextlib.ExitStack() as stack:
+            if txn is None:
+                txn = stack.enter_context(self.env.begin())
+            return {k.decode(): v.hex() for k, v in txn.cursor(db=self.db["names"])}
+
+    def snapshots_json(self) -> list[dict]:
+        """Every snapshot's record (:meth:`Snapshot.to_json`) with ``names``, the names
+        pointing at it (sorted), oldest first: what a root status lists."""
+        by_id: dict[str, list[str]] = {}
+        for name, sid in self.names().items():
+            by_id.setdefault(sid, []).append(name)
+        return [{**s.to_json(), "names": by_id.get(s.id, [])} for s in self.snapshots()]
 
     def snapshot_by_raw_id(self, sid: bytes) -> Snapshot | None:
         with self.env.begin(db=self.db["snapshots"]) as txn:
