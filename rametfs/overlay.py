@@ -522,8 +522,10 @@ class Overlay:
         if isinstance(view, Execution):
             view.changes, view.negative_root = {}, set()
 
-    def drop_stale_nodes(self, budget: int = 10000) -> bool:
-        """Free up to ``budget`` nodes of dropped layers; True when some are left."""
+    def drop_stale_nodes(self, budget: int = 10000) -> int:
+        """Free up to ``budget`` nodes of dropped layers; returns how many were freed (call
+        again while :attr:`stale_inos` is not empty)."""
+        freed = 0
         while self.stale_inos and budget:
             inos = self.stale_inos[-1]
             while inos and budget:
@@ -533,9 +535,10 @@ class Overlay:
                 if node is not None and not self.is_live(node):
                     del self.nodes[ino]
                     self.upper_fds.close(node)
+                    freed += 1
             if not inos:
                 self.stale_inos.pop()
-        return bool(self.stale_inos)
+        return freed
 
     # -- snapshots -----------------------------------------------------------------------
 
