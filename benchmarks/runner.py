@@ -73,11 +73,13 @@ def machine(scratch: Path) -> dict:
 
 
 def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | None,
-        workdir: Path, scale_1m: bool = False, profile_dir: Path | None = None) -> dict:
+        workdir: Path, scale_1m: bool = False, profile_dir: Path | None = None,
+        many_files: int | None = None) -> dict:
     """Run the benchmark; return the report (the JSON's content, see docs/benchmarks.md).
 
     ``only``: workload names (default all, in :data:`WORKLOADS` order); ``systems``: system
-    ids (default all).  An unavailable system is listed under ``skipped``; a workload that
+    ids (default all); ``many_files``: the files of the isolation and rss-cycles workloads
+    (default: by size).  An unavailable system is listed under ``skipped``; a workload that
     fails on one system is listed under ``errors`` and the run goes on.  Raises ValueError for
     an unknown workload or system name.
     """
@@ -103,7 +105,7 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
         stack.callback(_remove_scratch, scratch)
         bench = Bench(SIZES[size], repeat, scratch,
                       frozenset(sid for sid in wanted if sid not in skipped), scales,
-                      profile_dir)
+                      profile_dir, many_files)
         live: dict[str, System] = {}
         for sid in wanted:
             if sid in skipped:
@@ -134,6 +136,7 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
         meta = {"tree": {"name": bench.tree.name, "files": len(bench.tree.files),
                          "bytes": bench.tree.bytes},
                 "big_bytes": bench.size.big_bytes, "scales": list(scales),
+                "many_files": many_files,
                 "cold": bench.can_drop_caches, "machine": machine(scratch)}
     _log("done", started)
     return {

@@ -966,9 +966,9 @@ def list_(ramet: Ramet, as_json: bool) -> None:
         click.echo(f"mount: {state['mount']}  mode: {fuse_mode(state)}")
     click.echo()
     click.echo(format_table(
-        ("SNAPSHOT", "LABEL", "FILES", "BYTES", "AGE"),
-        [(s["id"][:12], printable(s["label"] or ""), str(s.get("files", "-")),
-          human_bytes(s["bytes"]) if "bytes" in s else "-",
+        ("SNAPSHOT", "NAMES", "LABEL", "FILES", "BYTES", "AGE"),
+        [(s["id"][:12], ",".join(s.get("names", ())) or "-", printable(s["label"] or ""),
+          str(s.get("files", "-")), human_bytes(s["bytes"]) if "bytes" in s else "-",
           human_age(now - s["created_ns"])) for s in state["snapshots"]]))
     click.echo()
     executions = state["executions"]
@@ -1007,25 +1007,139 @@ def log(ramet: Ramet, snapshot: str) -> None:
     One line each: id, age, label, message.
     """
     now = time.time_ns()
-    for s in ancestry(ramet.snapshots(), snapshot):
+    for s in ancestry(ramet.snapshots(), ramet.resolve(snapshot)):
         click.echo(" ".join(filter(None, (s["id"], human_age(now - s["created_ns"]),
                                           printable(s["label"] or ""),
                                           printable(s["message"] or "")))))
 
 
+@main.command(name="name")
+@click.argument("name")
+@click.argument("snapshot", required=False)
+@click.option("--delete", is_flag=True, help="Delete the name NAME (SNAPSHOT not given).")
+@ramet_options
+def name_(ramet: Ramet, name: str, snapshot: str | None, delete: bool) -> None:
+    """Point the snapshot name NAME at SNAPSHOT, or move it there (like a git branch).
+
+    SNAPSHOT is an id, a unique prefix of at least 8 hex digits, or a name; from then on
+    every command that takes a snapshot takes NAME.  A name follows git's ref rules and is
+    never 8 or more hex digits alone (docs/lifecycle.md).  Prints the id it points at.
+    """
+    if delete == (snapshot is not None):
+        raise click.UsageError("give NAME SNAPSHOT, or --delete NAME")
+    if delete:
+        click.echo(f"deleted name {name} (was {ramet.unname(name)})")
+        return
+    reply = ramet.name(name, snapshot)
+    moved = f" (was {reply['previous']})" if reply["previous"] not in (None, reply["snapshot"]) \
+        else ""
+    click.echo(f"{name} -> {reply['snapshot']}{moved}")
+
+
+@main.command()
+@click.argument("snapshots", metavar="SNAPSHOT...", nargs=-1, required=True)
+@click.option("--force", is_flag=True,
+              help="Delete the names pointing at them and detach the executions whose head "
+                   "they are.")
+@ramet_options
+def rm(ramet: Ramet, snapshots: tuple[str, ...], force: bool) -> None:
+    """Forget snapshots: their records go, their data stays until rametfs gc.
+
+    Refused (exit 5, saying why) while a snapshot is an execution's base or head (reset
+    returns to it) or a pool's base, and, unless --force, while a name points at it.  A snapshot that is only another's parent is forgotten like any other.  They
+    go one at a time, in order: the first refused stops the rest.  docs/lifecycle.md.
+    """
+    ids = [ramet.resolve(ref) for ref in snapshots]  # ENOENT before anything goes
+    for sid in dict.fromkeys(ids):
+        reply = ramet.rm(sid, force=force)
+        click.echo(f"removed {sid}" + "".join(f"; deleted name {n}" for n in reply["names"]))
+
+
+@main.command()
+@click.option("--dry-run", is_flag=True, help="Say what would go, and its bytes; delete nothing.")
+@click.option("--compact", is_flag=True,
+              help="Then rewrite the metadata file without its free pages (offline: --data of "
+                   "a data directory no daemon serves).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@ramet_options
+def gc(ramet: Ramet, dry_run: bool, compact: bool, as_json: bool) -> None:
+    """Delete every chunk, content and tree that no snapshot, execution or pool reaches.
+
+    What rm forgot, what a failed or killed import left: gone, and the space reused by the
+    store (its free pages); --compact also gives it back to the file system.  Runs in the
+    daemon while executions, promotes and imports go on (fallback mode: in this process);
+    progress on stderr.  docs/lifecycle.md.
+    """
+    if compact:
+        if ramet.mode != "fallback":
+            raise click.UsageError("--compact is offline: give --mode fallback --data DIR of a "
+                                   "data directory no daemon serves (rametfs umount first)")
+        from rametfs import errors
+        try:
+            lock = mounts.take_data_lock(str(ramet.data))  # EBUSY while a daemon serves it
+        except errors.RametError as exc:
+            raise RametError(exc.errno, f"gc --compact: {exc}") from None
+    with _progress_bar() as progress:
+        report = ramet.gc(dry_run=dry_run, progress=progress)
+    if compact and not dry_run:
+        try:
+            from rametfs.store.gc import compact as compact_store  # only here: lmdb
+            ramet.close()  # the store must be closed to be swapped
+            report["compact"] = dict(zip(("before", "after"), compact_store(ramet.data)))
+        finally:
+            os.close(lock)
+    elif compact:
+        os.close(lock)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+        return
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(f"{verb} {report['chunks']} chunks ({human_bytes(report['chunk_bytes'])}), "
+               f"{report['contents']} contents ({human_bytes(report['content_bytes'])}), "
+               f"{report['trees']} trees ({human_bytes(report['tree_bytes'])}): "
+               f"{human_bytes(report['bytes'])} of {report['bytes']} bytes; "
+               f"{report['cache_files']} cache files ({human_bytes(report['cache_bytes'])})")
+    click.echo(f"kept {report['kept_chunks']} chunks, {report['kept_contents']} contents, "
+               f"{report['kept_trees']} trees reached from {report['roots']} roots")
+    if "compact" in report:
+        c = report["compact"]
+        click.echo(f"compacted the metadata file: {human_bytes(c['before'])} -> "
+                   f"{human_bytes(c['after'])}")
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator:
+    """A ``progress(phase, done, total)`` drawing a tqdm bar on stderr when it is a terminal
+    (and tqdm is installed), else None."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is None or not sys.stderr.isatty():
+        yield None
+        return
+    bar = tqdm(leave=False, file=sys.stderr, unit="", dynamic_ncols=True)
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if bar.desc != phase:
+            bar.set_description_str(phase)
+            bar.reset(total=total or None)
+        bar.n = done
+        bar.refresh()
+
+    try:
+        yield progress
+    finally:
+        bar.close()
+
+
 # ----- helpers ---------------------------------------------------------------------------
 
-def ancestry(snapshots: list[dict], snapshot: str) -> list[dict]:
-    """``snapshot`` (id or unique prefix) and every ancestor reachable through ``parents``,
-    newest first.  Raises RametError: ENOENT no such snapshot, EINVAL ambiguous prefix."""
+def ancestry(snapshots: list[dict], sid: str) -> list[dict]:
+    """The snapshot of id ``sid`` and every ancestor reachable through ``parents`` that is
+    still stored (a forgotten parent ends its line: docs/lifecycle.md), newest first."""
     by_id = {s["id"]: s for s in snapshots}
-    matches = [i for i in by_id if i.startswith(snapshot)]
-    if not matches:
-        raise RametError(errno.ENOENT, f"no snapshot {snapshot!r}")
-    if len(matches) > 1:
-        raise RametError(errno.EINVAL, f"snapshot prefix {snapshot!r} is ambiguous: "
-                         f"{len(matches)} snapshots match")
-    seen, todo = set(), matches
+    seen, todo = set(), [sid]
     while todo:
         i = todo.pop()
         if i in by_id and i not in seen:

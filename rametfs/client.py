@@ -214,6 +214,61 @@ class Ramet:
         """Drop an execution and its changes.  Errors: ENOENT unknown execution."""
         self._backend.root_command("release", _execution_id(execution))
 
+    def name(self, name: str, snapshot: str) -> dict:
+        """Point the snapshot name ``name`` at ``snapshot`` (id, prefix or name), creating
+        or moving it like a git branch; ``{"name", "snapshot", "previous"}`` (the id it
+        pointed at before, or None).  Errors: EINVAL bad name (docs/lifecycle.md), ENOENT
+        unknown snapshot."""
+        return self._backend.root_command("name", name, snapshot)
+
+    def unname(self, name: str) -> str:
+        """Delete the snapshot name ``name``; the id it pointed at.  Errors: ENOENT."""
+        return self._backend.root_command("unname", name)["snapshot"]
+
+    def resolve(self, snapshot: str) -> str:
+        """The full id of the snapshot ``snapshot`` (id, unique prefix of at least 8 hex
+        digits, or name) names.  Errors: ENOENT none, or several."""
+        return self._backend.root_command("resolve", snapshot)["snapshot"]
+
+    def rm(self, snapshot: str, force: bool = False) -> dict:
+        """Forget the snapshot ``snapshot`` (its record; gc frees its data):
+        ``{"removed": [id], "names": [names deleted]}``.  Errors: ENOENT unknown snapshot;
+        EBUSY, saying why, while it is an execution's base or head (reset returns to it) or a
+        pool's base, or (unless ``force``: the names go) a name points at it
+        (docs/lifecycle.md)."""
+        return self._backend.root_command("rm", snapshot,
+                                          force=protocol.YES if force else None)
+
+    def gc(self, dry_run: bool = False, progress=None) -> dict:
+        """Delete every chunk, content and tree no snapshot, execution or pool reaches (the
+        daemon does it; fallback mode in this process): the report ``{"chunks",
+        "chunk_bytes", "contents", "content_bytes", "trees", "tree_bytes", "sources",
+        "cache_files", "cache_bytes", "bytes", "kept_chunks", "kept_contents",
+        "kept_trees", "roots", "dry_run"}`` (``bytes`` the stored bytes freed for reuse);
+        ``dry_run`` counts, deleting nothing; ``progress(phase, done, total)`` is called as
+        it goes (FUSE mode: from a thread reading the root status twice a second).
+        docs/lifecycle.md.  Errors: EBUSY a gc runs already, EIO the store is damaged
+        (nothing deleted)."""
+        dry = protocol.YES if dry_run else None
+        if self.mode == "fallback" or progress is None:
+            return self._backend.root_command("gc", dry_run=dry, progress=progress)["gc"]
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.wait(0.5):
+                with contextlib.suppress(RametError):
+                    state = self.status().get("gc")
+                    if state:
+                        progress(state["phase"], state["done"], state["total"])
+
+        poller = threading.Thread(target=poll, name="rametfs-gc-progress", daemon=True)
+        poller.start()
+        try:
+            return self._backend.root_command("gc", dry_run=dry)["gc"]
+        finally:
+            done.set()
+            poller.join()
+
     def cancel(self, execution: str | Execution | None = None) -> list[str]:
         """Cancel the command running on ``execution`` (None: on every execution) and wait
         until it has stopped; the ids of the executions whose command was cancelled (it fails
@@ -612,7 +667,9 @@ class _Local:
         self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
                               "release": self.engine.release,
                               "snapshot-git": self.engine.snapshot_git,
-                              "runtime": self.engine.runtime}
+                              "runtime": self.engine.runtime, "name": self.engine.name,
+                              "unname": self.engine.unname, "resolve": self.engine.resolve,
+                              "rm": self.engine.rm, "gc": self.engine.gc}
         pools = self.engine.pools
         self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
                                    "renew": pools.renew, "return": pools.return_,

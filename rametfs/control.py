@@ -25,12 +25,13 @@ import trio
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import heads, pools
+from .core import heads, lifecycle, pools
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
+from .fallback import manifest
 from .overlay import Execution, Overlay, in_slices
 from .treewalk import Steps
-from .store import Snapshot, import_git, import_tree
+from .store import Snapshot, gc, import_git, import_tree
 from .store.catalog import Lease
 from .verify import ROOT, verify
 
@@ -115,12 +116,15 @@ class Control:
         self.logs = LogLimit(LOG_INTERVAL_S)
         # The harness's status: the snapshots' JSON, made again only when a snapshot is
         # added (they are never changed or removed): (count, ids, text of each).
-        self._snapshots: tuple[int, list[str], dict[str, str]] = (-1, [], {})
+        self._snapshots: tuple[int, int, list[str], dict[str, str]] = (-1, 0, [], {})
+        self._listing_changes = 0  # names set or deleted, snapshots removed
         self.mountpoint = mountpoint
         self.invalidate = invalidate
         self.open_less = open_less
         self.snapshots_settled = False
         self.snapshots_bind_failure: str | None = None
+        self.snapshots_dir_ino: int | None = None  # the adapter's snapshots/, to invalidate
+        self.gc_progress: dict | None = None  # a running gc's {phase, done, total}
         self.root_last: dict | None = None
         self.root_error = ""
         self.last: dict[str, dict] = {}
@@ -137,7 +141,9 @@ class Control:
             "snapshot": self._snapshot, "create": self._create, "release": self._release,
             "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
             "renew": self._renew, "return": self._return, "drop": self._drop,
-            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel}
+            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel,
+            "name": self._name, "unname": self._unname, "resolve": self._resolve,
+            "rm": self._rm, "gc": self._gc}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -404,6 +410,59 @@ class Control:
         return {"ok": True, "site": args["site"], "execution": args.get("execution"),
                 "count": count}
 
+    # -- snapshot lifecycle (rametfs.core.lifecycle, docs/lifecycle.md) --------------------
+
+    async def _name(self, args: dict) -> dict:
+        snap, previous = self.overlay.store.set_name(args["name"], args["snapshot"])
+        self._listing_changes += 1
+        return {"ok": True, "name": args["name"], "snapshot": snap.id, "previous": previous}
+
+    async def _unname(self, args: dict) -> dict:
+        sid = self.overlay.store.delete_name(args["name"])
+        self._listing_changes += 1
+        return {"ok": True, "name": args["name"], "snapshot": sid}
+
+    async def _resolve(self, args: dict) -> dict:
+        return {"ok": True, "snapshot": self.overlay.store.snapshot(args["snapshot"]).id}
+
+    async def _rm(self, args: dict) -> dict:
+        force = protocol.yes_no("rm", "force", args.get("force"))
+        # On the trio thread, one transaction: no create or promote comes in between.
+        reply = lifecycle.remove_snapshots(
+            self.overlay.store, [args["snapshot"]], force,
+            [(ex.id, ex.base.id, ex.head.id, ex.lower.id)
+             for ex in self.overlay.executions.values()])
+        self._listing_changes += 1
+        stale: list[tuple[int, bytes]] = []
+        for sid in reply["removed"]:
+            view = self.overlay.snapshot_views.pop(sid, None)
+            if view is not None:
+                stale += [(view.root_ino, b"")]
+            if self.snapshots_dir_ino is not None:
+                stale.append((self.snapshots_dir_ino, sid.encode()))
+        await self.invalidate(stale)
+        return reply
+
+    async def _gc(self, args: dict) -> dict:
+        dry_run = protocol.yes_no("gc", "dry-run", args.get("dry-run"))
+        if protocol.yes_no("gc", "compact", args.get("compact")):
+            raise Busy("gc --compact rewrites the metadata file, which this daemon has open: "
+                       "stop it (rametfs umount), then run rametfs gc --compact --data DIR")
+        store = self.overlay.store
+
+        def progress(phase: str, done: int, total: int) -> None:  # in gc's worker thread
+            self.gc_progress = {"phase": phase, "done": done, "total": total}
+
+        try:
+            # A worker thread: marking reads every reached record (rametfs.store.gc).
+            report = await trio.to_thread.run_sync(
+                gc.collect, store, functools.partial(manifest.gc_roots, store.root),
+                dry_run, progress)
+        finally:
+            self.gc_progress = None
+        log.info("gc%s: %s", " (dry run)" if dry_run else "", report.to_json())
+        return {"ok": True, "gc": report.to_json()}
+
     # -- execution commands --------------------------------------------------------------
 
     async def _promote(self, ex: Execution, args: dict) -> dict:
@@ -557,7 +616,8 @@ class Control:
             self.pools.held(eid, holder)
             reset_ms = await self._reset_layer(ex, ex.base)  # the pool's snapshot
             try:
-                result = (await verify(self.overlay, ex, mode, run.token)).to_json()
+                verification = await verify(self.overlay, ex, mode, run.token)
+                result = await in_slices(verification.json_steps())
                 reason = pools.quarantine_reason(result)
             except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
                 result, reason = None, pools.failure_reason(mode, exc)
@@ -570,7 +630,8 @@ class Control:
 
     async def _verify(self, ex: Execution, args: dict) -> dict:
         mode = protocol.parse_verify_mode(args.get("mode", ROOT))
-        result = (await verify(self.overlay, ex, mode, self._token(ex))).to_json()
+        verification = await verify(self.overlay, ex, mode, self._token(ex))
+        result = await in_slices(verification.json_steps())
         reason = pools.quarantine_reason(result)
         settled = self.pools.verified(ex.id, reason)
         if settled is not None:
@@ -620,7 +681,7 @@ class Control:
                 "pid": os.getpid(), "data": str(self.overlay.store.root), **common,
                 "snapshots": self._snapshots_json(),
                 "executions": [self.execution_json(ex) for ex in self.overlay.executions.values()],
-                "pools": self.pools.to_json(), "last": self.root_last})
+                "pools": self.pools.to_json(), "last": self.root_last, "gc": self.gc_progress})
         visible = sorted((self.overlay.executions[eid]
                           for eid in self.overlay.readers.readable(caller)),
                          key=lambda ex: (ex.created_ns, ex.id))
@@ -633,19 +694,22 @@ class Control:
 
     def _snapshots_json(self) -> str:
         """The ``snapshots`` of the harness's status as JSON text (``json.dumps(...,
-        indent=1)`` of the store's list, oldest first), nested at the status's first level.
-        Made again when the store's count of snapshots changed (they are only ever added),
-        each snapshot's text once."""
+        indent=1)`` of Store.snapshots_json, oldest first), nested at the status's first
+        level.  Made again when the store's count of snapshots changed (a snapshot added) or
+        a name or rm changed the list (:attr:`_listing_changes`), each snapshot's text once
+        while no name changes."""
         store = self.overlay.store
         with store.env.begin() as txn:
             count = txn.stat(store.db["snapshots"])["entries"]
-        cached, ids, texts = self._snapshots
-        if count != cached:
-            snaps = self.overlay.store.snapshots()
-            texts = {s.id: texts.get(s.id) or _nested(json.dumps(s.to_json(), indent=1), 2)
+        *cached, ids, texts = self._snapshots
+        if (count, self._listing_changes) != tuple(cached):
+            if cached[1] != self._listing_changes:
+                texts = {}  # a name moved: the texts show names
+            snaps = store.snapshots_json()
+            texts = {s["id"]: texts.get(s["id"]) or _nested(json.dumps(s, indent=1), 2)
                      for s in snaps}
-            ids = [s.id for s in snaps]
-            self._snapshots = (count, ids, texts)
+            ids = [s["id"] for s in snaps]
+            self._snapshots = (count, self._listing_changes, ids, texts)
         return _RawJSON("[]" if not ids else
                         "[\n  " + ",\n  ".join(texts[i] for i in ids) + "\n ]")
 

@@ -461,13 +461,20 @@ class Overlay:
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
         """Entries of base tree ``tid`` (immutable, so cached: at most :data:`TREE_ENTRIES`
         entries in all, the least recently used trees going first)."""
+        return run_steps(self.tree_steps(tid))
+
+    def tree_steps(self, tid: bytes) -> Steps[dict[bytes, Entry]]:
+        """:meth:`tree` as steps: one not kept is decoded a batch of names a step
+        (``Store.tree_steps``)."""
         entries = self.trees.get(tid)
         if entries is None:
-            return self._keep_tree(tid, self.store.tree(tid))
+            return self._keep_tree(tid, (yield from self.store.tree_steps(tid)))
         self.trees.move_to_end(tid)
         return entries
 
     def _keep_tree(self, tid: bytes, entries: dict[bytes, Entry]) -> dict[bytes, Entry]:
+        if tid in self.trees:  # decoded meanwhile by another walk
+            return self.trees[tid]
         self.trees[tid] = entries
         self.tree_entries += len(entries)
         while self.tree_entries > TREE_ENTRIES and len(self.trees) > 1:
@@ -524,8 +531,10 @@ class Overlay:
         if isinstance(view, Execution):
             view.changes, view.negative_root = {}, set()
 
-    def drop_stale_nodes(self, budget: int = 10000) -> bool:
-        """Free up to ``budget`` nodes of dropped layers; True when some are left."""
+    def drop_stale_nodes(self, budget: int = 10000) -> int:
+        """Free up to ``budget`` nodes of dropped layers; returns how many were freed (call
+        again while :attr:`stale_inos` is not empty)."""
+        freed = 0
         while self.stale_inos and budget:
             inos = self.stale_inos[-1]
             while inos and budget:
@@ -535,9 +544,10 @@ class Overlay:
                 if node is not None and not self.is_live(node):
                     del self.nodes[ino]
                     self.upper_fds.close(node)
+                    freed += 1
             if not inos:
                 self.stale_inos.pop()
-        return bool(self.stale_inos)
+        return freed
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -843,9 +853,8 @@ class Overlay:
         d = self.node(dir_ino)
         if not d.is_dir:
             raise fs_error(errno.ENOTDIR)
-        names: dict[bytes, Entry | int] = {}
-        if d.tree is not None:
-            names = dict(self.tree(d.tree))
+        base = (yield from self.tree_steps(d.tree)) if d.tree is not None else {}
+        upper: dict[bytes, int] = {}  # upper names in name order (the keys'): ino or WHITEOUT
         view = d.view
         if isinstance(view, Execution) and d.upper is not None:
             prefix = dentry_key(view.layer, dir_ino, b"")
@@ -855,32 +864,37 @@ class Overlay:
                     cur = txn.cursor(db=self.store.db["dentries"])
                     batch = list(itertools.islice(_prefixed(cur, prefix, start), LIST_STEP))
                 for key, value in batch:
-                    ino = from_u64(value)
-                    if ino == WHITEOUT:
-                        names.pop(key[len(prefix):], None)
-                    else:
-                        names[key[len(prefix):]] = ino
+                    upper[key[len(prefix):]] = from_u64(value)
                 if len(batch) < LIST_STEP:
                     break
                 start = batch[-1][0] + b"\0"  # the next key after the last one read
                 yield
                 self._check_live(d)
-        if isinstance(view, Execution) and dir_ino == view.root_ino:
-            names.pop(RESERVED, None)  # a base stored before the name was reserved
+        # A base stored before the name was reserved may hold it: never listed.
+        hidden = RESERVED if isinstance(view, Execution) and dir_ino == view.root_ino else None
         out = []
-        for i, name in enumerate(sorted(names), 1):
+        last = None
+        # Both are in name order: merged, not sorted (sorting 500,000 names is one long step).
+        for i, name in enumerate(heapq.merge(base, upper), 1):
+            if i % LIST_STEP == 0:
+                yield
+                self._check_live(d)
+            if name == last:
+                continue
+            last = name
+            item = upper.get(name)
+            if item == WHITEOUT or name == hidden:
+                continue
+            if item is None:
+                item = base[name]
             ino = view.dcache.get((dir_ino, name))
             node = self.nodes.get(ino) if ino is not None else None
             if node is None:
-                item = names[name]
                 if isinstance(item, int):
                     node = self._load_upper(view, item, dir_ino, name)
                 else:
                     node = self._base_child(d, name, item)
             out.append((name, node))
-            if i % LIST_STEP == 0:
-                yield
-                self._check_live(d)
         return out
 
     def _check_live(self, node: Node) -> None:

@@ -270,6 +270,11 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "snapshot-git": (("repo",), frozenset({"rev", "gitdir", "label", "message"})),
     "fault": (("site",), frozenset({"execution", "count"})),
     "cancel": ((), frozenset({"execution"})),
+    "name": (("name", "snapshot"), frozenset()),
+    "unname": (("name",), frozenset()),
+    "resolve": (("snapshot",), frozenset()),
+    "rm": (("snapshot",), frozenset({"force"})),
+    "gc": ((), frozenset({"dry-run", "compact"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first the default)

@@ -56,8 +56,8 @@ def test_format_then_parse_round_trips(name, positional, options, line, args):
     ("  \n", EXECUTION_COMMANDS, "empty command"),
     ("frobnicate x", ROOT_COMMANDS,
      "unknown command 'frobnicate'; expected one of acquire, cancel, checkpoint, create, diff, "
-     "drop, fault, pool, preview, promote, release, renew, reset, return, runtime, snapshot, "
-     "snapshot-git, status, verify"),
+     "drop, fault, gc, name, pool, preview, promote, release, renew, reset, resolve, return, "
+     "rm, runtime, snapshot, snapshot-git, status, unname, verify"),
     ("promote", ROOT_COMMANDS, "promote: expected <execution>, got 0 argument(s)"),
     ("status", EXECUTION_COMMANDS,
      "unknown command 'status'; expected one of checkpoint, preview, promote, reset, verify"),
@@ -190,11 +190,7 @@ def test_cli_errors_map_errno_to_exit_code(fake_mount):
     result = run("diff", "nope", "-m", mount)
     assert (result.exit_code, result.stderr) == (
         3, f"rametfs: no execution 'nope' at {mount}\n")
-    result = run("log", "ff", "-m", mount)
-    assert (result.exit_code, result.stderr) == (3, "rametfs: no snapshot 'ff'\n")
-    result = run("log", "a", "-m", mount)
-    assert (result.exit_code, result.stderr) == (
-        4, "rametfs: snapshot prefix 'a' is ambiguous: 2 snapshots match\n")
+    # log resolves its snapshot in the daemon (tests/test_lifecycle.py): no ctl here.
 
 
 def test_cli_diff_status_log_ls(fake_mount):
@@ -203,15 +199,13 @@ def test_cli_diff_status_log_ls(fake_mount):
         'A "dir/new file"\nD gone\nM src/main.py\n'
     assert json.loads(run("status", "run-1", "-m", mount).stdout) == \
         {"execution": "run-1", "base": ID_A}
-    assert run("log", "cccccccc", "-m", mount).stdout == (
-        f"{ID_C} 2d fix try 2\n{ID_B} 3d\n{ID_A} 10d clean first import\n")
     assert run("ls", "-m", mount).stdout == (
         f"mount: {mount}  mode: open-less\n"
         "\n"
-        "SNAPSHOT      LABEL  FILES  BYTES  AGE\n"
-        "aaaaaaaaaaaa  clean  3      1.5K   10d\n"
-        "abbbbbbbbbbb         4      10M    3d\n"
-        "cccccccccccc  fix    4      512B   2d\n"
+        "SNAPSHOT      NAMES  LABEL  FILES  BYTES  AGE\n"
+        "aaaaaaaaaaaa  -      clean  3      1.5K   10d\n"
+        "abbbbbbbbbbb  -             4      10M    3d\n"
+        "cccccccccccc  -      fix    4      512B   2d\n"
         "\n"
         "EXECUTION  BASE          HEAD          UPPER  AGE  ACCESS\n"
         "run-1      aaaaaaaaaaaa  cccccccccccc  2.0K   1d   1000:100/0750/read\n")

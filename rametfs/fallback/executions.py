@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import secrets
 import threading
@@ -29,12 +30,14 @@ from pathlib import Path
 from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
+from ..core import lifecycle
 from ..core.heads import reset_target
 from ..core.pools import verification_json
 from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
 from ..longpath import cached
-from ..store import Entry, Store, import_git, import_tree
+from ..store import Entry, Store, gc, import_git, import_tree
+from ..store.gc_guard import Progress
 from ..store.entries import directory_entry
 from ..store.trees import tree_id
 from . import clone, manifest, scan, sync
@@ -192,15 +195,58 @@ class Fallback:
     def status(self) -> dict:
         """``{"mode", "copy_method", "pid", "data", "mount", "version", "snapshots",
         "executions", "pools", "last"}`` like a daemon's root status (mount is None)."""
-        executions = []
+        executions = [self._json(meta) for meta in self._metas()]
+        return {"mode": "fallback", "copy_method": self.copy_method, "pid": os.getpid(),
+                "data": str(self.data), "mount": None, "version": "0.1.0",
+                "snapshots": self.store.snapshots_json(),
+                "executions": executions, "pools": self.pools.to_json(), "last": None}
+
+    # -- snapshot lifecycle (rametfs.core.lifecycle, docs/lifecycle.md) --------------------
+
+    def name(self, name: str, snapshot: str) -> dict:
+        """Point snapshot name ``name`` at ``snapshot`` (Store.set_name)."""
+        snap, previous = self.store.set_name(name, snapshot)
+        return {"ok": True, "name": name, "snapshot": snap.id, "previous": previous}
+
+    def unname(self, name: str) -> dict:
+        """Delete snapshot name ``name`` (Store.delete_name)."""
+        return {"ok": True, "name": name, "snapshot": self.store.delete_name(name)}
+
+    def resolve(self, snapshot: str) -> dict:
+        """The id of the snapshot ``snapshot`` names (Store.snapshot)."""
+        return {"ok": True, "snapshot": self.store.snapshot(snapshot).id}
+
+    def rm(self, snapshot: str, force: str | None = None) -> dict:
+        """Forget ``snapshot`` (lifecycle.remove_snapshots); EBUSY while it is used."""
+        try:
+            forced = protocol.yes_no("rm", "force", force)
+        except protocol.ProtocolError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return lifecycle.remove_snapshots(self.store, [snapshot], forced,
+                                          [(m.id, m.base, m.head, m.head) for m in self._metas()])
+
+    def gc(self, dry_run: str | None = None, compact: str | None = None,
+           progress: Progress | None = None) -> dict:
+        """Collect the store's garbage in this process (rametfs.store.gc.collect), its roots
+        the store's and every execution manifest's; ``compact`` is offline only (the CLI's
+        ``gc --compact --data``: this store is open here).  Raises as ``collect``."""
+        try:
+            dry = protocol.yes_no("gc", "dry-run", dry_run)
+            if protocol.yes_no("gc", "compact", compact):
+                raise InvalidArgument("gc --compact runs on a closed store: rametfs gc "
+                                      "--compact --data DIR")
+        except protocol.ProtocolError as exc:
+            raise InvalidArgument(str(exc)) from None
+        report = gc.collect(self.store, functools.partial(manifest.gc_roots, self.data), dry,
+                            progress)
+        return {"ok": True, "gc": report.to_json()}
+
+    def _metas(self, records: bool = False) -> Iterator[manifest.Meta]:
+        """Every execution's record (``records``: with its manifest), by id."""
         for meta_path in sorted(self.meta_dir.iterdir()):
             if not meta_path.name.startswith("."):  # not a temporary file
                 with contextlib.suppress(FileNotFoundError):  # released meanwhile
-                    executions.append(self._json(manifest.load(meta_path, records=False)))
-        return {"mode": "fallback", "copy_method": self.copy_method, "pid": os.getpid(),
-                "data": str(self.data), "mount": None, "version": "0.1.0",
-                "snapshots": [s.to_json() for s in self.store.snapshots()],
-                "executions": executions, "pools": self.pools.to_json(), "last": None}
+                    yield manifest.load(meta_path, records=records)
 
     # -- execution commands --------------------------------------------------------------
 
@@ -322,7 +368,7 @@ class Fallback:
     def _capture(self, eid: str, label: str, message: str, move_head: bool,
                  policy: str | None, stored: bool) -> dict:
         protocol.check_text("promote" if move_head else "checkpoint", label, message)
-        with self._locked(eid):
+        with self._locked(eid), self.store.gc_guard.writing():
             meta = self._load(eid)
             root = self.path(eid)
             if os.path.lexists(root / protocol.CONTROL_DIR):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgpack
@@ -114,3 +115,24 @@ def load(path: str | os.PathLike, records: bool = True) -> Meta:
                 msgpack.UnpackException) as exc:
             raise IntegrityError(f"{os.fspath(path)}: damaged execution record: {exc}") from None
     return meta
+
+
+def gc_roots(data: str | os.PathLike) -> Iterator[tuple[str, Entry]]:
+    """``(label, entry)`` of every regular file a fallback execution's manifest under the
+    data directory ``data`` vouches for: gc keeps their contents (rametfs.store.gc), since
+    a promote reuses a vouched-for content id without storing it again.  Blocking."""
+    meta_dir = os.path.join(os.fspath(data), "fallback", "meta")
+    try:
+        names = sorted(os.listdir(meta_dir))
+    except FileNotFoundError:  # no fallback execution was ever made here
+        return
+    for name in names:
+        if name.startswith("."):  # a temporary file
+            continue
+        try:
+            meta = load(os.path.join(meta_dir, name))
+        except FileNotFoundError:  # released meanwhile
+            continue
+        for rel, record in meta.records.items():
+            if record.entry.is_reg:
+                yield f"execution {meta.id} {os.fsdecode(rel)}", record.entry

@@ -143,6 +143,26 @@ class HydrationCache:
             if left:
                 self._holds[cid] = left
 
+    def discard(self, cid: bytes, dry_run: bool = False) -> int | None:
+        """Remove the cached file of ``cid``, a content gc deleted, unless it is held; the
+        bytes it took on disk, None when there is none or it is held (or, ``dry_run``, what
+        removing it would free).  Blocking (unlink)."""
+        with self._lock:
+            if cid in self._holds:
+                return None
+            try:
+                size = os.stat(self.path(cid)).st_blocks * 512
+            except FileNotFoundError:
+                return None
+            if not dry_run and cid in self._files:
+                self.bytes -= self._files.pop(cid)
+        if not dry_run:
+            try:
+                os.unlink(self.path(cid))
+            except FileNotFoundError:
+                return None
+        return size
+
     def make_room(self, nbytes: int, keep: bytes | None = None) -> int:
         """Remove unheld contents but ``keep``, least recently used first, until ``nbytes``
         more fit under the limit (with no limit, nothing); returns the bytes freed.  Blocking."""

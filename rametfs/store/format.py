@@ -65,6 +65,8 @@ Databases (one LMDB environment, ``<data>/meta``):
                acquired_ns}`` (wall-clock ns); ``reason`` why verification quarantined it;
                ``returned_ns`` when it last became ready (the last returned goes out first).  Written in the transaction that
                changes the member, so pools and leases survive a restart.
+``names``      snapshot name (utf-8, :func:`rametfs.store.names.check_name`) -> snapshot id
+               (32 B): a movable name, like a git branch (docs/lifecycle.md).
 
 Chunk envelope (after BorgBackup's ``repoobj``): ``b"RMC"``, u8 version (1), u8 codec
 (0 raw, 1 zstd), u32 raw length, then the payload.  The chunk id is the BLAKE3 hash of the raw
@@ -85,7 +87,7 @@ ID_BYTES = 32
 DATABASES = ("meta", "chunks", "contents", "trees", "tree_stats", "snapshots", "sources",
              "executions",
              "inodes", "dentries", "links", "pages", "dead", "orphans",
-             "pools", "leases")
+             "pools", "leases", "names")
 
 ENVELOPE_MAGIC = b"RMC"
 ENVELOPE_VERSION = 1

@@ -1,8 +1,11 @@
-"""Check a store: every snapshot's trees, contents and chunks are present and hash right.
+"""Reachability in a store, and the check built on it.
+
+:class:`Walk` is the one walk of what a snapshot reaches (trees, contents, chunks): ``fsck``
+checks each object it meets, ``gc`` (rametfs.store.gc) keeps what it meets.
 
 Reads only (LMDB read transactions), so it can run beside a live daemon.  Each tree, content
-and chunk is checked once however many snapshots share it; every file entry's size is
-compared with its content's.
+and chunk is visited once however many roots share it; every file entry's size is compared
+with its content's.
 """
 
 from __future__ import annotations
@@ -25,50 +28,53 @@ class FsckReport:
     problems: list[str] = field(default_factory=list)
 
 
-def fsck(store: Store) -> FsckReport:
-    """Verify every snapshot in ``store``: trees, contents, and each chunk's BLAKE3 id.
+class Walk:
+    """What root entries reach, each object visited once: ``trees`` and ``chunks`` (ids met),
+    ``sizes`` (content id -> bytes, None when unreadable); ``problems`` one line per missing
+    or damaged object, named by the first root label and path that reached it.
 
-    The walk is iterative (no depth limit).  A tree shared by snapshots is checked once,
-    its problems named by the first snapshot and path that reach it; a content is read
-    once, but its size is compared with every entry that names it.
+    ``verify``: read every chunk and check its BLAKE3 id (fsck); without it only records are
+    read (gc's mark).  Iterative, no depth limit.
     """
-    report = FsckReport()
-    seen_trees: set[bytes] = set()
-    sizes: dict[bytes, int | None] = {EMPTY_CONTENT: 0}  # content id -> bytes (None: damaged)
-    seen_chunks: set[bytes] = set()
 
-    def content_size(sid: str, path: str, cid: bytes) -> int | None:
-        if cid in sizes:
-            return sizes[cid]
-        report.contents += 1
-        sizes[cid] = None
+    def __init__(self, store: Store, verify: bool):
+        self.store = store
+        self.verify = verify
+        self.trees: set[bytes] = set()
+        self.sizes: dict[bytes, int | None] = {EMPTY_CONTENT: 0}
+        self.chunks: set[bytes] = set()
+        self.problems: list[str] = []
+
+    def content(self, label: str, path: str, cid: bytes) -> int | None:
+        """Visit content ``cid`` (and its chunks); its size, None when unreadable."""
+        if cid in self.sizes:
+            return self.sizes[cid]
+        self.sizes[cid] = None
         try:
-            content = store.content(cid)
-            size = content.size
+            content = self.store.content(cid)
             for chunk in content.chunk_ids():
-                if chunk not in seen_chunks:
-                    seen_chunks.add(chunk)
-                    report.chunks += 1
-                    store.chunk(chunk)
+                if chunk not in self.chunks:
+                    self.chunks.add(chunk)
+                    if self.verify:
+                        self.store.chunk(chunk)
         except IntegrityError as exc:
-            report.problems.append(f"{sid[:12]} {path}: {exc}")
+            self.problems.append(f"{label} {path}: {exc}")
             return None
-        sizes[cid] = size
-        return size
+        self.sizes[cid] = content.size
+        return content.size
 
-    for snap in store.snapshots():
-        report.snapshots += 1
-        stack: list[tuple[str, Entry]] = [("", snap.root)]
+    def tree(self, label: str, root: Entry, path: str = "") -> None:
+        """Visit the directory entry ``root`` and everything below it."""
+        stack: list[tuple[str, Entry]] = [(path, root)]
         while stack:
             path, entry = stack.pop()
-            if entry.ref in seen_trees:
+            if entry.ref in self.trees:
                 continue
-            seen_trees.add(entry.ref)
-            report.trees += 1
+            self.trees.add(entry.ref)
             try:
-                entries = store.tree(entry.ref)
+                entries = self.store.tree(entry.ref)
             except IntegrityError as exc:
-                report.problems.append(f"{snap.id[:12]} {path or '/'}: {exc}")
+                self.problems.append(f"{label} {path or '/'}: {exc}")
                 continue
             subdirs = []
             for name, child in entries.items():
@@ -76,9 +82,30 @@ def fsck(store: Store) -> FsckReport:
                 if child.is_dir:
                     subdirs.append((child_path, child))
                 elif child.is_reg:
-                    size = content_size(snap.id, child_path, child.ref)
+                    size = self.content(label, child_path, child.ref)
                     if size is not None and size != child.size:
-                        report.problems.append(f"{snap.id[:12]} {child_path}: content has "
-                                               f"{size} bytes, entry says {child.size}")
+                        self.problems.append(f"{label} {child_path}: content has "
+                                             f"{size} bytes, entry says {child.size}")
             stack.extend(reversed(subdirs))  # name order, depth first
-    return report
+
+    def entry(self, label: str, entry: Entry, path: str = "") -> None:
+        """Visit what one entry references: a directory's tree, a file's content."""
+        if entry.is_dir:
+            self.tree(label, entry, path)
+        elif entry.is_reg:
+            self.content(label, path, entry.ref)
+
+
+def fsck(store: Store) -> FsckReport:
+    """Verify every snapshot in ``store``: trees, contents, and each chunk's BLAKE3 id.
+
+    A tree shared by snapshots is checked once, its problems named by the first snapshot and
+    path that reach it; a content is read once, but its size is compared with every entry
+    that names it.
+    """
+    walk = Walk(store, verify=True)
+    snapshots = store.snapshots()
+    for snap in snapshots:
+        walk.tree(snap.id[:12], snap.root)
+    return FsckReport(len(snapshots), len(walk.trees), len(walk.sizes) - 1, len(walk.chunks),
+                      walk.problems)

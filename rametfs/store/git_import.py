@@ -106,6 +106,8 @@ class _GitImporter:
     # -- contents ------------------------------------------------------------------------
 
     def _cached(self, oid: bytes) -> tuple[int, bytes] | None:
+        if self.store.gc_guard.running:  # a cached content's chunks are not pinned (store.gc)
+            return None
         with self.store.read() as txn:
             value = txn.get(BLOB_CACHE_PREFIX + oid, db=self.store.db["sources"])
             if value is None:
@@ -263,6 +265,7 @@ def import_git(store: Store, repo: str | os.PathLike, rev: str = "HEAD",
     """
     importer = _GitImporter(store, Path(repo), rev, with_git_dir)
     try:
-        return importer.run(label, message)
+        with store.gc_guard.writing():
+            return importer.run(label, message)
     except importer.pygit2.GitError as exc:  # a damaged repository: a missing or bad object
         raise RametError(f"{repo}: {exc}", errno.EIO) from None

@@ -189,7 +189,10 @@ class DirectoryImporter:
 
     def _cached_content(self, key: bytes, st: os.stat_result) -> bytes | None:
         """The content id the stat cache holds under ``key`` if the file's (dev, ino, size,
-        mtime, ctime) are unchanged and the content is still stored, else None."""
+        mtime, ctime) are unchanged and the content is still stored, else None (always
+        while a gc runs: a cached content's chunks are not pinned, rametfs.store.gc)."""
+        if self.store.gc_guard.running:
+            return None
         with self.store.read() as txn:
             cached = txn.get(key, db=self.store.db["sources"])
             if cached is None:
@@ -525,4 +528,5 @@ def import_tree(store: Store, source: str | os.PathLike, label: str = "", messag
     entry that changed; NoSpace (ENOSPC) when the store's disk is full; RametError with the
     OS errno when a file cannot be read.
     """
-    return DirectoryImporter(store, Path(source), on_change).run(label, message)
+    with store.gc_guard.writing():
+        return DirectoryImporter(store, Path(source), on_change).run(label, message)

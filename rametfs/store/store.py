@@ -18,8 +18,10 @@ import errno
 import os
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -30,8 +32,11 @@ from ..errors import IntegrityError, NoSpace, NotFound, RametError
 from . import chunks
 from .cache import HydrationCache
 from .chunks import Content
+from .gc_guard import GcGuard
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
-from .trees import Entry, decode_tree, encode_tree
+from ..treewalk import Steps, run_steps
+from .names import HEX_REF, MIN_ID_PREFIX, check_name
+from .trees import TREE_STEP, Entry, decode_tree_steps, encode_tree
 
 MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is written
 # Bytes of the metadata file kept allocated past LMDB's last page, so that small metadata
@@ -101,6 +106,7 @@ class Store:
                 # 2, so that no older rametfs reads the sparse records written from now on.
                 txn.put(b"format", u64(FORMAT_VERSION), db=self.db["meta"])
         self.page_size = PAGE_SIZE
+        self.gc_guard = GcGuard()
         self.cache = HydrationCache(self.root / "cache", cache_max_bytes)
         if cache_max_bytes is not None:
             self.cache.scan()
@@ -125,11 +131,17 @@ class Store:
                              "--data directory a daemon was served with", errno.ENOENT)
         store = cls.__new__(cls)
         store.root, store.page_size, store.read_only = root, PAGE_SIZE, True
+        store.gc_guard = GcGuard()
         try:
             store.env = lmdb.open(str(root / "meta"), readonly=True, max_dbs=len(DATABASES),
                                   readahead=False, max_readers=1024)
-            store.db = {name: store.env.open_db(name.encode(), create=False)
-                        for name in DATABASES}
+            store.db = {}
+            for name in DATABASES:
+                try:
+                    store.db[name] = store.env.open_db(name.encode(), create=False)
+                except lmdb.NotFoundError:  # a database newer than the store (names)
+                    if name != "names":
+                        raise
         except lmdb.Error as exc:
             raise RametError(f"{root}/meta: not a rametfs store's metadata: {exc}",
                              errno.EIO) from None
@@ -218,12 +230,12 @@ class Store:
             raise IntegrityError(f"content {cid.hex()} is missing")
         return Content.unpack(cid, value)
 
-    @staticmethod
-    def put_content(txn: lmdb.Transaction, db, content: Content) -> bytes:
+    def put_content(self, txn: lmdb.Transaction, content: Content) -> bytes:
         """Record ``content`` (its chunks already stored) in ``txn``; returns its id."""
         cid = content.id
         if cid != EMPTY_CONTENT:
-            txn.put(cid, content.pack(), db=db, overwrite=False)
+            self.gc_guard.pin(cid)
+            txn.put(cid, content.pack(), db=self.db["contents"], overwrite=False)
         return cid
 
     def hydrate(self, cid: bytes) -> str:
@@ -313,11 +325,16 @@ class Store:
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
         """Entries of tree ``tid`` by name; IntegrityError (EIO) when missing."""
-        with self.env.begin(db=self.db["trees"], buffers=True) as txn:
+        return run_steps(self.tree_steps(tid))
+
+    def tree_steps(self, tid: bytes) -> Steps[dict[bytes, Entry]]:
+        """:meth:`tree` as steps (``trees.decode_tree_steps``); no transaction is held
+        across a step."""
+        with self.env.begin(db=self.db["trees"]) as txn:
             value = txn.get(tid)
-            if value is None:
-                raise IntegrityError(f"tree {tid.hex()} is missing")
-            return decode_tree(value)
+        if value is None:
+            raise IntegrityError(f"tree {tid.hex()} is missing")
+        return (yield from decode_tree_steps(value))
 
     def tree_bytes(self, tid: bytes) -> int:
         """Bytes of tree ``tid``'s stored value (what decoding it costs); 0 when missing."""
@@ -328,25 +345,50 @@ class Store:
     def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
         tid, value = encode_tree(entries)
-        if txn.put(tid, value, db=self.db["trees"], overwrite=False):
-            totals = [0, 0, 0, 0]  # files, bytes, directories, symlinks below
-            for e in entries:
-                if e.is_dir:
-                    sub = msgpack.unpackb(txn.get(e.ref, db=self.db["tree_stats"]))
-                    totals = [a + b for a, b in zip(totals, sub)]
-                    totals[2] += 1
-                elif e.is_reg:
-                    totals[0] += 1
-                    totals[1] += e.size
-                elif e.is_symlink:
-                    totals[3] += 1
-            txn.put(tid, msgpack.packb(totals), db=self.db["tree_stats"])
+        self.put_encoded_tree(txn, tid, value, lambda: run_steps(
+            self.totals_steps(entries, partial(self.stored_totals, txn))))
         return tid
+
+    def put_encoded_tree(self, txn: lmdb.Transaction, tid: bytes, value: bytes,
+                         totals: Callable[[], list[int]]) -> bool:
+        """Store tree ``tid`` encoded as ``value`` (``trees.encode_tree``) unless it is
+        stored, with its totals (``totals()``, only then); True when it was not stored.
+        A running gc keeps it (``gc_guard.pin``, inside ``txn``: rametfs.store.gc)."""
+        self.gc_guard.pin(tid)
+        if not txn.put(tid, value, db=self.db["trees"], overwrite=False):
+            return False
+        txn.put(tid, msgpack.packb(totals()), db=self.db["tree_stats"])
+        return True
+
+    @staticmethod
+    def totals_steps(entries: list[Entry], below: Callable[[bytes], list[int]]
+                     ) -> Steps[list[int]]:
+        """What ``tree_stats`` holds for a tree of ``entries``: ``[files, bytes, directories,
+        symlinks]`` below it, a subdirectory's own from ``below(its tree id)``; as steps
+        (rametfs.treewalk.run_steps), one per ``trees.TREE_STEP`` entries."""
+        files = size = dirs = symlinks = 0
+        for at in range(0, len(entries), TREE_STEP):
+            for e in entries[at:at + TREE_STEP]:
+                if e.is_dir:
+                    sub = below(e.ref)
+                    files, size = files + sub[0], size + sub[1]
+                    dirs, symlinks = dirs + sub[2] + 1, symlinks + sub[3]
+                elif e.is_reg:
+                    files, size = files + 1, size + e.size
+                elif e.is_symlink:
+                    symlinks += 1
+            yield
+        return [files, size, dirs, symlinks]
+
+    def stored_totals(self, txn: lmdb.Transaction, tid: bytes) -> list[int]:
+        """``tree_stats`` of stored tree ``tid``: ``[files, bytes, directories, symlinks]``
+        below it (:meth:`totals_steps`)."""
+        return msgpack.unpackb(txn.get(tid, db=self.db["tree_stats"]))
 
     def tree_totals(self, txn: lmdb.Transaction, tid: bytes) -> dict:
         """Names of files (each hard link counts), their bytes, directories (the top one
         included) and symlinks of the tree ``tid``, from ``tree_stats``."""
-        files, size, dirs, symlinks = msgpack.unpackb(txn.get(tid, db=self.db["tree_stats"]))
+        files, size, dirs, symlinks = self.stored_totals(txn, tid)
         return {"files": files, "bytes": size, "dirs": dirs + 1, "symlinks": symlinks}
 
     # -- snapshots -----------------------------------------------------------------------
@@ -380,16 +422,15 @@ class Store:
                         r.get("runtime"))
 
     def snapshot(self, ref: str) -> Snapshot:
-        """The snapshot with id, or unique id prefix (>= 8 hex digits), ``ref``.
+        """The snapshot ``ref`` names: its id, a unique id prefix (>= 8 hex digits) or a
+        snapshot name (:mod:`rametfs.store.names`).  The one resolver of snapshot
+        references: every command that takes a snapshot comes here.
 
         Raises NotFound (ENOENT) when none or several match.
         """
-        try:
-            prefix = bytes.fromhex(ref[: len(ref) // 2 * 2])
-        except ValueError:
-            raise NotFound(f"no snapshot {ref!r}: not a hex id") from None
-        if len(ref) < 8:
-            raise NotFound(f"no snapshot {ref!r}: give at least 8 hex digits")
+        if not HEX_REF.fullmatch(ref):
+            return self._named(ref)
+        prefix = bytes.fromhex(ref[: len(ref) // 2 * 2])
         found = []
         with self.env.begin(db=self.db["snapshots"]) as txn:
             cur = txn.cursor()
@@ -403,6 +444,57 @@ class Store:
             raise NotFound(f"no snapshot {ref!r}" if not found
                            else f"snapshot prefix {ref!r} is ambiguous")
         return self._snapshot(*found[0])
+
+    def _named(self, ref: str) -> Snapshot:
+        with self.env.begin() as txn:
+            sid = txn.get(ref.encode(errors="surrogateescape"), db=self.db["names"]) \
+                if "names" in self.db else None
+            value = None if sid is None else txn.get(sid, db=self.db["snapshots"])
+        if value is None:
+            if all(c in "0123456789abcdefABCDEF" for c in ref):
+                raise NotFound(f"no snapshot {ref!r}: give at least {MIN_ID_PREFIX} hex digits")
+            raise NotFound(f"no snapshot {ref!r}: no such snapshot name, and not an id prefix")
+        return self._snapshot(sid, value)
+
+    # -- names (rametfs.store.names) -------------------------------------------------------
+
+    def set_name(self, name: str, ref: str) -> tuple[Snapshot, str | None]:
+        """Point snapshot name ``name`` at the snapshot ``ref`` names (created, or moved);
+        returns the snapshot and the id (hex) the name pointed at before (None: new).
+        Raises InvalidArgument (EINVAL) for a bad name, NotFound (ENOENT) for ``ref``."""
+        check_name(name)
+        snap = self.snapshot(ref)
+        with self.write() as txn:
+            old = txn.get(name.encode(), db=self.db["names"])
+            txn.put(name.encode(), bytes.fromhex(snap.id), db=self.db["names"])
+        return snap, None if old is None else old.hex()
+
+    def delete_name(self, name: str) -> str:
+        """Delete snapshot name ``name``; returns the id (hex) it pointed at.  Raises
+        NotFound (ENOENT) when there is no such name."""
+        with self.write() as txn:
+            old = txn.get(name.encode(errors="surrogateescape"), db=self.db["names"])
+            if old is None:
+                raise NotFound(f"no snapshot name {name!r}")
+            txn.delete(name.encode(errors="surrogateescape"), db=self.db["names"])
+        return old.hex()
+
+    def names(self, txn: lmdb.Transaction | None = None) -> dict[str, str]:
+        """Every snapshot name and the id (hex) it points at, by name."""
+        if "names" not in self.db:
+            return {}
+        with contextlib.ExitStack() as stack:
+            if txn is None:
+                txn = stack.enter_context(self.env.begin())
+            return {k.decode(): v.hex() for k, v in txn.cursor(db=self.db["names"])}
+
+    def snapshots_json(self) -> list[dict]:
+        """Every snapshot's record (:meth:`Snapshot.to_json`) with ``names``, the names
+        pointing at it (sorted), oldest first: what a root status lists."""
+        by_id: dict[str, list[str]] = {}
+        for name, sid in self.names().items():
+            by_id.setdefault(sid, []).append(name)
+        return [{**s.to_json(), "names": by_id.get(s.id, [])} for s in self.snapshots()]
 
     def snapshot_by_raw_id(self, sid: bytes) -> Snapshot | None:
         with self.env.begin(db=self.db["snapshots"]) as txn:

@@ -44,6 +44,7 @@ class ChunkWriter:
         cid = chunks.page_id(raw)
         if cid is None:
             return None
+        self.store.gc_guard.pin(cid)  # before has_chunk (rametfs.store.gc)
         with self._lock:
             if cid in self._seen:
                 return cid
@@ -75,7 +76,7 @@ class ChunkWriter:
         """Commit pending chunks, then record ``content``; returns its content id."""
         self.flush()
         with self.store.write() as txn:
-            return Store.put_content(txn, self.store.db["contents"], content)
+            return self.store.put_content(txn, content)
 
     def put_content(self, size: int, chunk_ids: Iterable[bytes | None]) -> bytes:
         """Record the content of ``size`` bytes whose page i is chunk ``chunk_ids[i]``
