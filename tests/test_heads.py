@@ -245,3 +245,23 @@ def test_a_write_after_a_promote_shows_in_the_diff_even_after_a_crash(daemon, so
     d.start()
     assert (path / "src/main.py").read_bytes() == b"print(5)\n"
     assert control(path, "diff").read_text() == "M src/main.py\n"
+
+
+def test_rm_refuses_the_snapshot_a_layer_lies_over(shared_daemon, source, other):
+    """After ``reset --to S`` and a promote, the head is the promote but the layer still lies
+    over S: rm of S is EBUSY, even with --force, until a reset moves the layer."""
+    d = shared_daemon
+    base, unrelated = d.snapshot(source), d.snapshot(other)
+    eid = d.create(base)
+    d.ctl(f"reset {eid} --to {unrelated}")
+    sh(d.exec_path(eid), "echo x > x.txt")
+    promoted = d.exec_ctl(eid, "promote")["snapshot"]
+    with pytest.raises(OSError) as caught:
+        d.ctl(f"rm {unrelated} --force yes")
+    assert caught.value.errno == errno.EBUSY
+    assert f"it is the lower snapshot of execution {eid}" in caught.value.reply["error"]
+    d.exec_ctl(eid, "reset")  # now over the promote
+    assert d.ctl(f"rm {unrelated}")["removed"] == [unrelated]
+    assert tree_signature(d.exec_path(eid))["x.txt"].startswith("file")
+    assert d.exec_status(eid)["head"] == promoted
+    d.ctl(f"release {eid}")
