@@ -48,7 +48,7 @@ from .precreate import Precreated
 from .protocol import CONTROL_DIR
 
 RESERVED = CONTROL_DIR.encode()  # the name no entry may have at an execution's root
-from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
+from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
                            page_of_key, u64)
 from .treewalk import Steps, preorder, run_steps
@@ -523,11 +523,14 @@ class Overlay:
         node.view.dcache[(node.parent, node.name)] = node.ino
         return node
 
-    def _drop_layer_nodes(self, view: View) -> None:
-        """Forget the nodes of ``view``'s current layer: O(1) now, as their layer no longer
-        matches; ``drop_stale_nodes`` frees them later, in batches."""
-        self.stale_inos.append(view.inos)
-        view.inos, view.dcache, view.link_inos, view.dirty = set(), {}, {}, set()
+    def _drop_layer_nodes(self, view: View, kept: set[int] = frozenset()) -> None:
+        """Forget the nodes of ``view``'s current layer but ``kept`` (a reset's unchanged
+        ones, which the caller moves to the new layer): O(1) now for the others, as their
+        layer no longer matches; ``drop_stale_nodes`` frees them later, in batches."""
+        self.stale_inos.append(view.inos - kept if kept else view.inos)
+        dcache = {key: ino for key, ino in view.dcache.items()
+                  if ino in kept and (key[0] in kept or key[0] == view.root_ino)}
+        view.inos, view.dcache, view.link_inos, view.dirty = set(kept), dcache, {}, set()
         if isinstance(view, Execution):
             view.changes, view.negative_root = {}, set()
 
@@ -669,19 +672,61 @@ class Overlay:
 
         Returns the ``(parent ino, name)`` dentries and inode numbers the kernel may cache
         (as ``(ino, b"")`` pairs for inodes), for the adapter to invalidate.  The root keeps
-        its dentry and inode number, so a bind mount of the execution stays valid.
+        its dentry and inode number, so a bind mount of the execution stays valid, and so do
+        the directories and files of the root that are the same in ``to``, with everything
+        below them (:meth:`_unchanged`): a shell working in one of them carries on.
         """
-        stale = self._stale_entries(ex, keep_root_entry=True)
+        kept = self._unchanged(ex, to)
+        stale = self._stale_entries(ex, keep_root_entry=True, kept=kept)
         old = ex.layer
         ex.failure = None
         ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
-        self._drop_layer_nodes(ex)
+        self._drop_layer_nodes(ex, kept)
         ex.head = ex.lower = to
         with self.store.write() as txn:
             txn.put(u64(old), b"", db=self.store.db["dead"])
             self._new_layer(txn, ex)
+        for ino in kept:
+            self.nodes[ino].layer = ex.layer
         self.dead_layers.set()
         return stale
+
+    def _unchanged(self, ex: Execution, to: Snapshot) -> set[int]:
+        """The inodes of ``ex`` the kernel knows that a reset onto ``to`` leaves as they are:
+        each name of the root the kernel looked up whose node was never copied up, whose
+        base entry is ``to``'s entry of that name (so a directory's whole subtree is the
+        same: a change below it would have copied it up), and with no hard link in it, and
+        every known node below such a directory.  O(known inodes)."""
+        root = ex.root_ino
+        new = self.tree(to.root.ref)
+        tops: dict[int, bool] = {}  # kept candidates among the root's names
+        for (parent, name), ino in ex.dcache.items():
+            node = self.nodes.get(ino)
+            if parent == root and node is not None and node.upper is None and \
+                    not node.entry.link and not node.entry.flags & FLAG_HAS_LINKS:
+                tops[ino] = new.get(name) == node.entry
+        top_of: dict[int, int | None] = {root: None}
+
+        def top(ino: int) -> int | None:
+            """The root's child ``ino`` lies below (None: none known)."""
+            chain = []
+            while ino not in top_of:
+                node = self.nodes.get(ino)
+                if node is None or node.parent == root:
+                    top_of[ino] = None if node is None else ino
+                    break
+                chain.append(ino)
+                ino = node.parent
+            for below in chain:
+                top_of[below] = top_of[ino]
+            return top_of[ino]
+
+        below = {ino: top(ino) for ino in ex.inos if ino != root}
+        for ino, t in below.items():
+            node = self.nodes.get(ino)
+            if t in tops and (node is None or node.upper is not None or node.entry.link):
+                tops[t] = False  # not the base's after all (cannot happen without links)
+        return {ino for ino, t in below.items() if tops.get(t)}
 
     def pristine(self, ex: Execution) -> bool:
         """Whether ``ex``'s layer is as a reset leaves it: no change recorded since, no
@@ -714,17 +759,20 @@ class Overlay:
         return stale
 
     @staticmethod
-    def _stale_entries(view: View, keep_root_entry: bool) -> list[tuple[int, bytes]]:
+    def _stale_entries(view: View, keep_root_entry: bool, kept: set[int] = frozenset()
+                       ) -> list[tuple[int, bytes]]:
         # Invalidating a directory's dentry drops everything cached below it that nothing
         # holds; the inodes a process still holds (its cwd, an open file) keep their cached
-        # pages and listings until told, so every inode of the layer is told too.
+        # pages and listings until told, so every inode of the layer is told too, but those
+        # ``kept`` (a reset's unchanged ones: Overlay._unchanged) and the names of the root
+        # that lead to them.
         root = view.root_ino
-        entries = [key for key in view.dcache if key[0] == root]
+        entries = [key for key, ino in view.dcache.items() if key[0] == root and ino not in kept]
         if isinstance(view, Execution):
             entries += [(root, name) for name in view.negative_root]
         if not keep_root_entry:
             entries += [key for key in view.dcache if key[0] == 0]
-        return entries + [(ino, b"") for ino in view.inos]
+        return entries + [(ino, b"") for ino in view.inos if ino not in kept]
 
     def set_head(self, ex: Execution, snap: Snapshot) -> None:
         """Make ``snap`` the head of ``ex`` (a promote of it); its layer stays."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -264,4 +265,39 @@ def test_rm_refuses_the_snapshot_a_layer_lies_over(shared_daemon, source, other)
     assert d.ctl(f"rm {unrelated}")["removed"] == [unrelated]
     assert tree_signature(d.exec_path(eid))["x.txt"].startswith("file")
     assert d.exec_status(eid)["head"] == promoted
+    d.ctl(f"release {eid}")
+
+
+def test_a_shell_in_an_unchanged_directory_carries_on_across_a_reset(shared_daemon, tmp_path):
+    """Issue 18.5: what a reset (or a rebase) leaves as it was keeps its inode in the
+    kernel, so a shell working in ``lib/sub``, and a file it holds open there, carry on
+    after ``echo reset > .ramet/ctl`` while the changed ``src/`` is stale.  (Before: ``ls:
+    cannot open directory '.': Stale file handle``.)"""
+    d = shared_daemon
+    src = write_tree(tmp_path / "src", {"lib/sub/f.txt": b"lib\n", "lib/g.txt": b"g\n",
+                                        "src/main.py": b"m\n"})
+    other = write_tree(tmp_path / "other", {"docs/x": b"x\n"})
+    shutil.copytree(src / "lib", other / "lib")  # the same entries: copytree keeps the times
+    base, unrelated = d.snapshot(src), d.snapshot(other)
+    eid = d.create(base)
+    path = d.exec_path(eid)
+    script = f"""set -e
+        cd src && echo changed > main.py && cd ..
+        cd lib/sub
+        ls; stat -c %i f.txt; exec 3< f.txt
+        echo reset > ../../.ramet/ctl
+        echo after-reset; ls; stat -c %i f.txt; cat f.txt; cat <&3; cat ../../src/main.py
+        exec 3< f.txt
+        echo 'reset {eid} --to {unrelated}' > {d.mnt}/.ramet/ctl
+        echo after-rebase; ls ..; stat -c %i f.txt; cat <&3; ls ../..
+    """
+    out = run("bash", "-c", script, cwd=path).stdout.split("\n")
+    ino = out[1]
+    assert out == ["f.txt", ino, "after-reset", "f.txt", ino, "lib", "lib", "m",
+                   "after-rebase", "g.txt", "sub", ino, "lib", "docs", "lib", ""]
+    changed = run("bash", "-c", f"cd docs && echo reset > ../.ramet/ctl && echo 'reset {eid} "
+                                f"--to {base}' > {d.mnt}/.ramet/ctl && ls", cwd=path,
+                  check=False)  # docs is not in the base: its inode goes stale
+    assert changed.returncode != 0 and "Stale file handle" in changed.stderr, changed
+    assert tree_signature(path) == tree_signature(src)
     d.ctl(f"release {eid}")
