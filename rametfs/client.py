@@ -240,6 +240,26 @@ class Ramet:
         return self._backend.root_command("rm", snapshot,
                                           force=protocol.YES if force else None)
 
+    def forget(self, keep_last: int | None = None, keep_within: str | None = None,
+               keep_name: str | None = None, dry_run: bool = False, prune: bool = False,
+               progress=None) -> dict:
+        """Forget every snapshot that no rule keeps, restic's ``forget``: ``keep_last`` the N
+        newest, ``keep_within`` those younger than a duration (``"7d"``, ``"36h"``,
+        ``"1y2m"``: y, m months, d, h) before the newest snapshot's time, ``keep_name``
+        those a name matching the glob points at; the bases and heads of executions and
+        pools' bases are always kept; the names of forgotten snapshots are deleted.
+        ``{"dry_run", "kept": [{"snapshot", "reasons"}], "removed": [ids], "names":
+        [deleted]}``, newest first; ``prune`` then runs :meth:`gc` (not in a dry run) and
+        adds its report as ``"gc"``.  docs/lifecycle.md.  Errors: EINVAL no rule, or a bad
+        count or duration; those of gc."""
+        reply = self._backend.root_command(
+            "forget", keep_last=None if keep_last is None else str(keep_last),
+            keep_within=keep_within, keep_name=keep_name,
+            dry_run=protocol.YES if dry_run else None)
+        if prune and not dry_run:
+            reply["gc"] = self.gc(progress=progress)
+        return reply
+
     def gc(self, dry_run: bool = False, progress=None) -> dict:
         """Delete every chunk, content and tree no snapshot, execution or pool reaches (the
         daemon does it; fallback mode in this process): the report ``{"chunks",
@@ -362,7 +382,8 @@ class Ramet:
 
     def snapshots(self) -> list[dict]:
         """Every snapshot record: ``{"id", "label", "message", "parents", "created_ns",
-        "source", "files", "bytes"}``."""
+        "tree", "source", "files", "bytes", "names"}`` (``tree`` the root tree id: equal for
+        equal trees)."""
         return self.status()["snapshots"]
 
     def executions(self) -> list[dict]:
@@ -608,7 +629,8 @@ class _Local:
                               "snapshot-git": self.engine.snapshot_git,
                               "runtime": self.engine.runtime, "name": self.engine.name,
                               "unname": self.engine.unname, "resolve": self.engine.resolve,
-                              "rm": self.engine.rm, "gc": self.engine.gc}
+                              "rm": self.engine.rm, "gc": self.engine.gc,
+                              "forget": self.engine.forget}
         pools = self.engine.pools
         self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
                                    "renew": pools.renew, "return": pools.return_,

@@ -25,7 +25,7 @@ import trio
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import lifecycle, pools
+from .core import lifecycle, pools, retention
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .fallback import manifest
@@ -143,7 +143,7 @@ class Control:
             "renew": self._renew, "return": self._return, "drop": self._drop,
             "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel,
             "name": self._name, "unname": self._unname, "resolve": self._resolve,
-            "rm": self._rm, "gc": self._gc}
+            "rm": self._rm, "gc": self._gc, "forget": self._forget}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -423,19 +423,40 @@ class Control:
     async def _rm(self, args: dict) -> dict:
         force = protocol.yes_no("rm", "force", args.get("force"))
         # On the trio thread, one transaction: no create or promote comes in between.
-        reply = lifecycle.remove_snapshots(
-            self.overlay.store, [args["snapshot"]], force,
-            [(ex.id, ex.base.id, ex.head) for ex in self.overlay.executions.values()])
+        reply = lifecycle.remove_snapshots(self.overlay.store, [args["snapshot"]], force,
+                                           self._execution_uses())
+        await self._removed(reply["removed"])
+        return reply
+
+    async def _forget(self, args: dict) -> dict:
+        policy = retention.policy_of(args)
+        dry_run = protocol.yes_no("forget", "dry-run", args.get("dry-run"))
+        # On the trio thread, one transaction, as rm (a plan reads every snapshot record:
+        # about 10 us each, so 1,000 snapshots hold the loop ~10 ms).
+        reply = lifecycle.forget_snapshots(self.overlay.store, policy, dry_run,
+                                           self._execution_uses())
+        if not dry_run:
+            await self._removed(reply["removed"])
+        log.info("forget%s: kept %d, removed %d", " (dry run)" if dry_run else "",
+                 len(reply["kept"]), len(reply["removed"]))
+        return reply
+
+    def _execution_uses(self) -> list[tuple[str, str, str]]:
+        """``(id, base id, head id)`` of every execution: what rm and forget keep."""
+        return [(ex.id, ex.base.id, ex.head) for ex in self.overlay.executions.values()]
+
+    async def _removed(self, sids: list[str]) -> None:
+        """Snapshots ``sids`` were forgotten: drop their views and the kernel's dentries of
+        ``snapshots/<id>``, and make the status list again."""
         self._listing_changes += 1
         stale: list[tuple[int, bytes]] = []
-        for sid in reply["removed"]:
+        for sid in sids:
             view = self.overlay.snapshot_views.pop(sid, None)
             if view is not None:
                 stale += [(view.root_ino, b"")]
             if self.snapshots_dir_ino is not None:
                 stale.append((self.snapshots_dir_ino, sid.encode()))
         await self.invalidate(stale)
-        return reply
 
     async def _gc(self, args: dict) -> dict:
         dry_run = protocol.yes_no("gc", "dry-run", args.get("dry-run"))

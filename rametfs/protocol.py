@@ -57,6 +57,17 @@ default.  Labels are at most :data:`MAX_LABEL_BYTES` bytes and messages
 it is imported (another file, type or content); ``--on-change skip`` leaves such entries out
 instead and counts them in the stats as ``skipped``.
 
+Snapshot lifecycle commands (rametfs.core.lifecycle, docs/lifecycle.md)::
+
+    name <name> <snapshot>                         -> {"ok", "name", "snapshot", "previous"}
+    unname <name>                                  -> {"ok", "name", "snapshot"}
+    resolve <snapshot>                             -> {"ok", "snapshot"}
+    rm <snapshot> [--force yes|no]                 -> {"ok", "removed", "names", "detached"}
+    gc [--dry-run yes|no] [--compact yes|no]       -> {"ok", "gc"}
+    forget [--keep-last N] [--keep-within DURATION] [--keep-name PATTERN] [--dry-run yes|no]
+                                                   -> {"ok", "dry_run", "kept", "removed",
+                                                       "names"}
+
 ``snapshot-git`` imports the tree of commit ``REV`` (default ``HEAD``) of a git repository
 from its objects, without a checkout; ``--gitdir yes`` takes the repository's ``.git``
 directory along (local commits, branches, stash, index).  Its errors: ENOENT no repository
@@ -268,6 +279,7 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "resolve": (("snapshot",), frozenset()),
     "rm": (("snapshot",), frozenset({"force"})),
     "gc": ((), frozenset({"dry-run", "compact"})),
+    "forget": ((), frozenset({"keep-last", "keep-within", "keep-name", "dry-run"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first the default)

@@ -30,7 +30,7 @@ from pathlib import Path
 from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
-from ..core import lifecycle
+from ..core import lifecycle, retention
 from ..core.pools import verification_json
 from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
@@ -222,6 +222,18 @@ class Fallback:
         except protocol.ProtocolError as exc:
             raise InvalidArgument(str(exc)) from None
         return lifecycle.remove_snapshots(self.store, [snapshot], forced,
+                                          [(m.id, m.base, m.head) for m in self._metas()])
+
+    def forget(self, keep_last: str | None = None, keep_within: str | None = None,
+               keep_name: str | None = None, dry_run: str | None = None) -> dict:
+        """Forget what the retention policy does not keep (lifecycle.forget_snapshots)."""
+        policy = retention.policy_of({"keep-last": keep_last, "keep-within": keep_within,
+                                      "keep-name": keep_name})
+        try:
+            dry = protocol.yes_no("forget", "dry-run", dry_run)
+        except protocol.ProtocolError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return lifecycle.forget_snapshots(self.store, policy, dry,
                                           [(m.id, m.base, m.head) for m in self._metas()])
 
     def gc(self, dry_run: str | None = None, compact: str | None = None,
