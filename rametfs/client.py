@@ -352,7 +352,8 @@ class Ramet:
                        policy: str | os.PathLike | None = None, owner: int | None = None,
                        group: int | None = None, share: int | None = None,
                        control: str | None = None, max_bytes: int | None = None,
-                       max_inodes: int | None = None) -> ExecutionPool:
+                       max_inodes: int | None = None,
+                       keep_last: int | None = None) -> ExecutionPool:
         """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
 
         The daemon (fallback mode: the data directory) keeps the pool and a lease per
@@ -362,16 +363,21 @@ class Ramet:
         persistence policy every member is created with (as :meth:`create` takes it);
         ``owner``, ``group``, ``share``, ``control``, ``max_bytes`` and ``max_inodes`` are
         every member's, as :meth:`create` takes them (a named pool reattached to keeps its
-        own; those given must match it).  Errors: ENOENT unknown snapshot, EEXIST a pool of that name has another
-        base, policy or settings, EINVAL bad name, size, policy or setting.
+        own; those given must match it); ``keep_last`` N: after each promote of a member,
+        the pool's promotes but the N newest and the named ones are forgotten (gc frees
+        their data; docs/lifecycle.md).  Errors: ENOENT unknown snapshot, EEXIST a pool of
+        that name has another base, policy, settings or keep_last, EINVAL bad name, size,
+        policy, setting or keep_last.
         """
         return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify,
                              policy=policy, owner=owner, group=group, share=share,
-                             control=control, max_bytes=max_bytes, max_inodes=max_inodes)
+                             control=control, max_bytes=max_bytes, max_inodes=max_inodes,
+                             keep_last=keep_last)
 
     def pools(self) -> list[dict]:
-        """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
-        "leased", "quarantined"}`` (the last three count executions in each state)."""
+        """Every pool: ``{"name", "base", "size", "created_ns", "keep_last", "executions",
+        "ready", "leased", "quarantined"}`` (the last three count executions in each state;
+        ``keep_last`` None: every promote kept)."""
         return self.status()["pools"]
 
     def status(self) -> dict:
@@ -740,7 +746,7 @@ class ExecutionPool:
                  policy: str | os.PathLike | None = None, owner: int | None = None,
                  group: int | None = None, share: int | None = None,
                  control: str | None = None, max_bytes: int | None = None,
-                 max_inodes: int | None = None) -> None:
+                 max_inodes: int | None = None, keep_last: int | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         if not ttl > 0:
@@ -752,6 +758,8 @@ class ExecutionPool:
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
                                             policy=_policy_text(policy),
+                                            keep_last=None if keep_last is None
+                                            else str(keep_last),
                                             **_access(owner, group, share, control,
                                                       max_bytes, max_inodes))
         self.name: str = reply["pool"]

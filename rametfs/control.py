@@ -486,7 +486,17 @@ class Control:
                              charged=not self.running[ex.id].harness)
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
+        await self._trim_pool(ex)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    async def _trim_pool(self, ex: Execution) -> None:
+        """After a promote of ``ex``: its pool's ``--keep-last`` (lifecycle.trim_pool).  Not
+        in the promote's reply: the other members' snapshots are not ``ex``'s to know."""
+        trimmed = lifecycle.trim_pool(self.overlay.store, ex.id, self._execution_uses())
+        if trimmed is not None and trimmed["removed"]:
+            await self._removed(trimmed["removed"])
+            log.info("pool of %s: --keep-last forgot %d promotes", ex.id,
+                     len(trimmed["removed"]))
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
@@ -555,8 +565,11 @@ class Control:
     async def _pool(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
         size = protocol.parse_count(args["size"], "--size")
+        keep = args.get("keep-last")
         opened = self.pools.open(args.get("name"), snap.id, size, args,
-                                 policy.stored(args.get("policy"), policy.POOL), time.time_ns())
+                                 policy.stored(args.get("policy"), policy.POOL), time.time_ns(),
+                                 None if keep is None
+                                 else protocol.parse_count(keep, "--keep-last"))
         try:
             await self._make_members(opened.new)
         except RametError:

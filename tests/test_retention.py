@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import os
+import secrets
 import sys
 
 import pytest
@@ -230,3 +232,43 @@ def test_the_same_directory_snapshotted_twice_has_the_same_tree(ramet, tmp_path)
     ex = ramet.create(one)
     same = ex.promote()
     assert {x["id"]: x["tree"] for x in ramet.snapshots()}[same] == trees[one]
+
+
+# ----- a pool's --keep-last -----------------------------------------------------------------
+
+def test_a_pool_keeps_its_last_promotes_and_the_named_ones(ramet, tmp_path):
+    base = snapshots_of(ramet, tmp_path, 1)[0]
+    other = ramet.create(base)  # not a member: its promotes are not the pool's
+    (other.path / "f").write_text("other\n")
+    outside = other.promote()
+    name = f"keep{os.getpid()}{secrets.token_hex(3)}"
+    promotes, listed = [], []
+    with ramet.execution_pool(base, 1, name=name, keep_last=2) as pool:
+        assert {p["name"]: p["keep_last"] for p in ramet.pools()}[name] == 2
+        for i in range(4):
+            with pool.acquire() as ex:
+                (ex.path / "f").write_text(f"p{i}\n")
+                promotes.append(ex.promote(label=f"p{i}"))
+            if i == 1:
+                ramet.name(f"{name}/p1", promotes[1])
+            ids = {s["id"] for s in ramet.snapshots()}
+            listed.append([i for i, sid in enumerate(promotes) if sid in ids])
+        with pytest.raises(RametError) as info:
+            ramet.execution_pool(base, 1, name=name, keep_last=3)
+        assert info.value.errno == errno.EEXIST
+        assert f"pool {name!r} exists with --keep-last 2, not 3" in str(info.value)
+        pool.drop()
+    # p0 went at the third promote; p1 stayed, named; p2 and p3 are the last two.
+    assert listed == [[0], [0, 1], [1, 2], [1, 2, 3]]
+    ids = {s["id"] for s in ramet.snapshots()}
+    assert {base, outside} <= ids
+    if ramet.mode == "fuse":
+        assert not (ramet.mount / "snapshots" / promotes[0]).exists()
+
+
+def test_pool_keep_last_must_be_a_count(ramet, tmp_path):
+    base = snapshots_of(ramet, tmp_path, 1)[0]
+    with pytest.raises(RametError) as info:
+        ramet.execution_pool(base, 1, keep_last=0)
+    assert (info.value.errno, str(info.value)) == (
+        errno.EINVAL, "--keep-last must be a whole number >= 1, not '0'")

@@ -20,6 +20,7 @@ deletes only the snapshot record; its trees, contents and chunks stay until ``gc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -115,6 +116,25 @@ def forget_snapshots(store: Store, policy: retention.Policy, dry_run: bool,
     return {"ok": True, "dry_run": dry_run,
             "kept": [{"snapshot": sid, "reasons": why} for sid, why in decided.keep.items()],
             "removed": decided.forget, "names": names}
+
+
+def trim_pool(store: Store, execution: str,
+              executions: Iterable[tuple[str, str, str]]) -> dict | None:
+    """After a promote of ``execution``: when it is a member of a pool with ``keep_last``
+    N (``pool --keep-last``), forget the pool's promotes but the N newest and the named ones
+    (a name is the harness's choice to keep one), as :func:`forget_snapshots` does with
+    ``executions``; its reply, or None (not a member, or no ``keep_last``).  The pool's
+    promotes are the snapshots whose source is a member's id: ``execution:<pool>-<8 hex>``
+    (rametfs.protocol.member_name), members gone included."""
+    with store.read() as txn:
+        catalog = Catalog(store)
+        member = catalog.member(txn, execution)
+        pool = None if member is None else catalog.pool(txn, member.pool)
+    if pool is None or not pool.keep_last:
+        return None
+    source = re.compile(rf"execution:{re.escape(member.pool)}-[0-9a-f]{{8}}")
+    return forget_snapshots(store, retention.Policy(keep_last=pool.keep_last, keep_name="*"),
+                            False, executions, lambda s: source.fullmatch(s.source) is not None)
 
 
 def _delete(store: Store, txn, snapshots: Iterable[str], names: Iterable[str]) -> None:
