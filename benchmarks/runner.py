@@ -73,11 +73,13 @@ def machine(scratch: Path) -> dict:
 
 
 def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | None,
-        workdir: Path, scale_1m: bool = False, profile_dir: Path | None = None) -> dict:
+        workdir: Path, scale_1m: bool = False, profile_dir: Path | None = None,
+        gc_promotes: int | None = None) -> dict:
     """Run the benchmark; return the report (the JSON's content, see docs/benchmarks.md).
 
     ``only``: workload names (default all, in :data:`WORKLOADS` order); ``systems``: system
-    ids (default all).  An unavailable system is listed under ``skipped``; a workload that
+    ids (default all); ``gc_promotes``: the gc workload's promotes instead of the size's.
+    An unavailable system is listed under ``skipped``; a workload that
     fails on one system is listed under ``errors`` and the run goes on.  Raises ValueError for
     an unknown workload or system name.
     """
@@ -103,7 +105,7 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
         stack.callback(_remove_scratch, scratch)
         bench = Bench(SIZES[size], repeat, scratch,
                       frozenset(sid for sid in wanted if sid not in skipped), scales,
-                      profile_dir)
+                      profile_dir, gc_promotes)
         live: dict[str, System] = {}
         for sid in wanted:
             if sid in skipped:

@@ -79,6 +79,7 @@ class Bench:
     system_ids: frozenset[str]
     scales: tuple[int, ...]
     profile_dir: Path | None = None
+    gc_promotes: int | None = None  # the gc workload's, instead of GC_PROMOTES[size]
     _synthetic: dict[int, Tree] = field(default_factory=dict)
 
     @cached_property
@@ -670,9 +671,10 @@ def scaling(b: Bench, s: System) -> list[Result]:
 
 @workload("rametfs")
 def gc(b: Bench, s: System) -> list[Result]:
-    """gc-promote: seconds of each of GC_PROMOTES[size] promotes of a synthetic tree of
-    GC_FILES[size] files, each in a fresh execution of the last promote with GC_SHARE of
-    the files changed (one line appended); then gc-forget: ``forget --keep-last GC_KEEP``;
+    """gc-promote: seconds of each of GC_PROMOTES[size] (``--gc-promotes``) promotes of a
+    synthetic tree of GC_FILES[size] files, each in a fresh execution of the last promote
+    with GC_SHARE of the files changed (one line appended); then gc-forget: ``forget
+    --keep-last GC_KEEP``;
     gc: the gc after it, ``bytes`` the LMDB values it deleted (what the store reuses);
     gc-compact: the offline ``rametfs gc --compact`` (daemon stopped), ``after_bytes`` the
     metadata file it leaves.  One sample each: the workload destroys what it measures."""
@@ -682,7 +684,7 @@ def gc(b: Bench, s: System) -> list[Result]:
     head = s.snapshots[tree.name]
     changed = max(1, round(len(tree.files) * GC_SHARE))
     promotes = []
-    for i in range(GC_PROMOTES[b.size.name]):
+    for i in range(b.gc_promotes or GC_PROMOTES[b.size.name]):
         execution = s.ramet.create(head)
         change_files(execution.path, tree.sample(changed, seed=i), f"promote {i}")
         start = time.perf_counter()
@@ -697,7 +699,7 @@ def gc(b: Bench, s: System) -> list[Result]:
     start = time.perf_counter()
     report = s.ramet.gc()
     gc_s = time.perf_counter() - start
-    file_bytes = meta.stat().st_size
+    file_bytes, used_after = meta.stat().st_size, disk_usage([s.data])
     s.stop()  # compaction is offline
     try:
         start = time.perf_counter()
@@ -716,7 +718,7 @@ def gc(b: Bench, s: System) -> list[Result]:
             "contents": report["contents"], "trees": report["trees"],
             "cache_bytes": report["cache_bytes"], "kept_contents": report["kept_contents"],
             "data_dir_bytes_before": used_before,
-            "data_dir_bytes_after": disk_usage([s.data])}),
+            "data_dir_bytes_after": used_after}),
         Result("gc-compact", s.id, [compact_s], extra={
             "before_bytes": file_bytes, "after_bytes": meta.stat().st_size}),
     ]
