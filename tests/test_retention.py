@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import cli_where, run
+from conftest import cli_where, ctl_command, run
 from rametfs.client import Ramet, RametError
 from rametfs.core.retention import Duration, Policy, plan
 from rametfs.errors import InvalidArgument
@@ -184,6 +184,19 @@ def test_forget_without_a_rule_or_with_a_bad_one_is_einval(own, tmp_path, args, 
     assert got.returncode == 4, got.stderr  # EINVAL
     assert got.stderr.startswith(f"rametfs: {message}")
     assert len(own.snapshots()) == 1
+
+
+def test_an_execution_cannot_forget_anything(shared_daemon, tmp_path):
+    ramet = Ramet(shared_daemon.mnt)
+    base = snapshots_of(ramet, tmp_path, 2)[0]
+    ex = ramet.create(base)
+    before = [s["id"] for s in ramet.snapshots()]
+    with pytest.raises(OSError) as info:
+        ctl_command(ex.path / ".ramet" / "ctl", "forget --keep-last 1")
+    assert info.value.errno == errno.EINVAL
+    assert info.value.reply["error"].startswith(
+        "forget: a command of the root .ramet/ctl, at the top of the mount (the harness's)")
+    assert [s["id"] for s in ramet.snapshots()] == before
 
 
 # ----- log EXECUTION, equal trees ---------------------------------------------------------
