@@ -650,11 +650,11 @@ class Control:
                 "last": execution_reply(self.last.get(ex.id))}
 
     def execution_json(self, ex: Execution) -> dict:
-        """The root scope's record of ``ex``: its view, its pool fields, why it failed, its
-        stored policy and recorded runtime, its whole last reply, its path and its access
-        settings."""
+        """The root scope's record of ``ex``: its view, its pool fields, why it failed, how
+        many of its requests wait on its freeze, its stored policy and recorded runtime, its
+        whole last reply, its path and its access settings."""
         return {**self.pools.member_json(ex.id), **self.execution_view(ex),
-                "failure": ex.failure, "policy": policy.shown(ex.policy),
+                "failure": ex.failure, "waiting": ex.waiting, "policy": policy.shown(ex.policy),
                 "runtime": ex.runtime, "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
                 **ex.access.to_json()}
