@@ -1086,10 +1086,12 @@ class Overlay:
         """Count ``stored`` bytes a capture ``ex`` asked for itself puts in the store against
         its ``--max-bytes`` until its next reset (:attr:`Execution.captured_bytes`); EDQUOT
         when they do not fit, and then nothing is counted.  So an agent's checkpoints cannot
-        fill the store, while the harness's captures are never refused."""
+        fill the store, while the harness's captures are never refused.  ``stored`` must not
+        depend on what else the store holds (ChunkWriter.added_bytes, not new_bytes): the
+        agent reads the count and sees the EDQUOT."""
         if self._room(ex, stored) < stored:
             raise fs_error(errno.EDQUOT, f"execution {ex.id}: the capture stores {stored} "
-                                         f"new bytes, more than is left of its "
+                                         f"bytes, more than is left of its "
                                          f"{ex.access.max_bytes} (--max-bytes)")
         ex.captured_bytes += stored
 

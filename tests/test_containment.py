@@ -851,6 +851,26 @@ def test_an_agents_own_captures_count_against_its_max_bytes(daemon, tmp_path):
     assert daemon.exec_ctl(eid, "checkpoint")["ok"]
 
 
+def test_what_a_capture_is_charged_tells_nothing_of_other_executions(daemon, tmp_path):
+    """An agent guessing another execution's page: were it charged what the store did not
+    hold yet (new chunks), its captured_bytes or an EDQUOT would say which guess another
+    execution stored (issue 16.5's side channel, through the quota).  It is charged the page
+    bytes it captures, stored before or not."""
+    from rametfs.capture import CAPTURE_BYTES
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    secret = b"DB_PASS=pw4821\n" * 4096  # 60 KiB: one page
+    victim = daemon.create(snap)
+    (daemon.exec_path(victim) / "secret").write_bytes(secret)
+    daemon.ctl(f"checkpoint {victim}")  # the page is in the store now
+    charged = {}
+    for guess in (secret, b"DB_PASS=pw0000\n" * 4096):
+        agent = daemon.ctl(f"create {snap} --max-bytes {MIB}")["execution"]
+        (daemon.exec_path(agent) / "guess").write_bytes(guess)
+        assert daemon.exec_ctl(agent, "checkpoint")["ok"]
+        charged[guess] = daemon.exec_status(agent)["captured_bytes"]
+    assert list(charged.values()) == [len(secret) + CAPTURE_BYTES] * 2
+
+
 async def test_store_flushes_are_group_commits(tmp_path):
     """Overlay.sync_store: ten callers at once make at most two flushes, and each returns
     only after a flush that started after its call."""
