@@ -199,8 +199,9 @@ class Execution(View):
         self.captured_bytes = 0  # stored by captures it asked for since its reset (charge)
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
-        # changed (Overlay.clock).
+        # changed (clock: its own count of changes, so a token tells nothing of the others').
         self.changes: dict[int | tuple[int, bytes], int] = {}
+        self.clock = 0
         self.changes_floor = 0  # tokens from before this clock no longer say what changed
         # Names the kernel was told do not exist in the root (cached negative dentries),
         # which a reset must make it forget; below the root, dropping the root's names does.
@@ -446,7 +447,6 @@ class Overlay:
         self.syncing: trio.Event | None = None
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
-        self.clock = 0  # counts changes to executions (Execution.changes)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
@@ -940,16 +940,16 @@ class Overlay:
             ex.failure = reason
 
     def _changed(self, ex: Execution, key: int | tuple[int, bytes]) -> None:
-        self.clock += 1
+        ex.clock += 1
         if len(ex.changes) >= MAX_CHANGES and key not in ex.changes:
             # Forget them: a token from before now answers "everything may differ", which
             # git's fsmonitor protocol allows (a full scan), and memory stays bounded.
-            ex.changes, ex.changes_floor = {}, self.clock
-        ex.changes[key] = self.clock
+            ex.changes, ex.changes_floor = {}, ex.clock
+        ex.changes[key] = ex.clock
 
     def fsmonitor_token(self, ex: Execution) -> str:
         """An opaque token for "now" in ``ex``, for :meth:`changed_since_steps`."""
-        return f"rametfs:{self.boot}:{ex.layer}:{self.clock}"
+        return f"rametfs:{self.boot}:{ex.layer}:{ex.clock}"
 
     async def changed_since_in_slices(self, ex: Execution, token: str,
                                       shown: Callable[[bytes], bytes | None],
