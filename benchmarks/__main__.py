@@ -39,16 +39,21 @@ def _names(value: str | None) -> list[str] | None:
               help="Promotes of the gc workload (default: 20, 200, 1,000 by size).")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Profile the rametfs daemon with py-spy during extra runs of git-status, "
-                   "find-warm, walk-warm, read-warm, seqread-warm; collapsed stacks go here.")
+                   "find-warm, walk-warm, read-warm, seqread-warm, and during each "
+                   "isolation case; collapsed stacks go here.")
+@click.option("--many-files", type=click.IntRange(1), metavar="N",
+              help="Files of the isolation and rss-cycles workloads (default by size: "
+                   "isolation 1,000 / 20,000 / 200,000, rss-cycles 500 / 20,000 / 100,000).")
 def main(size: str, repeat: int, out: Path, only: str | None, systems: str | None,
          workdir: Path, scale_1m: bool, profile_dir: Path | None,
-         gc_promotes: int | None) -> None:
+         many_files: int | None, gc_promotes: int | None) -> None:
     """Benchmark rametfs against native ext4, overlayfs, fuse-overlayfs, cp -a and
     git worktree (issue 4), and against its own fallback mode (issue 7).  Needs root for
     overlayfs, the xfs image of fallback-reflink and the cold runs."""
     try:
         report = run(size, repeat, _names(only), _names(systems), workdir.resolve(),
-                     scale_1m=scale_1m, profile_dir=profile_dir, gc_promotes=gc_promotes)
+                     scale_1m=scale_1m, profile_dir=profile_dir, many_files=many_files,
+                     gc_promotes=gc_promotes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     rep.add_ratios(report)

@@ -114,6 +114,33 @@ def _fsmonitor(report: dict):
     return (r["median"] / native["median"], "") if r and native else None
 
 
+def _isolation_worst(report: dict):
+    """The worst bystander round over every hostile case (isolation-*), the case it came
+    under, and how many cases missed 50 ms."""
+    found = [(r["extra"]["worst_ms"], r["workload"].removeprefix("isolation-"))
+             for r in report["results"]
+             if r["system"] == "rametfs" and r["workload"].startswith("isolation-")]
+    if not found:
+        return None
+    worst, case = max(found)
+    missed = sum(1 for ms, _ in found if ms >= 50)
+    return worst, f"under {case}; {missed} of {len(found)} cases at 50 ms or more"
+
+
+def _heap_growth(report: dict):
+    """How much the daemon's heap (RssAnon) after the later resets of rss-cycles exceeds
+    the heap after the first: 0 when memory returns to the same baseline every cycle."""
+    resets = sorted((int(m[1]), r["extra"]["anon_bytes"]) for r in report["results"]
+                    if r["system"] == "rametfs"
+                    and (m := re.fullmatch(r"rss-cycle(\d+)-reset", r["workload"])))
+    if len(resets) < 2:
+        return None
+    first = resets[0][1]
+    return (max(anon for _, anon in resets) - first) / MB, (
+        f"after reset 1: {first / MB:.0f} MB, after reset {resets[-1][0]}: "
+        f"{resets[-1][1] / MB:.0f} MB")
+
+
 GOALS = [
     Goal("fork < 5 ms at every tree size", "ms", 5, _worst_at_every_size("fork")),
     Goal("reset < 5 ms at every tree size", "ms", 5, _worst_at_every_size("reset")),
@@ -138,6 +165,10 @@ GOALS = [
     Goal("16 executions changing 1% each store <= 1.1x (base + changed bytes)", "x", 1.1,
          _extra("stored-16x1%", "ratio")),
     Goal("daemon RSS < 200 MB with 1000 executions", "MB", 200, _median("rss-1000", MB)),
+    Goal("a bystander's stat + create + write + unlink < 50 ms under every hostile case "
+         "(issue 15)", "ms", 50, _isolation_worst),
+    Goal("daemon heap back to the same baseline after every create + reset cycle: growth "
+         "over the first cycle's < 5 MB (issue 15)", "MB", 5, _heap_growth),
 ]
 
 
@@ -179,7 +210,7 @@ def table(report: dict) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4]
              for row in rows]
     lines.append("")
-    lines.append("GOALS (issue 4)")
+    lines.append("GOALS (issues 4 and 15)")
     for g in report["goals"]:
         mark = {True: "met", False: "NOT MET", None: "-"}[g["met"]]
         value = "-" if g["value"] is None else f"{g['value']:.3g} {g['unit']}"
@@ -220,7 +251,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt_extra(key: str, value: float) -> str:
+def _fmt_extra(key: str, value: float | str) -> str:
+    if isinstance(value, str):  # what a hostile case's process said
+        return repr(value)
     if key.endswith("_bytes"):
         return f"{value / (1 << 20):.1f}MiB" if value >= 1 << 20 else f"{value:.0f}B"
     if isinstance(value, int):  # a count: files hashed, paths scanned
@@ -348,3 +381,35 @@ def profile_summary(path: Path, top: int = 12) -> dict:
                 sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
 
     return {"samples": samples, "self": ranked(self_counts), "total": ranked(total_counts)}
+
+
+def trio_thread_profile(path: Path, rate: float, top: int = 15) -> dict:
+    """Where the daemon's trio thread spent its time, from ``py-spy record --threads
+    --format raw`` output sampled at ``rate`` per second (idle samples, the loop waiting in
+    epoll, are not recorded): ``busy_s``, the seconds it was running; ``self``: the
+    innermost frames (with their lines) and their seconds; ``rametfs``: the seconds spent
+    in each rametfs function run by the event loop (its own and its callees' time; the
+    frames under trio's run loop, the daemon's start-up, left out), largest first.  Any
+    work there delays every request of every execution, since the trio thread serves them
+    all one at a time."""
+    self_counts: dict[str, int] = {}
+    total_counts: dict[str, int] = {}
+    samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not count.isdigit() or not frames[0].endswith(": MainThread"):
+            continue
+        n = int(count)
+        samples += n
+        self_counts[frames[-1]] = self_counts.get(frames[-1], 0) + n
+        loop = max((i for i, f in enumerate(frames) if "trio/_core/_run.py" in f), default=0)
+        for f in {re.sub(r":\d+\)$", ")", f) for f in frames[loop + 1:] if "rametfs/" in f}:
+            total_counts[f] = total_counts.get(f, 0) + n
+
+    def ranked(counts: dict[str, int]) -> list[list]:
+        return [[f, round(c / rate, 3)] for f, c in
+                sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"busy_s": round(samples / rate, 3), "self": ranked(self_counts),
+            "rametfs": ranked(total_counts)}

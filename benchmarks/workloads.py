@@ -10,6 +10,9 @@ execution; the daemon's hydration cache on disk stays, as it would in production
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
+import math
 import os
 import random
 import shutil
@@ -23,7 +26,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from rametfs import Execution
+
+from . import hostile
 from .fuse_trace import FuseTrace
+from .report import trio_thread_profile
 from .systems import Native, Rametfs, System, Unsupported, View, disk_usage
 from .trees import (BIG_FILE, MIB, BenchError, Size, Tree, big_tree, change_files, git,
                     make_git_repo, run, synthetic_tree, tarball)
@@ -49,6 +56,7 @@ GC_FILES = {"smoke": 1000, "small": 10_000, "full": 50_000}
 GC_SHARE = 0.01
 GC_KEEP = 10
 PROFILE_RUNS = 3
+PROFILE_RATE = 250  # py-spy samples per second
 
 
 @dataclass
@@ -79,6 +87,7 @@ class Bench:
     system_ids: frozenset[str]
     scales: tuple[int, ...]
     profile_dir: Path | None = None
+    many_files: int | None = None  # files of the isolation and rss-cycles workloads
     gc_promotes: int | None = None  # the gc workload's, instead of GC_PROMOTES[size]
     _synthetic: dict[int, Tree] = field(default_factory=dict)
 
@@ -126,17 +135,30 @@ class Bench:
         the daemon; its collapsed stacks go to ``<profile_dir>/<name>.txt``."""
         if self.profile_dir is None or not isinstance(system, Rametfs):
             return
+        with self.spying(system, name):
+            for _ in range(PROFILE_RUNS):
+                action()
+
+    @contextlib.contextmanager
+    def spying(self, system: System, name: str, threads: bool = False) -> Iterator[None]:
+        """With a profile directory and rametfs: ``py-spy record`` (non-blocking, so the
+        daemon is not paused) attached to the daemon during the block, its collapsed stacks
+        in ``<profile_dir>/<name>.txt``; ``threads``: each stack under its thread's name
+        (``MainThread`` is the trio thread).  Otherwise nothing."""
+        if self.profile_dir is None or not isinstance(system, Rametfs):
+            yield
+            return
         py_spy = Path(sys.executable).with_name("py-spy")
         out = self.profile_dir / f"{name}.txt"
         # cwd outside the mount: py-spy started with its cwd on the mount it samples hangs.
         proc = subprocess.Popen(
             [str(py_spy if py_spy.exists() else "py-spy"), "record", "--nonblocking",
-             "--format", "raw", "--rate", "250", "-o", str(out), "-p", str(system.pid)],
+             "--format", "raw", "--rate", str(PROFILE_RATE), *["--threads"] * threads,
+             "-o", str(out), "-p", str(system.pid)],
             cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             time.sleep(1.0)  # py-spy attaches and starts sampling
-            for _ in range(PROFILE_RUNS):
-                action()
+            yield
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
@@ -666,6 +688,185 @@ def scaling(b: Bench, s: System) -> list[Result]:
         results.append(Result("scale-fork", s.id, forks, files=files))
         results.append(_after_changes(b, s, tree, "scale-reset", s.reset, files))
         results.append(_after_changes(b, s, tree, "scale-promote", s.promote, files))
+    return results
+
+
+# ----- isolation and memory (issue 15) ---------------------------------------------------
+
+ISOLATION_FILES = {"smoke": 1000, "small": 20_000, "full": 200_000}  # --many-files
+FLOOD_SECONDS = {"smoke": 1.0, "small": 5.0, "full": 10.0}
+FLOOD_WRITERS = 8
+FLOOD_WRAP = 256 * MIB  # each writer's file stays below this (its writes go round)
+XATTRS = 1233  # setxattr calls of the xattr case
+XATTR_BYTES = 64 << 10
+EXT4_MAX_FILE = 16 << 40  # rametfs's default --max-file-size is this less one page
+REPEAT_BUDGET_S = 30.0  # a repeatable case stops repeating after this, probes or not
+STALL_GOAL_S = 0.050
+
+
+def _hostile_case(b: Bench, s: Rametfs, probe: hostile.Probe, name: str,
+                  action: Callable[[], str], repeat: bool = True) -> Result:
+    """Result ``isolation-<name>``: the seconds of each probe round that started while
+    ``action()`` (the hostile case) ran.  A ``repeat`` case runs again until
+    :data:`hostile.MIN_PROBES` rounds started or :data:`REPEAT_BUDGET_S` passed; a case
+    shorter than one round gets the round after it.  ``extra``: ``worst_ms``, ``p99_ms``,
+    ``probes``, ``case_s`` (the first run's seconds), ``runs`` and ``outcome`` (what the
+    case's process said).  With ``--profile``: py-spy during it, ``isolation-<name>.txt``,
+    and where the trio thread spent its time, ``isolation-<name>.json``."""
+    with b.spying(s, f"isolation-{name}", threads=True):
+        start = time.monotonic()
+        outcome = action()
+        seconds = time.monotonic() - start
+        runs = 1
+        while (repeat and probe.count(start) < hostile.MIN_PROBES
+               and time.monotonic() - start < REPEAT_BUDGET_S):
+            action()
+            runs += 1
+        probe.wait_for(start, 1)
+        until = time.monotonic()
+    if b.profile_dir is not None:
+        summary = trio_thread_profile(b.profile_dir / f"isolation-{name}.txt", PROFILE_RATE)
+        (b.profile_dir / f"isolation-{name}.json").write_text(json.dumps(summary, indent=1))
+    latencies = sorted(probe.latencies(start, until))
+    p99 = latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)]
+    return Result(f"isolation-{name}", s.id, latencies, extra={
+        "worst_ms": latencies[-1] * 1e3, "p99_ms": p99 * 1e3, "probes": len(latencies),
+        "case_s": seconds, "runs": runs, "outcome": outcome})
+
+
+def _reset_collected(s: Rametfs, ex: Execution, written: str) -> tuple[float, float]:
+    """Reset ``ex`` and wait until the daemon collected the dropped layer (its upper
+    directory, found from ``written``, a file with data in ``ex``, gone); returns (seconds
+    of the reset command, seconds of the collection)."""
+    layer = hostile.layer_of(s.data, ex.path / written)
+    reset_s = timed(ex.reset)
+    return reset_s, hostile.wait_collected(s.data, {layer})
+
+
+@workload("rametfs")
+def isolation(b: Bench, s: System) -> list[Result]:
+    """isolation-<case>: while execution A runs each hostile case, a bystander probe in
+    execution B (:mod:`benchmarks.hostile`) times stat + create + write 4 KiB + close +
+    unlink, every 5 ms; the samples are those rounds' seconds (issue 15.3: the worst of at
+    least 100 under 50 ms).  ``--many-files`` (default by size: ISOLATION_FILES) files
+    make the big cases."""
+    assert isinstance(s, Rametfs)
+    tree = b.synthetic(100)
+    s.prepare(tree)
+    files = b.many_files or ISOLATION_FILES[b.size.name]
+    hostile_ex = s.ramet.create(s.snapshots[tree.name], policy="tree")
+    bystander = s.ramet.create(s.snapshots[tree.name])
+    a = hostile_ex.path
+    results: list[Result] = []
+    xattr_files = itertools.count()
+
+    def sparse_checkpoint() -> str:
+        too_big = hostile.shell(a, f"truncate -s {EXT4_MAX_FILE} sparse")
+        hostile.shell(a, f"truncate -s {EXT4_MAX_FILE - PAGE} sparse", ok=True)
+        seconds = timed(hostile_ex.checkpoint)
+        return f"16 TiB: {too_big}; 16 TiB - 4 KiB: ok; checkpoint {seconds:.3f} s"
+
+    def captured(capture: Callable[[], str]) -> Callable[[], str]:
+        def run() -> str:
+            seconds = timed(capture)
+            stats = hostile_ex.status()["last"]["stats"]
+            return f"{stats.get('changed_files')} changed files in {seconds:.2f} s"
+        return run
+
+    def reset() -> str:
+        reset_s, collected_s = _reset_collected(s, hostile_ex, "many/f0")
+        return f"reset {reset_s * 1e3:.0f} ms, collected {collected_s:.2f} s later"
+
+    def create() -> str:
+        return hostile.python(a, hostile.CREATE_FILES, "many", files)
+
+    try:
+        with hostile.Probe(bystander.path, tree.files[0]) as probe:
+            def case(name: str, action: Callable[[], str], repeat: bool = True) -> None:
+                results.append(_hostile_case(b, s, probe, name, action, repeat))
+
+            case("policy-2g", lambda: hostile.shell(
+                a, "truncate -s 2G ramet.toml && cat .ramet/preview"))
+            case("touch-2600", lambda: hostile.shell(
+                a, "touch -d 2600-01-01T00:00:00Z f && t=$(stat -c %Y f) && "
+                   "echo \"mtime $t, $(date -u -d @$t +%FT%TZ)\""))
+            case("setxattr", lambda: hostile.python(
+                a, hostile.SETXATTRS, f"xattrs-{next(xattr_files)}", XATTRS, XATTR_BYTES))
+            case("truncate-16t", sparse_checkpoint)
+            case("write-flood", lambda: hostile.write_flood(
+                a, FLOOD_WRITERS, FLOOD_SECONDS[b.size.name], FLOOD_WRAP), repeat=False)
+            _reset_collected(s, hostile_ex, "flood-0")
+            case(f"create-{files}", create, repeat=False)
+            case("ls-ramet", lambda: hostile.shell(a, "ls .ramet | tr '\\n' ' '"))
+            case("cat-diff", lambda: hostile.shell(a, "cat .ramet/diff | wc -l"))
+            case("cat-status", lambda: hostile.shell(a, "cat .ramet/status | wc -c"))
+            case("checkpoint", captured(hostile_ex.checkpoint), repeat=False)
+            case("promote", captured(hostile_ex.promote), repeat=False)
+            case("ls-f", lambda: hostile.shell(a, "ls -f many | wc -l"), repeat=False)
+            case("rm-rf", lambda: hostile.shell(a, "rm -rf many && echo removed"),
+                 repeat=False)
+            create()
+            case("reset", reset, repeat=False)
+    finally:
+        for ex in (hostile_ex, bystander):
+            s.ramet.release(ex)
+    return results
+
+
+RSS_CYCLES = {"smoke": (3, 500), "small": (10, 20_000), "full": (10, 100_000)}  # (cycles, files)
+EXECUTION_CYCLES = {"smoke": 50, "small": 500, "full": 1000}
+SETTLE_S = 0.5  # after the collection, for the daemon to give the memory back
+
+
+@workload("rametfs")
+def rss_cycles(b: Bench, s: System) -> list[Result]:
+    """rss-cycle<i>-created, -reset: the daemon's memory (a fresh daemon) after each of
+    RSS_CYCLES cycles of creating files (one write of 100 bytes each, in one directory)
+    in one execution, then a reset, waited on until the dropped layer is collected (its
+    upper directory gone); rss-cycles-released: after creating them once more and
+    releasing the execution; rss-after-<n>-executions: after n executions were each
+    created, used (a status read, a file written) and released.  Issue 15.5: memory
+    returns to its baseline.  ``--many-files`` overrides the files per cycle."""
+    assert isinstance(s, Rametfs)
+    tree = b.synthetic(100)
+    s.prepare(tree)
+    s.restart()
+    cycles, files = RSS_CYCLES[b.size.name]
+    files = b.many_files or files
+    results = []
+
+    def measure(name: str, **extra: float) -> None:
+        time.sleep(SETTLE_S)
+        memory = s.memory()
+        results.append(Result(name, s.id, [memory["rss"]], unit="B", extra={
+            "anon_bytes": memory["anon"], "file_bytes": memory["file"], **extra}))
+
+    ex = s.ramet.create(s.snapshots[tree.name])
+    os.stat(ex.path)
+    measure("rss-cycles-start")
+    try:
+        for i in range(1, cycles + 1):
+            create_s = timed(hostile.python, ex.path, hostile.CREATE_FILES, "many", files)
+            measure(f"rss-cycle{i}-created", files=files, create_s=create_s)
+            reset_s, collect_s = _reset_collected(s, ex, "many/f0")
+            measure(f"rss-cycle{i}-reset", reset_s=reset_s, collect_s=collect_s)
+        hostile.python(ex.path, hostile.CREATE_FILES, "many", files)
+        layers = {hostile.layer_of(s.data, ex.path / "many/f0")}
+    finally:
+        s.ramet.release(ex)
+    hostile.wait_collected(s.data, layers)
+    measure("rss-cycles-released", files=files)
+
+    count = EXECUTION_CYCLES[b.size.name]
+    layers = set()
+    for _ in range(count):
+        ex = s.ramet.create(s.snapshots[tree.name])
+        (ex.path / ".ramet" / "status").read_bytes()
+        (ex.path / "written.txt").write_bytes(b"x")
+        layers.add(hostile.layer_of(s.data, ex.path / "written.txt"))
+        s.ramet.release(ex)
+    hostile.wait_collected(s.data, layers)
+    measure(f"rss-after-{count}-executions")
     return results
 
 

@@ -642,7 +642,8 @@ class Control:
             self.pools.held(eid, holder)
             reset_ms = await self._reset_layer(ex)
             try:
-                result = (await verify(self.overlay, ex, mode, run.token)).to_json()
+                verification = await verify(self.overlay, ex, mode, run.token)
+                result = await in_slices(verification.json_steps())
                 reason = pools.quarantine_reason(result)
             except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
                 result, reason = None, pools.failure_reason(mode, exc)
@@ -655,7 +656,8 @@ class Control:
 
     async def _verify(self, ex: Execution, args: dict) -> dict:
         mode = protocol.parse_verify_mode(args.get("mode", ROOT))
-        result = (await verify(self.overlay, ex, mode, self._token(ex))).to_json()
+        verification = await verify(self.overlay, ex, mode, self._token(ex))
+        result = await in_slices(verification.json_steps())
         reason = pools.quarantine_reason(result)
         settled = self.pools.verified(ex.id, reason)
         if settled is not None:
@@ -682,11 +684,11 @@ class Control:
                 "last": execution_reply(self.last.get(ex.id))}
 
     def execution_json(self, ex: Execution) -> dict:
-        """The root scope's record of ``ex``: its view, its pool fields, why it failed, its
-        stored policy and recorded runtime, its whole last reply, its path and its access
-        settings."""
+        """The root scope's record of ``ex``: its view, its pool fields, why it failed, how
+        many of its requests wait on its freeze, its stored policy and recorded runtime, its
+        whole last reply, its path and its access settings."""
         return {**self.pools.member_json(ex.id), **self.execution_view(ex),
-                "failure": ex.failure, "policy": policy.shown(ex.policy),
+                "failure": ex.failure, "waiting": ex.waiting, "policy": policy.shown(ex.policy),
                 "runtime": ex.runtime, "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
                 **ex.access.to_json()}

@@ -8,6 +8,8 @@ mounted but dead on purpose: an empty-looking directory invites tools to delete 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import math
 import os
@@ -44,6 +46,18 @@ def _lock_data_dir(data_dir: str, mountpoint: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n{mountpoint}\n".encode(), 0)
     return fd
+
+
+def _freeze_survivors(phase: str, info: dict) -> None:
+    """A ``gc.callbacks`` hook: after a full collection, move what survived it to the
+    permanent generation (``gc.freeze``), so the next full collection traverses only objects
+    made since, not every node and tree entry the daemon holds: each one stopped the trio
+    thread, and every request, 0.2-1 s with a few 100,000-name trees held (docs/concurrency.md).
+    The price: a reference cycle among objects that outlived a full collection is never
+    freed; the daemon's records (nodes, entries, trees) form no cycles, and reference
+    counting frees them as before."""
+    if phase == "stop" and info["generation"] == 2:
+        gc.freeze()
 
 
 def plain_mode_reason() -> str | None:
@@ -83,13 +97,40 @@ async def _guarded(name: str, task, *args) -> None:
             await trio.sleep(delay)
 
 
+# The memory of dropped nodes goes back to the system once they are all dropped, when at
+# least TRIM_NODES went since the last time.  pymalloc hands back a 1 MiB arena only once
+# every object in it is gone; objects over 512 bytes (dict, set and list tables, long
+# names) come from glibc's malloc, which keeps freed pages until ``malloc_trim``.  Heap
+# (RssAnon, MiB) after each of 10 cycles of 20,000 files created and reset, from 24 at
+# start (docs/benchmarks.md, rss-cycles): 37-52 with the trim, 44-59 without; glibc's malloc
+# for everything (PYTHONMALLOC=malloc) with the trim kept 56-59 and cost the daemon 20%
+# more CPU (untar 9%, a cold read of every file 75%), so pymalloc stays.  Not after each
+# batch of drop_stale_nodes: a batch frees nodes all over the heap, and few pages are
+# wholly free before the last one.  The trim holds the arena's lock while it works (tens
+# of ms after 100,000 nodes), so it runs in a worker thread.
+TRIM_NODES = 10_000
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+
+
+def _give_back_memory() -> None:
+    """Return the free pages of the C heap to the system (glibc ``malloc_trim(0)``; a no-op
+    elsewhere).  Blocking: run it in a worker thread."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 async def _collect_dead_layers(overlay: Overlay) -> None:
-    """Free what reset and release left behind, in the background: the nodes, then the
-    records and upper data of dead layers."""
+    """Free what reset and release left behind, in the background: the nodes (their memory
+    given back, see :data:`TRIM_NODES`), then the records and upper data of dead layers."""
+    dropped = 0  # nodes freed since the memory was last given back
     while True:
         overlay.dead_layers = trio.Event()
-        while overlay.drop_stale_nodes():
+        while overlay.stale_inos:
+            dropped += overlay.drop_stale_nodes()
             await trio.sleep(0)
+        if dropped >= TRIM_NODES:
+            dropped = 0
+            await trio.to_thread.run_sync(_give_back_memory)
         while (batch := overlay.collect_dead_layer()) is not None:
             FAULTS.check("task:dead-layers")
             layer, records_left = batch
@@ -269,10 +310,12 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
     if reason is not None:
         log.info("%s", PLAIN_MODE_NOTE.format(reason=reason))
     clean = False
+    gc.callbacks.append(_freeze_survivors)
     try:
         trio.run(_serve, overlay, ops.control)
         clean = True
     finally:
+        gc.callbacks.remove(_freeze_survivors)
         if clean:
             _flush_each(overlay)
         pyfuse3.close(unmount=clean)

@@ -420,6 +420,17 @@ class Operations(pyfuse3.Operations):
             ino = d.ino
         return self.virtual[ino]
 
+    def _drop_released_control_dirs(self) -> None:
+        """Forget the ``.ramet/`` directories of released executions, which would otherwise
+        pile up, one per execution ever used (the kernel's inodes of them are stale since,
+        as the rest of the execution's; their files' generations go at their forgets).  A
+        release that ran beside a create is caught by the next release."""
+        for root_ino, ino in list(self.exec_control.items()):
+            d = self.virtual.get(ino)
+            if d is None or self.overlay.executions.get(d.execution.id) is not d.execution:
+                del self.exec_control[root_ino]
+                self.virtual.pop(ino, None)
+
     def _execution_of(self, v: ControlSlot | Virtual) -> Execution:
         """The execution of control file ``v``; NotFound (ENOENT) once released, even when
         an execution was made since under its name (that is another one)."""
@@ -889,6 +900,7 @@ class Operations(pyfuse3.Operations):
             return len(buf)
         # One write is one command: a quoted argument may hold a newline.
         line = b"promote" if v.kind == protocol.PROMOTE else buf
+        executions = len(self.overlay.executions)
         try:
             if v.execution is None:
                 reply = await self.control.run_root(line)
@@ -896,6 +908,8 @@ class Operations(pyfuse3.Operations):
                 reply = await self.control.run_execution(self._execution_of(v), line)
         except RametError as exc:
             reply = {"ok": False, "errno": exc.errno, "error": str(exc)}
+        if len(self.overlay.executions) < executions:  # a release (or a pool's drop)
+            self._drop_released_control_dirs()
         for listing in (SNAPSHOTS, EXECUTIONS):  # a command may add or remove entries
             self.virtual[listing].changed()
         await self._invalidate([(SNAPSHOTS, b""), (EXECUTIONS, b"")])

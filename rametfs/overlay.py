@@ -199,8 +199,9 @@ class Execution(View):
         self.captured_bytes = 0  # stored by captures it asked for since its reset (charge)
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
-        # changed (Overlay.clock).
+        # changed (clock: its own count of changes, so a token tells nothing of the others').
         self.changes: dict[int | tuple[int, bytes], int] = {}
+        self.clock = 0
         self.changes_floor = 0  # tokens from before this clock no longer say what changed
         # Names the kernel was told do not exist in the root (cached negative dentries),
         # which a reset must make it forget; below the root, dropping the root's names does.
@@ -446,19 +447,25 @@ class Overlay:
         self.syncing: trio.Event | None = None
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
-        self.clock = 0  # counts changes to executions (Execution.changes)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
         """Entries of base tree ``tid`` (immutable, so cached: at most :data:`TREE_ENTRIES`
         entries in all, the least recently used trees going first)."""
+        return run_steps(self.tree_steps(tid))
+
+    def tree_steps(self, tid: bytes) -> Steps[dict[bytes, Entry]]:
+        """:meth:`tree` as steps: one not kept is decoded a batch of names a step
+        (``Store.tree_steps``)."""
         entries = self.trees.get(tid)
         if entries is None:
-            return self._keep_tree(tid, self.store.tree(tid))
+            return self._keep_tree(tid, (yield from self.store.tree_steps(tid)))
         self.trees.move_to_end(tid)
         return entries
 
     def _keep_tree(self, tid: bytes, entries: dict[bytes, Entry]) -> dict[bytes, Entry]:
+        if tid in self.trees:  # decoded meanwhile by another walk
+            return self.trees[tid]
         self.trees[tid] = entries
         self.tree_entries += len(entries)
         while self.tree_entries > TREE_ENTRIES and len(self.trees) > 1:
@@ -515,8 +522,10 @@ class Overlay:
         if isinstance(view, Execution):
             view.changes, view.negative_root = {}, set()
 
-    def drop_stale_nodes(self, budget: int = 10000) -> bool:
-        """Free up to ``budget`` nodes of dropped layers; True when some are left."""
+    def drop_stale_nodes(self, budget: int = 10000) -> int:
+        """Free up to ``budget`` nodes of dropped layers; returns how many were freed (call
+        again while :attr:`stale_inos` is not empty)."""
+        freed = 0
         while self.stale_inos and budget:
             inos = self.stale_inos[-1]
             while inos and budget:
@@ -526,9 +535,10 @@ class Overlay:
                 if node is not None and not self.is_live(node):
                     del self.nodes[ino]
                     self.upper_fds.close(node)
+                    freed += 1
             if not inos:
                 self.stale_inos.pop()
-        return bool(self.stale_inos)
+        return freed
 
     # -- snapshots -----------------------------------------------------------------------
 
@@ -561,7 +571,6 @@ class Overlay:
         if ex.waiting >= MAX_WAITING:
             raise fs_error(errno.EAGAIN, f"execution {ex.id} has {ex.waiting} requests "
                                          f"waiting for its promote")
-        layer = ex.layer  # the root keeps its inode across a reset: compare the layer too
         ex.waiting += 1
         try:
             while ex.freezes:
@@ -569,9 +578,6 @@ class Overlay:
         finally:
             ex.waiting -= 1
         self._check_live(node)
-        if ex.layer != layer:
-            raise fs_error(errno.ESTALE, f"execution {ex.id} was reset while inode "
-                                         f"{node.ino} waited")
 
     def snapshot_view(self, sid: str) -> SnapshotView:
         """The view of snapshot ``sid``, its full id as the store spells it (64 lower-case hex
@@ -827,9 +833,8 @@ class Overlay:
         d = self.node(dir_ino)
         if not d.is_dir:
             raise fs_error(errno.ENOTDIR)
-        names: dict[bytes, Entry | int] = {}
-        if d.tree is not None:
-            names = dict(self.tree(d.tree))
+        base = (yield from self.tree_steps(d.tree)) if d.tree is not None else {}
+        upper: dict[bytes, int] = {}  # upper names in name order (the keys'): ino or WHITEOUT
         view = d.view
         if isinstance(view, Execution) and d.upper is not None:
             prefix = dentry_key(view.layer, dir_ino, b"")
@@ -839,32 +844,37 @@ class Overlay:
                     cur = txn.cursor(db=self.store.db["dentries"])
                     batch = list(itertools.islice(_prefixed(cur, prefix, start), LIST_STEP))
                 for key, value in batch:
-                    ino = from_u64(value)
-                    if ino == WHITEOUT:
-                        names.pop(key[len(prefix):], None)
-                    else:
-                        names[key[len(prefix):]] = ino
+                    upper[key[len(prefix):]] = from_u64(value)
                 if len(batch) < LIST_STEP:
                     break
                 start = batch[-1][0] + b"\0"  # the next key after the last one read
                 yield
                 self._check_live(d)
-        if isinstance(view, Execution) and dir_ino == view.root_ino:
-            names.pop(RESERVED, None)  # a base stored before the name was reserved
+        # A base stored before the name was reserved may hold it: never listed.
+        hidden = RESERVED if isinstance(view, Execution) and dir_ino == view.root_ino else None
         out = []
-        for i, name in enumerate(sorted(names), 1):
+        last = None
+        # Both are in name order: merged, not sorted (sorting 500,000 names is one long step).
+        for i, name in enumerate(heapq.merge(base, upper), 1):
+            if i % LIST_STEP == 0:
+                yield
+                self._check_live(d)
+            if name == last:
+                continue
+            last = name
+            item = upper.get(name)
+            if item == WHITEOUT or name == hidden:
+                continue
+            if item is None:
+                item = base[name]
             ino = view.dcache.get((dir_ino, name))
             node = self.nodes.get(ino) if ino is not None else None
             if node is None:
-                item = names[name]
                 if isinstance(item, int):
                     node = self._load_upper(view, item, dir_ino, name)
                 else:
                     node = self._base_child(d, name, item)
             out.append((name, node))
-            if i % LIST_STEP == 0:
-                yield
-                self._check_live(d)
         return out
 
     def _check_live(self, node: Node) -> None:
@@ -930,16 +940,16 @@ class Overlay:
             ex.failure = reason
 
     def _changed(self, ex: Execution, key: int | tuple[int, bytes]) -> None:
-        self.clock += 1
+        ex.clock += 1
         if len(ex.changes) >= MAX_CHANGES and key not in ex.changes:
             # Forget them: a token from before now answers "everything may differ", which
             # git's fsmonitor protocol allows (a full scan), and memory stays bounded.
-            ex.changes, ex.changes_floor = {}, self.clock
-        ex.changes[key] = self.clock
+            ex.changes, ex.changes_floor = {}, ex.clock
+        ex.changes[key] = ex.clock
 
     def fsmonitor_token(self, ex: Execution) -> str:
         """An opaque token for "now" in ``ex``, for :meth:`changed_since_steps`."""
-        return f"rametfs:{self.boot}:{ex.layer}:{self.clock}"
+        return f"rametfs:{self.boot}:{ex.layer}:{ex.clock}"
 
     async def changed_since_in_slices(self, ex: Execution, token: str,
                                       shown: Callable[[bytes], bytes | None],
@@ -1076,10 +1086,12 @@ class Overlay:
         """Count ``stored`` bytes a capture ``ex`` asked for itself puts in the store against
         its ``--max-bytes`` until its next reset (:attr:`Execution.captured_bytes`); EDQUOT
         when they do not fit, and then nothing is counted.  So an agent's checkpoints cannot
-        fill the store, while the harness's captures are never refused."""
+        fill the store, while the harness's captures are never refused.  ``stored`` must not
+        depend on what else the store holds (ChunkWriter.added_bytes, not new_bytes): the
+        agent reads the count and sees the EDQUOT."""
         if self._room(ex, stored) < stored:
             raise fs_error(errno.EDQUOT, f"execution {ex.id}: the capture stores {stored} "
-                                         f"new bytes, more than is left of its "
+                                         f"bytes, more than is left of its "
                                          f"{ex.access.max_bytes} (--max-bytes)")
         ex.captured_bytes += stored
 

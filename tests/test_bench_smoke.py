@@ -1,7 +1,8 @@
 """Smoke test of the benchmark suite (benchmarks/, tools/bench): the smallest size, fork,
-reset and promote only, on every system available here.  Not a timed test: it checks that the
-suite runs, cleans up after itself and writes a complete report.  Also the FUSE request tracer
-of the requests workload (benchmarks/fuse_trace.py)."""
+reset and promote on every system available here, and the isolation and rss-cycles
+workloads on rametfs.  Not a timed test: it checks that the suite runs, cleans up after
+itself and writes a complete report.  Also the FUSE request tracer of the requests workload
+(benchmarks/fuse_trace.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from conftest import require_fuse
 from benchmarks.fuse_trace import FuseTrace, parse
 from benchmarks.runner import mounts_under
 from benchmarks.systems import Unsupported
+from rametfs.store.format import TIME_MAX_S
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ["fork", "reset", "promote"]
@@ -122,3 +125,66 @@ def test_trace_counts_the_requests_of_the_mount_only(shared_daemon):
         os.close(fd)
     assert sent.counts == {"GETATTR": 5}  # attribute timeout 0: each fstat asks the daemon
     assert len(sent.latency_us["GETATTR"]) == 5
+
+
+def test_smoke_isolation_and_memory_cycles(tmp_path):
+    """The isolation workload's hostile cases each answer as their limit says, with a probe
+    round during each (at least 100 for the cases that repeat), and rss-cycles reports the
+    daemon's memory at every point; no latency or memory figure is judged here."""
+    require_fuse()
+    out, workdir = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--size", "smoke", "--repeat", "1",
+         "--only", "isolation,rss-cycles", "--systems", "rametfs", "--out", str(out),
+         "--workdir", str(workdir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "results.json").read_text())
+    assert report["errors"] == []
+    results = {r["workload"]: r for r in report["results"]}
+
+    cases = ["policy-2g", "touch-2600", "setxattr", "truncate-16t", "write-flood",
+             "create-1000", "ls-ramet", "cat-diff", "cat-status", "checkpoint", "promote",
+             "ls-f", "rm-rf", "reset"]
+    repeated = {"policy-2g", "touch-2600", "setxattr", "truncate-16t", "ls-ramet",
+                "cat-diff", "cat-status"}
+    isolation = [w.removeprefix("isolation-") for w in results if w.startswith("isolation-")]
+    assert isolation == cases
+    for case in cases:
+        r = results[f"isolation-{case}"]
+        extra = r["extra"]
+        assert extra["probes"] == len(r["samples"]) >= (100 if case in repeated else 1)
+        assert extra["worst_ms"] == max(r["samples"]) * 1e3 >= extra["p99_ms"] > 0
+        assert extra["case_s"] > 0 and extra["runs"] >= 1
+        assert (extra["runs"] == 1) == (case not in repeated)
+    outcome = {case: results[f"isolation-{case}"]["extra"]["outcome"] for case in cases}
+    assert outcome["policy-2g"] == "cat: .ramet/preview: Invalid argument"
+    max_s = (TIME_MAX_S, datetime.fromtimestamp(TIME_MAX_S, timezone.utc))
+    assert outcome["touch-2600"] == f"mtime {max_s[0]}, {max_s[1]:%Y-%m-%dT%H:%M:%SZ}"
+    assert outcome["setxattr"] == "0 set, refused: 1233 ENOSPC"
+    assert outcome["truncate-16t"].startswith(
+        "16 TiB: truncate: failed to truncate 'sparse' at 17592186044416 bytes: "
+        "File too large; 16 TiB - 4 KiB: ok; checkpoint ")
+    assert outcome["write-flood"].startswith("8 writers, ")
+    assert outcome["create-1000"].startswith("1000 files in ")
+    assert outcome["ls-ramet"] == "ctl diff error fsmonitor preview promote status"
+    assert outcome["cat-diff"] == "1001"  # the directory and its 1,000 files
+    assert outcome["checkpoint"].startswith("1000 changed files in ")
+    assert outcome["promote"].startswith("1000 changed files in ")
+    assert outcome["ls-f"] == "1000"  # rametfs lists no . and ..
+    assert outcome["rm-rf"] == "removed"
+    assert outcome["reset"].startswith("reset ")
+
+    points = ["rss-cycles-start"] + [f"rss-cycle{i}-{what}" for i in (1, 2, 3)
+                                     for what in ("created", "reset")] + [
+        "rss-cycles-released", "rss-after-50-executions"]
+    assert [w for w in results if w.startswith("rss-")] == points
+    for name in points:
+        r = results[name]
+        assert r["unit"] == "B" and r["samples"][0] > r["extra"]["anon_bytes"] > 0
+    assert results["rss-cycle1-created"]["extra"]["files"] == 500
+    goals = {g["goal"]: g for g in report["goals"]}
+    assert goals["a bystander's stat + create + write + unlink < 50 ms under every hostile "
+                 "case (issue 15)"]["value"] > 0
+    assert list(workdir.iterdir()) == []
+    assert mounts_under(tmp_path) == []

@@ -278,6 +278,20 @@ def test_release_removes_the_execution(shared_daemon, snap):
     assert caught.value.errno == errno.ENOENT
 
 
+def test_the_control_directory_of_a_released_execution_goes_with_it(shared_daemon, snap):
+    """A released execution's ``.ramet/`` is forgotten with it (the daemon used to keep one
+    per execution ever used): a handle on it is stale, as one on any of its directories."""
+    eid = shared_daemon.create(snap)
+    fd = os.open(shared_daemon.exec_path(eid) / ".ramet", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        shared_daemon.ctl(f"release {eid}")
+        with pytest.raises(OSError) as caught:  # listed there and then: nothing cached
+            os.listdir(fd)
+        assert caught.value.errno == errno.ESTALE
+    finally:
+        os.close(fd)
+
+
 def test_a_name_released_then_created_again_is_a_fresh_execution(shared_daemon, snap, source):
     name = f"again-{snap[:12]}"
     shared_daemon.ctl(f"create {snap} --name {name}")

@@ -287,7 +287,7 @@ def test_capture_reuses_unchanged_subtrees(model):
     cap = Capture(overlay, ex)
     plan = cap.plan()
     trio.run(cap.hash)
-    snap = cap.commit(plan, [ex.head], "l", "m", 0)
+    snap = trio.run(cap.commit, plan, [ex.head], "l", "m", 0)
     new_root = store.tree(snap.root.ref)
     old_root = store.tree(ex.base.root.ref)
     # dir holds the other name of small (a hard link), so it changes; its sub does not

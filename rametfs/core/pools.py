@@ -48,6 +48,7 @@ from ..authority import Access
 from ..errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
 from ..store import Store
 from ..store.catalog import LEASED, QUARANTINED, READY, Catalog, Lease, Member, PoolRecord
+from ..treewalk import Steps, mapped_steps, run_steps
 
 __all__ = ["LEASED", "QUARANTINED", "READY", "VERIFICATION_FAILURES", "Acquired", "NewMember",
            "Opened", "Pools", "Settled", "failure_reason", "quarantine_reason", "return_reply",
@@ -422,9 +423,16 @@ def verification_json(mode: str, root: str, base_root: str,
     "verify_ms", "differences": [[letter, path], ...]}``; ``root`` the tree id (hex) the
     execution holds, ``base_root`` its base's, ``differences`` as ``diff`` gives them (paths
     decoded as os.fsdecode does), ``verify_ms`` milliseconds."""
+    return run_steps(verification_json_steps(mode, root, base_root, differences, verify_ms))
+
+
+def verification_json_steps(mode: str, root: str, base_root: str,
+                            differences: list[tuple[str, bytes]], verify_ms: float
+                            ) -> Steps[dict]:
+    """:func:`verification_json` as steps (rametfs.treewalk.run_steps), one per difference."""
+    decoded = yield from mapped_steps(lambda d: [d[0], os.fsdecode(d[1])], differences)
     return {"mode": mode, "equal": not differences, "root": root, "base_root": base_root,
-            "verify_ms": verify_ms,
-            "differences": [[letter, os.fsdecode(path)] for letter, path in differences]}
+            "verify_ms": verify_ms, "differences": decoded}
 
 
 def quarantine_reason(verification: dict) -> str:
