@@ -431,8 +431,8 @@ class Control:
     async def _forget(self, args: dict) -> dict:
         policy = retention.policy_of(args)
         dry_run = protocol.yes_no("forget", "dry-run", args.get("dry-run"))
-        # On the trio thread, one transaction, as rm (a plan reads every snapshot record:
-        # about 10 us each, so 1,000 snapshots hold the loop ~10 ms).
+        # On the trio thread, one transaction, as rm; a plan reads every snapshot record
+        # (201 snapshots: 8 ms, the control round trip included: docs/benchmarks.md).
         reply = lifecycle.forget_snapshots(self.overlay.store, policy, dry_run,
                                            self._execution_uses())
         if not dry_run:
