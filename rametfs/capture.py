@@ -491,7 +491,7 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
         await cap.hash()
         await cap.digest_inputs()
         if charged:
-            overlay.charge(ex, cap.writer.new_bytes + CAPTURE_BYTES)
+            overlay.charge(ex, cap.writer.added_bytes + CAPTURE_BYTES)
         snap = await cap.commit(plan, [ex.head.id], label, message, started)
         cap.remember_contents()
         await overlay.sync_store()

@@ -207,8 +207,9 @@ class Execution(View):
         self.captured_bytes = 0  # stored by captures it asked for since its reset (charge)
         # What changed in this layer since the daemon started, for git's fsmonitor hook:
         # an inode number or a (parent inode, name) dentry -> the change clock when it last
-        # changed (Overlay.clock).
+        # changed (clock: its own count of changes, so a token tells nothing of the others').
         self.changes: dict[int | tuple[int, bytes], int] = {}
+        self.clock = 0
         self.changes_floor = 0  # tokens from before this clock no longer say what changed
         # Names the kernel was told do not exist in the root (cached negative dentries),
         # which a reset must make it forget; below the root, dropping the root's names does.
@@ -455,7 +456,6 @@ class Overlay:
         self.syncing: trio.Event | None = None
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
-        self.clock = 0  # counts changes to executions (Execution.changes)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
@@ -583,7 +583,6 @@ class Overlay:
         if ex.waiting >= MAX_WAITING:
             raise fs_error(errno.EAGAIN, f"execution {ex.id} has {ex.waiting} requests "
                                          f"waiting for its promote")
-        layer = ex.layer  # the root keeps its inode across a reset: compare the layer too
         ex.waiting += 1
         try:
             while ex.freezes:
@@ -591,9 +590,6 @@ class Overlay:
         finally:
             ex.waiting -= 1
         self._check_live(node)
-        if ex.layer != layer:
-            raise fs_error(errno.ESTALE, f"execution {ex.id} was reset while inode "
-                                         f"{node.ino} waited")
 
     def snapshot_view(self, sid: str) -> SnapshotView:
         """The view of snapshot ``sid``, its full id as the store spells it (64 lower-case hex
@@ -1008,16 +1004,16 @@ class Overlay:
             ex.failure = reason
 
     def _changed(self, ex: Execution, key: int | tuple[int, bytes]) -> None:
-        self.clock += 1
+        ex.clock += 1
         if len(ex.changes) >= MAX_CHANGES and key not in ex.changes:
             # Forget them: a token from before now answers "everything may differ", which
             # git's fsmonitor protocol allows (a full scan), and memory stays bounded.
-            ex.changes, ex.changes_floor = {}, self.clock
-        ex.changes[key] = self.clock
+            ex.changes, ex.changes_floor = {}, ex.clock
+        ex.changes[key] = ex.clock
 
     def fsmonitor_token(self, ex: Execution) -> str:
         """An opaque token for "now" in ``ex``, for :meth:`changed_since_steps`."""
-        return f"rametfs:{self.boot}:{ex.layer}:{self.clock}"
+        return f"rametfs:{self.boot}:{ex.layer}:{ex.clock}"
 
     async def changed_since_in_slices(self, ex: Execution, token: str,
                                       shown: Callable[[bytes], bytes | None],
@@ -1154,10 +1150,12 @@ class Overlay:
         """Count ``stored`` bytes a capture ``ex`` asked for itself puts in the store against
         its ``--max-bytes`` until its next reset (:attr:`Execution.captured_bytes`); EDQUOT
         when they do not fit, and then nothing is counted.  So an agent's checkpoints cannot
-        fill the store, while the harness's captures are never refused."""
+        fill the store, while the harness's captures are never refused.  ``stored`` must not
+        depend on what else the store holds (ChunkWriter.added_bytes, not new_bytes): the
+        agent reads the count and sees the EDQUOT."""
         if self._room(ex, stored) < stored:
             raise fs_error(errno.EDQUOT, f"execution {ex.id}: the capture stores {stored} "
-                                         f"new bytes, more than is left of its "
+                                         f"bytes, more than is left of its "
                                          f"{ex.access.max_bytes} (--max-bytes)")
         ex.captured_bytes += stored
 

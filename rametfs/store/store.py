@@ -67,7 +67,7 @@ class Snapshot:
     def to_json(self) -> dict:
         return {"id": self.id, "label": self.label, "message": self.message,
                 "parents": list(self.parents), "created_ns": self.created_ns,
-                "source": self.source, **self.stats, "recipes": list(self.recipes),
+                "tree": self.root.ref.hex(), "source": self.source, **self.stats, "recipes": list(self.recipes),
                 "runtime": self.runtime}
 
 
@@ -501,10 +501,12 @@ class Store:
             value = txn.get(sid)
         return None if value is None else self._snapshot(sid, value)
 
-    def snapshots(self) -> list[Snapshot]:
-        """Every snapshot, oldest first."""
-        with self.env.begin(db=self.db["snapshots"]) as txn:
-            items = [self._snapshot(k, v) for k, v in txn.cursor()]
+    def snapshots(self, txn: lmdb.Transaction | None = None) -> list[Snapshot]:
+        """Every snapshot (read in ``txn``, else a transaction of its own), oldest first."""
+        with contextlib.ExitStack() as stack:
+            if txn is None:
+                txn = stack.enter_context(self.env.begin())
+            items = [self._snapshot(k, v) for k, v in txn.cursor(db=self.db["snapshots"])]
         return sorted(items, key=lambda s: s.created_ns)
 
     # -- maintenance ---------------------------------------------------------------------
