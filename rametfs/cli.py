@@ -322,7 +322,9 @@ def _tail(path: str, start: int, lines: int = 20) -> str:
 def umount(mountpoint: str | None, lazy: bool, force: bool) -> None:
     """Unmount MOUNTPOINT (default $RAMET_MOUNT); wait for its daemon to exit.
 
-    When it returns, the daemon has flushed its state.  Without --lazy the read-only bind
+    When it returns, the daemon has flushed its state; with --lazy (and no --force) it
+    returns once the mount is detached, and the daemon exits when the last process using the
+    mount lets go.  Without --lazy the read-only bind
     of snapshots/ goes first (it would keep the mount busy) and comes back if the mount is
     busy; a busy mount (exit 5) is named with the processes using it, as fuser -m finds
     them.  Commands running on executions are cancelled first (their callers get
@@ -389,7 +391,10 @@ def umount(mountpoint: str | None, lazy: bool, force: bool) -> None:
         if pid is None:
             raise NotMountedError(mountpoint)
         raise RametError(errno.EIO, why)
-    if pid is not None:
+    if pid is not None and lazy and not force:
+        click.echo(f"detached {mountpoint}; its daemon (pid {pid}) exits once the last "
+                   f"process using it lets go", err=True)
+    elif pid is not None:
         _wait_for_daemon(pid, top.dev, mountpoint, force)
 
 

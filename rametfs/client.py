@@ -581,7 +581,7 @@ class _Mount:
         self.own: Path | None = None  # an execution's directory, reached through its own files
         top = path.parent.parent
         in_executions = path.parent.name == protocol.EXECUTIONS_DIR and _is_root(top)
-        if not os.path.exists(_control_file(path, protocol.STATUS)):  # any OSError: not here
+        if not _reachable(_control_file(path, protocol.STATUS)):
             if not in_executions:  # (--control none: an execution without .ramet)
                 raise NotMountedError(path)
             self.here, path = path.name, top
@@ -939,6 +939,20 @@ class ExecutionPool:
                     with self._lock:
                         if execution_id in self._held:  # not returned meanwhile
                             self.renew_error = exc
+
+
+def _reachable(path: Path) -> bool:
+    """Whether ``path`` exists; RametError (EACCES) when this uid may not look (an execution
+    of another owner, which is there, not "not mounted")."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise RametError(errno.EACCES, f"{path}: permission denied: uid {os.getuid()} may not "
+                         f"use this execution (its owner, create --owner, and --share "
+                         f"decide)") from None
+    except OSError:
+        return False
+    return True
 
 
 def _control_file(directory: Path, name: str) -> Path:
