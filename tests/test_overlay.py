@@ -427,7 +427,7 @@ def test_no_room_for_a_new_upper_file_empties_the_pool_and_tries_again(model, mo
     assert list(pool.paths) == [] and os.listdir(pool.directory) == []
 
 
-async def test_a_move_between_deep_directories_is_checked_in_slices(model):
+async def test_a_move_between_deep_directories_is_checked_in_slices(model, monkeypatch):
     """Overlay.rename_in_slices: a directory moved between two chains 20,000 deep has the new
     parent's ancestors walked ANCESTOR_STEP at a time, other tasks running between slices (in
     one step, 72 ms a rename at 60,000 deep stalled every execution); moving a directory
@@ -440,6 +440,8 @@ async def test_a_move_between_deep_directories_is_checked_in_slices(model):
             node = overlay.mkdir(node.ino, b"d", 0o755, 0, 0)
         return node
 
+    from rametfs import overlay as model_module
+    monkeypatch.setattr(model_module, "SLICE_S", 0.0)  # a slice a step, however fast the host
     depth = 20_000
     a, b = chain(b"a", depth), chain(b"b", depth)
     moved = overlay.mkdir(a.ino, b"x", 0o755, 0, 0)
@@ -457,7 +459,7 @@ async def test_a_move_between_deep_directories_is_checked_in_slices(model):
         await overlay.rename_in_slices(a.ino, b"x", b.ino, b"x", 0)
         between = len(ran) - before
         nursery.cancel_scope.cancel()
-    assert between >= 1  # the walk takes more than a slice; run whole it let none run
+    assert between >= depth // model_module.ANCESTOR_STEP  # run whole it let none run
     assert overlay.lookup(b.ino, b"x").ino == moved.ino
     with pytest.raises(RametError) as caught:
         await overlay.rename_in_slices(ex.root_ino, b"b", moved.ino, b"b", 0)
