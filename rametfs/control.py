@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -661,7 +662,7 @@ class Control:
     def memory_json(self) -> dict:
         """What the daemon holds (the harness's root status): ``heap_bytes``, its resident
         anonymous memory (RssAnon; None where /proc lacks it), ``nodes`` (inodes of every
-        view), ``stale_nodes`` of dropped layers not freed yet, and the adapter's kept
+        view) and ``node_table_bytes`` (their table's), ``stale_nodes`` of dropped layers not freed yet, and the adapter's kept
         ``listings`` and their ``listing_entries``.  After a reset or release is collected
         the counts are as before it (docs/benchmarks.md, "Daemon memory across reset
         cycles")."""
@@ -671,6 +672,7 @@ class Control:
                 if line.startswith(b"RssAnon:"):
                     heap = int(line.split()[1]) * 1024
         return {"heap_bytes": heap, "nodes": len(self.overlay.nodes),
+                "node_table_bytes": sys.getsizeof(self.overlay.nodes),
                 "stale_nodes": sum(map(len, self.overlay.stale_inos)), **self.adapter_memory()}
 
     def root_status(self, caller: Caller = HARNESS) -> bytes:

@@ -456,6 +456,7 @@ class Overlay:
         self.sync_calls = self.synced = 0
         self.syncing: trio.Event | None = None
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
+        self.nodes_dropped = 0  # freed from :attr:`nodes` since its table was last remade
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
         self.clock = 0  # counts changes to executions (Execution.changes)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
@@ -542,6 +543,13 @@ class Overlay:
                     freed += 1
             if not inos:
                 self.stale_inos.pop()
+        self.nodes_dropped += freed
+        if not self.stale_inos and self.nodes_dropped > len(self.nodes):
+            # A dict never shrinks its table as entries go: remade at the size of what is
+            # left (O(left), less than what was freed), not the peak's (a table of 100,000
+            # nodes is 5 MiB).  Inserted one by one: dict(self.nodes) may copy the table.
+            self.nodes = {ino: node for ino, node in self.nodes.items()}
+            self.nodes_dropped = 0
         return freed
 
     # -- snapshots -----------------------------------------------------------------------
