@@ -35,6 +35,8 @@ def _names(value: str | None) -> list[str] | None:
               default=Path(tempfile.gettempdir()), show_default=True,
               help="Where the scratch directory goes: the disk being measured.")
 @click.option("--scale-1m", is_flag=True, help="Add a 1,000,000-file tree to the scaling.")
+@click.option("--gc-promotes", type=click.IntRange(1),
+              help="Promotes of the gc workload (default: 20, 200, 1,000 by size).")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Profile the rametfs daemon with py-spy during extra runs of git-status, "
                    "find-warm, walk-warm, read-warm, seqread-warm, and during each "
@@ -44,13 +46,14 @@ def _names(value: str | None) -> list[str] | None:
                    "isolation 1,000 / 20,000 / 200,000, rss-cycles 500 / 20,000 / 100,000).")
 def main(size: str, repeat: int, out: Path, only: str | None, systems: str | None,
          workdir: Path, scale_1m: bool, profile_dir: Path | None,
-         many_files: int | None) -> None:
+         many_files: int | None, gc_promotes: int | None) -> None:
     """Benchmark rametfs against native ext4, overlayfs, fuse-overlayfs, cp -a and
     git worktree (issue 4), and against its own fallback mode (issue 7).  Needs root for
     overlayfs, the xfs image of fallback-reflink and the cold runs."""
     try:
         report = run(size, repeat, _names(only), _names(systems), workdir.resolve(),
-                     scale_1m=scale_1m, profile_dir=profile_dir, many_files=many_files)
+                     scale_1m=scale_1m, profile_dir=profile_dir, many_files=many_files,
+                     gc_promotes=gc_promotes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     rep.add_ratios(report)

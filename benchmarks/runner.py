@@ -74,12 +74,13 @@ def machine(scratch: Path) -> dict:
 
 def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | None,
         workdir: Path, scale_1m: bool = False, profile_dir: Path | None = None,
-        many_files: int | None = None) -> dict:
+        many_files: int | None = None, gc_promotes: int | None = None) -> dict:
     """Run the benchmark; return the report (the JSON's content, see docs/benchmarks.md).
 
     ``only``: workload names (default all, in :data:`WORKLOADS` order); ``systems``: system
     ids (default all); ``many_files``: the files of the isolation and rss-cycles workloads
-    (default: by size).  An unavailable system is listed under ``skipped``; a workload that
+    (default: by size); ``gc_promotes``: the gc workload's promotes instead of the size's.
+    An unavailable system is listed under ``skipped``; a workload that
     fails on one system is listed under ``errors`` and the run goes on.  Raises ValueError for
     an unknown workload or system name.
     """
@@ -105,7 +106,7 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
         stack.callback(_remove_scratch, scratch)
         bench = Bench(SIZES[size], repeat, scratch,
                       frozenset(sid for sid in wanted if sid not in skipped), scales,
-                      profile_dir, many_files)
+                      profile_dir, many_files, gc_promotes)
         live: dict[str, System] = {}
         for sid in wanted:
             if sid in skipped:

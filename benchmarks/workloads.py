@@ -49,6 +49,12 @@ REQUEST_FILES = 1000  # files untarred and removed by the requests workload
 REQUEST_MIB = 64  # MiB written by it
 PAGE = 4096
 GIT_MAX_SCALE = 100_000  # larger scaling trees are not made git repositories (too slow)
+# The gc workload (issue 18): promotes of a tree of GC_FILES files, each changing GC_SHARE of
+# them, then forget --keep-last GC_KEEP and gc; the issue's figure is the full size.
+GC_PROMOTES = {"smoke": 20, "small": 200, "full": 1000}
+GC_FILES = {"smoke": 1000, "small": 10_000, "full": 50_000}
+GC_SHARE = 0.01
+GC_KEEP = 10
 PROFILE_RUNS = 3
 PROFILE_RATE = 250  # py-spy samples per second
 
@@ -82,6 +88,7 @@ class Bench:
     scales: tuple[int, ...]
     profile_dir: Path | None = None
     many_files: int | None = None  # files of the isolation and rss-cycles workloads
+    gc_promotes: int | None = None  # the gc workload's, instead of GC_PROMOTES[size]
     _synthetic: dict[int, Tree] = field(default_factory=dict)
 
     @cached_property
@@ -861,3 +868,58 @@ def rss_cycles(b: Bench, s: System) -> list[Result]:
     hostile.wait_collected(s.data, layers)
     measure(f"rss-after-{count}-executions")
     return results
+
+
+@workload("rametfs")
+def gc(b: Bench, s: System) -> list[Result]:
+    """gc-promote: seconds of each of GC_PROMOTES[size] (``--gc-promotes``) promotes of a
+    synthetic tree of GC_FILES[size] files, each in a fresh execution of the last promote
+    with GC_SHARE of the files changed (one line appended); then gc-forget: ``forget
+    --keep-last GC_KEEP``;
+    gc: the gc after it, ``bytes`` the LMDB values it deleted (what the store reuses);
+    gc-compact: the offline ``rametfs gc --compact`` (daemon stopped), ``after_bytes`` the
+    metadata file it leaves.  One sample each: the workload destroys what it measures."""
+    assert isinstance(s, Rametfs)
+    tree = b.synthetic(GC_FILES[b.size.name])
+    s.prepare(tree)
+    head = s.snapshots[tree.name]
+    changed = max(1, round(len(tree.files) * GC_SHARE))
+    promotes = []
+    for i in range(b.gc_promotes or GC_PROMOTES[b.size.name]):
+        execution = s.ramet.create(head)
+        change_files(execution.path, tree.sample(changed, seed=i), f"promote {i}")
+        start = time.perf_counter()
+        head = execution.promote()
+        promotes.append(time.perf_counter() - start)
+        s.ramet.release(execution)
+    meta = s.data / "meta" / "data.mdb"
+    used_before = disk_usage([s.data])
+    start = time.perf_counter()
+    forgot = s.ramet.forget(keep_last=GC_KEEP)
+    forget_s = time.perf_counter() - start
+    start = time.perf_counter()
+    report = s.ramet.gc()
+    gc_s = time.perf_counter() - start
+    file_bytes, used_after = meta.stat().st_size, disk_usage([s.data])
+    s.stop()  # compaction is offline
+    try:
+        start = time.perf_counter()
+        run(sys.executable, "-m", "rametfs", "gc", "--compact", "--mode", "fallback",
+            "--data", s.data)
+        compact_s = time.perf_counter() - start
+    finally:
+        s.start()
+    counts = {"promotes": len(promotes), "files": len(tree.files), "changed_files": changed}
+    return [
+        Result("gc-promote", s.id, promotes, files=len(tree.files), extra=counts),
+        Result("gc-forget", s.id, [forget_s], extra={"removed": len(forgot["removed"]),
+                                                     "kept": len(forgot["kept"])}),
+        Result("gc", s.id, [gc_s], extra={
+            "bytes": report["bytes"], "chunks": report["chunks"],
+            "contents": report["contents"], "trees": report["trees"],
+            "cache_bytes": report["cache_bytes"], "kept_contents": report["kept_contents"],
+            "data_dir_bytes_before": used_before,
+            "data_dir_bytes_after": used_after}),
+        Result("gc-compact", s.id, [compact_s], extra={
+            "before_bytes": file_bytes, "after_bytes": meta.stat().st_size}),
+    ]

@@ -13,7 +13,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -28,12 +28,12 @@ from .faults import FAULTS
 from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
-from .store.entries import directory_entry, link_id
+from .store.entries import directory_entry_steps, link_id
 from .store.extents import data_extents, pages_of
 from .store.format import link_key
-from .store.trees import tree_id
+from .store.trees import encode_tree_steps
 from .store.writer import ChunkWriter
-from .treewalk import Steps, postorder, preorder, run_steps
+from .treewalk import Steps, nested_steps, postorder_steps, run_steps
 
 
 @dataclass
@@ -242,10 +242,9 @@ class Capture:
         self.policy = load_policy(self.overlay, self.ex, chosen)
         if self.policy is not None:
             yield from self._classify_steps()
-        top = self._dir_plan(self.overlay.node(self.ex.root_ino), "")
+        top = yield from self._dir_plan(self.overlay.node(self.ex.root_ino), "")
         if isinstance(top, _DirPlan):
-            for _ in preorder([(top, "")], self._fill):
-                yield
+            yield from nested_steps((top, ""), self._fill)
         return top
 
     def _classify_steps(self) -> Steps[None]:
@@ -266,18 +265,22 @@ class Capture:
             for path in pol.recipes[name].inputs:
                 self.inputs[path] = _input_spec(self.overlay, self.ex, path)
 
-    def _dir_plan(self, node: Node, path: str) -> Entry | _DirPlan | _BaseDirPlan:
+    def _dir_plan(self, node: Node, path: str) -> Steps[Entry | _DirPlan | _BaseDirPlan]:
         """The plan of directory ``node``: its base entry where never copied up (filtered
         when a left-out path lies below), else a _DirPlan for :meth:`_fill`."""
         if node.upper is None and not (self.descend_links and node.entry.flags & FLAG_HAS_LINKS):
-            return self._filter_base(node.entry, path) if path in self.above else node.entry
+            if path in self.above:
+                return (yield from self._filter_base(node.entry, path))
+            return node.entry
         return _DirPlan(node)
 
-    def _fill(self, item: tuple[_DirPlan, str]) -> Iterator[tuple[_DirPlan, str]]:
-        """List the copied-up directory of ``item`` into its plan; yields the plans of its
-        copied-up subdirectories, for the walk to fill in turn."""
+    def _fill(self, item: tuple[_DirPlan, str]) -> Iterator[tuple[_DirPlan, str] | None]:
+        """List the copied-up directory of ``item`` into its plan (rametfs.treewalk
+        .nested_steps): yields None after each step of work (a batch of the listing, one
+        name) and the plans of its copied-up subdirectories, for the walk to fill in turn."""
         plan, path = item
-        for name, child in self.overlay.listdir(plan.node.ino):
+        for name, child in (yield from self.overlay.listdir_steps(plan.node.ino)):
+            yield
             child_path = _join(path, name)
             cls = self.special.get(child_path)
             if cls == policy.SHARED:
@@ -285,7 +288,7 @@ class Capture:
             elif cls is not None:
                 continue  # ephemeral or rebuildable: left out
             elif child.is_dir:
-                sub = self._dir_plan(child, child_path)
+                sub = yield from self._dir_plan(child, child_path)
                 plan.children.append((name, sub))
                 if isinstance(sub, _DirPlan):
                     yield sub, child_path
@@ -299,12 +302,13 @@ class Capture:
             else:
                 plan.children.append((name, (child, None)))
 
-    def _filter_base(self, entry: Entry, path: str) -> _BaseDirPlan:
+    def _filter_base(self, entry: Entry, path: str) -> Steps[_BaseDirPlan]:
         """An unchanged base directory without its left-out paths (shared ones are equal
-        to the base: a changed one stopped the promote)."""
-        def fill(item: tuple[_BaseDirPlan, str]) -> Iterator[tuple[_BaseDirPlan, str]]:
+        to the base: a changed one stopped the promote), as steps: one per name."""
+        def fill(item: tuple[_BaseDirPlan, str]) -> Iterator[tuple[_BaseDirPlan, str] | None]:
             plan, path = item
-            for name, child in self.overlay.tree(plan.entry.ref).items():
+            for name, child in (yield from self.overlay.tree_steps(plan.entry.ref)).items():
+                yield
                 child_path = _join(path, name)
                 cls = self.special.get(child_path)
                 if cls is not None and cls != policy.SHARED:
@@ -317,8 +321,7 @@ class Capture:
                     plan.children.append((name, child))
 
         top = _BaseDirPlan(entry)
-        for _ in preorder([(top, path)], fill):
-            pass
+        yield from nested_steps((top, path), fill)
         return top
 
     async def digest_inputs(self) -> None:
@@ -342,26 +345,32 @@ class Capture:
                 first = first.exceptions[0]
             raise first from None
 
-    def _entry(self, put_tree: Callable[[list[Entry]], bytes], name: bytes, item) -> Entry:
-        """The entry of plan ``item`` named ``name``, each tree's id from ``put_tree(entries)``
-        (which stores it, or only computes it), subtrees first, bottom-up."""
+    def _entry_steps(self, item, trees: _NewTrees | None) -> Steps[Entry]:
+        """The root entry of plan ``item``, subtrees first, bottom-up, as steps (one per
+        entry, and per ``trees.TREE_STEP`` entries of a directory's encoding); each new tree
+        goes to ``trees``, which stores it, or with None only its id is computed (one
+        implementation for a promote and for verify's root mode)."""
         def children(pair: tuple[bytes, object]) -> list | None:
             _, it = pair
             return it.children if isinstance(it, (_DirPlan, _BaseDirPlan)) else None
 
-        return postorder((name, item), children,
-                         lambda pair, entries: self._one_entry(put_tree, *pair, entries))
+        return postorder_steps((b"", item), children,
+                               lambda pair, entries: self._one_entry(trees, *pair, entries))
 
-    def _one_entry(self, put_tree: Callable[[list[Entry]], bytes], name: bytes, item,
-                   entries: list[Entry] | None) -> Entry:
+    def _one_entry(self, trees: _NewTrees | None, name: bytes, item,
+                   entries: list[Entry] | None) -> Steps[Entry]:
         """The entry of one plan item; ``entries`` those of a directory's children."""
         if isinstance(item, Entry):
-            return item.renamed(name)
+            return item if item.name == name else item.renamed(name)
         if entries is not None:
             u = (ov.UpperInode.from_entry(item.entry) if isinstance(item, _BaseDirPlan)
                  else item.node.upper or ov.UpperInode.from_entry(item.node.entry))
-            return directory_entry(entries, put_tree(entries), u.mode, u.uid, u.gid,
-                                   u.mtime_ns, tuple(sorted(u.xattrs.items())), name)
+            tid, value = yield from encode_tree_steps(entries)
+            if trees is not None:
+                yield from trees.add(tid, value, entries)
+            return (yield from directory_entry_steps(
+                entries, tid, u.mode, u.uid, u.gid, u.mtime_ns, tuple(sorted(u.xattrs.items())),
+                name))
         node, job = item
         u = node.upper
         if job is not None:
@@ -376,9 +385,12 @@ class Capture:
         return Entry(name, u.mode, u.uid, u.gid, u.mtime_ns, size, ref,
                      tuple(sorted(u.xattrs.items())), link, u.nlink if link else 1)
 
-    def commit(self, plan: Entry | _DirPlan, parents: list[str], label: str, message: str,
-               started_ns: int) -> Snapshot:
-        """Store the trees and the snapshot record (with its recipes) in one transaction."""
+    async def commit(self, plan: Entry | _DirPlan, parents: list[str], label: str,
+                     message: str, started_ns: int) -> Snapshot:
+        """Build and store the new trees in slices of the trio thread (``in_slices``, in
+        write transactions of at most :data:`TREE_BATCH_BYTES`: :class:`_NewTrees`), then
+        record the snapshot (with its recipes) in one short last transaction: the snapshot
+        is listed whole or not at all."""
         store = self.overlay.store
         stats = {"changed_files": len(self.jobs), "new_chunks": self.writer.new_chunks,
                  "new_chunk_bytes": self.writer.new_bytes}
@@ -386,13 +398,64 @@ class Capture:
         if self.policy is not None:
             stats.update(policy.policy_stats(self.policy, self.classified))
             recipes = policy.recipe_records(self.policy, self.classified, self.digests)
+        trees = _NewTrees(store, self.cancel)
+        root = await in_slices(self._entry_steps(plan, trees))
+        trees.flush()
+        self.cancel.check()
         with store.write() as txn:
-            root = self._entry(partial(store.put_tree, txn), b"", plan)
-            stats.update(store.tree_totals(txn, root.ref))
+            stats.update(store.tree_totals(txn, root.ref))  # one record: tree_stats'
             stats["capture_ms"] = round((time.monotonic_ns() - started_ns) / 1e6, 3)
             return store.put_snapshot(txn, root, parents, label, message,
                                       f"execution:{self.ex.id}", stats, recipes,
                                       self.ex.runtime)
+
+
+TREE_BATCH_BYTES = 1 << 20  # of encoded trees one write transaction of a capture stores
+TREE_BATCH_TREES = 1024  # trees one write transaction of a capture stores at most
+
+
+class _NewTrees:
+    """The trees a capture makes, stored as they are made in write transactions of at most
+    :data:`TREE_BATCH_BYTES` (or :data:`TREE_BATCH_TREES` trees; a larger tree alone), each
+    short and on the trio thread (LMDB has one writer: a worker thread holding it would
+    stall the daemon's own writes), with other tasks running between them.  A tree is
+    content-addressed, so one stored by a capture cancelled before its snapshot record is an
+    unreferenced record, as its chunks are (docs/format.md, Atomicity): nothing lists it.
+    ``totals`` keeps each new tree's ``tree_stats`` for its parents'."""
+
+    def __init__(self, store: Store, cancel: CancelToken):
+        self.store = store
+        self.cancel = cancel
+        self.totals: dict[bytes, list[int]] = {}
+        self.pending: list[tuple[bytes, bytes]] = []
+        self.pending_bytes = 0
+
+    def add(self, tid: bytes, value: bytes, entries: list[Entry]) -> Steps[None]:
+        """Keep tree ``tid`` (``entries`` encoded as ``value``) for storing, with its totals
+        (as steps); stores a batch once one is full."""
+        if tid in self.totals:
+            return
+        self.totals[tid] = yield from self.store.totals_steps(entries, self._below)
+        self.pending.append((tid, value))
+        self.pending_bytes += len(value)
+        if self.pending_bytes >= TREE_BATCH_BYTES or len(self.pending) >= TREE_BATCH_TREES:
+            self.flush()
+
+    def _below(self, tid: bytes) -> list[int]:
+        got = self.totals.get(tid)
+        if got is None:  # a base subtree, stored with its totals
+            with self.store.read() as txn:
+                got = self.store.stored_totals(txn, tid)
+        return got
+
+    def flush(self) -> None:
+        """Store the trees kept, in one write transaction (subtrees come first: a fold's
+        order); Cancelled (ECANCELED) once the capture is."""
+        self.cancel.check()
+        with self.store.write() as txn:
+            for tid, value in self.pending:
+                self.store.put_encoded_tree(txn, tid, value, partial(self.totals.get, tid))
+        self.pending, self.pending_bytes = [], 0
 
 
 async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
@@ -418,8 +481,8 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
         await cap.hash()
         await cap.digest_inputs()
         if charged:
-            overlay.charge(ex, cap.writer.new_bytes + CAPTURE_BYTES)
-        snap = cap.commit(plan, [ex.head], label, message, started)
+            overlay.charge(ex, cap.writer.added_bytes + CAPTURE_BYTES)
+        snap = await cap.commit(plan, [ex.head], label, message, started)
         await overlay.sync_store()
         return snap
 
@@ -440,9 +503,10 @@ async def diff_in_slices(overlay: Overlay, ex: Execution, out: list | None = Non
 
 def diff_steps(overlay: Overlay, ex: Execution, out: list | None = None
                ) -> Steps[list[tuple[str, bytes]]]:
-    """:func:`diff` as steps (rametfs.treewalk.run_steps): one per directory compared;
-    ``out`` as rametfs.core.diff.diff_steps takes it."""
-    return core_diff.diff_steps(ex.base.root, overlay.tree, overlay.node(ex.root_ino),
+    """:func:`diff` as steps (rametfs.treewalk.run_steps): one per name compared or
+    listed (rametfs.core.diff.diff_steps); ``out`` as rametfs.core.diff.diff_steps takes
+    it."""
+    return core_diff.diff_steps(ex.base.root, overlay.tree_steps, overlay.node(ex.root_ino),
                                 _NodeSide(overlay, _has_upper_links(overlay, ex)), out)
 
 
@@ -455,8 +519,8 @@ class _NodeSide:
         self.overlay = overlay
         self.descend_links = descend_links
 
-    def children(self, directory: Node) -> Mapping[bytes, Node]:
-        return dict(self.overlay.listdir(directory.ino))
+    def children(self, directory: Node) -> Steps[Mapping[bytes, Node]]:
+        return dict((yield from self.overlay.listdir_steps(directory.ino)))
 
     @staticmethod
     def attrs(node: Node) -> core_diff.Attrs:
@@ -491,7 +555,7 @@ async def root_entry(overlay: Overlay, ex: Execution, cancel: CancelToken = NO_C
         cap = Capture(overlay, ex, cancel)
         plan = await in_slices(cap.plan_steps())
         await cap.hash()
-        return cap._entry(tree_id, b"", plan)
+        return await in_slices(cap._entry_steps(plan, None))
 
 
 # -- policies ---------------------------------------------------------------------------------

@@ -822,6 +822,8 @@ def list_(ramet: Ramet, as_json: bool) -> None:
     """List snapshots, executions and pools, after a line naming the mount and its mode
     (open-less or plain; fallback mode: the copy method and data directory).
 
+    TREE is 12 hex digits of a snapshot's root tree id: snapshots of the same directory
+    tree (the same names, contents, modes, owners, times) have the same TREE.
     ACCESS is an execution's owner:group/share bits/--control; QUOTA its --max-bytes and
     --max-inodes (shown when one has some); pool members also show their state, pool,
     lease holder and lease expiry.
@@ -843,10 +845,11 @@ def list_(ramet: Ramet, as_json: bool) -> None:
         click.echo(f"mount: {state['mount']}  mode: {fuse_mode(state)}")
     click.echo()
     click.echo(format_table(
-        ("SNAPSHOT", "NAMES", "LABEL", "FILES", "BYTES", "AGE"),
-        [(s["id"][:12], ",".join(s.get("names", ())) or "-", printable(s["label"] or ""),
-          str(s.get("files", "-")), human_bytes(s["bytes"]) if "bytes" in s else "-",
-          human_age(now - s["created_ns"])) for s in state["snapshots"]]))
+        ("SNAPSHOT", "TREE", "NAMES", "LABEL", "FILES", "BYTES", "AGE"),
+        [(s["id"][:12], s["tree"][:12], ",".join(s.get("names", ())) or "-",
+          printable(s["label"] or ""), str(s.get("files", "-")),
+          human_bytes(s["bytes"]) if "bytes" in s else "-", human_age(now - s["created_ns"]))
+         for s in state["snapshots"]]))
     click.echo()
     executions = state["executions"]
     pooled = any(e.get("pool") for e in executions)  # else no pool columns
@@ -876,16 +879,26 @@ def fuse_mode(state: dict) -> str:
 
 
 @main.command()
-@click.argument("snapshot")
+@click.argument("ref", metavar="SNAPSHOT|EXECUTION")
 @ramet_options
-def log(ramet: Ramet, snapshot: str) -> None:
-    """Print SNAPSHOT and its ancestors, newest first.
+def log(ramet: Ramet, ref: str) -> None:
+    """Print SNAPSHOT and its ancestors, newest first; of an EXECUTION, its head and the
+    head's ancestors, the execution's base marked "(base)" and its head "(head)".
 
-    One line each: id, age, label, message.
+    One line each: id, age, label, message.  An execution's id is looked up first.
     """
     now = time.time_ns()
-    for s in ancestry(ramet.snapshots(), ramet.resolve(snapshot)):
-        click.echo(" ".join(filter(None, (s["id"], human_age(now - s["created_ns"]),
+    execution = next((e for e in ramet.executions() if e["id"] == ref), None)
+    marks: dict[str, list[str]] = {}
+    if execution is None:
+        start = ramet.resolve(ref)
+    else:
+        start = execution["head"]
+        for role in ("head", "base"):
+            marks.setdefault(execution[role], []).append(f"({role})")
+    for s in ancestry(ramet.snapshots(), start):
+        click.echo(" ".join(filter(None, (s["id"], *marks.get(s["id"], ()),
+                                          human_age(now - s["created_ns"]),
                                           printable(s["label"] or ""),
                                           printable(s["message"] or "")))))
 
@@ -973,7 +986,12 @@ def gc(ramet: Ramet, dry_run: bool, compact: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
         return
-    verb = "would delete" if dry_run else "deleted"
+    _print_gc(report)
+
+
+def _print_gc(report: dict) -> None:
+    """The lines of a gc report, for people."""
+    verb = "would delete" if report["dry_run"] else "deleted"
     click.echo(f"{verb} {report['chunks']} chunks ({human_bytes(report['chunk_bytes'])}), "
                f"{report['contents']} contents ({human_bytes(report['content_bytes'])}), "
                f"{report['trees']} trees ({human_bytes(report['tree_bytes'])}): "
@@ -985,6 +1003,49 @@ def gc(ramet: Ramet, dry_run: bool, compact: bool, as_json: bool) -> None:
         c = report["compact"]
         click.echo(f"compacted the metadata file: {human_bytes(c['before'])} -> "
                    f"{human_bytes(c['after'])}")
+
+
+@main.command()
+@click.option("--keep-last", type=int, metavar="N", help="Keep the N newest snapshots.")
+@click.option("--keep-within", metavar="DURATION",
+              help="Keep the snapshots younger than DURATION before the newest one: whole "
+                   "numbers of y, m (months), d, h in that order (7d, 36h, 1y2m).")
+@click.option("--keep-name", metavar="PATTERN",
+              help="Keep the snapshots a name matching the glob PATTERN points at.")
+@click.option("--dry-run", is_flag=True, help="Say what would go and why the rest stays; "
+              "change nothing.")
+@click.option("--prune", is_flag=True, help="Then run gc, which frees their data.")
+@click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
+@ramet_options
+def forget(ramet: Ramet, keep_last: int | None, keep_within: str | None,
+           keep_name: str | None, dry_run: bool, prune: bool, as_json: bool) -> None:
+    """Forget the snapshots no rule keeps (restic's forget); --prune then runs gc.
+
+    A snapshot any rule keeps stays, and so does every execution's base and head and every
+    pool's base; the names pointing at a forgotten snapshot are deleted.  One line per
+    snapshot, newest first, as restic prints them: id, label, why it is kept.
+    docs/lifecycle.md.
+    """
+    labels = {s["id"]: printable(s["label"] or "") for s in ramet.snapshots()}
+    with _progress_bar() as progress:
+        reply = ramet.forget(keep_last, keep_within, keep_name, dry_run=dry_run, prune=prune,
+                             progress=progress)
+    if as_json:
+        click.echo(json.dumps(reply, indent=2, sort_keys=True))
+        return
+    click.echo(f"keep {len(reply['kept'])} snapshots:")
+    for k in reply["kept"]:
+        click.echo(f"  {k['snapshot'][:12]}  {labels.get(k['snapshot']) or '-'}  "
+                   f"{', '.join(k['reasons'])}")
+    click.echo(f"{'would remove' if dry_run else 'removed'} {len(reply['removed'])} snapshots:")
+    for sid in reply["removed"]:
+        click.echo(f"  {sid[:12]}  {labels.get(sid) or '-'}")
+    for name in reply["names"]:
+        click.echo(f"{'would delete' if dry_run else 'deleted'} name {name}")
+    if prune and dry_run:
+        click.echo("gc not run in a dry run: nothing was forgotten")
+    elif prune:
+        _print_gc(reply["gc"])
 
 
 @contextlib.contextmanager

@@ -240,6 +240,26 @@ class Ramet:
         return self._backend.root_command("rm", snapshot,
                                           force=protocol.YES if force else None)
 
+    def forget(self, keep_last: int | None = None, keep_within: str | None = None,
+               keep_name: str | None = None, dry_run: bool = False, prune: bool = False,
+               progress=None) -> dict:
+        """Forget every snapshot that no rule keeps, restic's ``forget``: ``keep_last`` the N
+        newest, ``keep_within`` those younger than a duration (``"7d"``, ``"36h"``,
+        ``"1y2m"``: y, m months, d, h) before the newest snapshot's time, ``keep_name``
+        those a name matching the glob points at; the bases and heads of executions and
+        pools' bases are always kept; the names of forgotten snapshots are deleted.
+        ``{"dry_run", "kept": [{"snapshot", "reasons"}], "removed": [ids], "names":
+        [deleted]}``, newest first; ``prune`` then runs :meth:`gc` (not in a dry run) and
+        adds its report as ``"gc"``.  docs/lifecycle.md.  Errors: EINVAL no rule, or a bad
+        count or duration; those of gc."""
+        reply = self._backend.root_command(
+            "forget", keep_last=None if keep_last is None else str(keep_last),
+            keep_within=keep_within, keep_name=keep_name,
+            dry_run=protocol.YES if dry_run else None)
+        if prune and not dry_run:
+            reply["gc"] = self.gc(progress=progress)
+        return reply
+
     def gc(self, dry_run: bool = False, progress=None) -> dict:
         """Delete every chunk, content and tree no snapshot, execution or pool reaches (the
         daemon does it; fallback mode in this process): the report ``{"chunks",
@@ -332,7 +352,8 @@ class Ramet:
                        policy: str | os.PathLike | None = None, owner: int | None = None,
                        group: int | None = None, share: int | None = None,
                        control: str | None = None, max_bytes: int | None = None,
-                       max_inodes: int | None = None) -> ExecutionPool:
+                       max_inodes: int | None = None,
+                       keep_last: int | None = None) -> ExecutionPool:
         """Keep ``concurrency`` executions of ``snapshot`` warm, to hand out with ``acquire()``.
 
         The daemon (fallback mode: the data directory) keeps the pool and a lease per
@@ -342,16 +363,21 @@ class Ramet:
         persistence policy every member is created with (as :meth:`create` takes it);
         ``owner``, ``group``, ``share``, ``control``, ``max_bytes`` and ``max_inodes`` are
         every member's, as :meth:`create` takes them (a named pool reattached to keeps its
-        own; those given must match it).  Errors: ENOENT unknown snapshot, EEXIST a pool of that name has another
-        base, policy or settings, EINVAL bad name, size, policy or setting.
+        own; those given must match it); ``keep_last`` N: after each promote of a member,
+        the pool's promotes but the N newest and the named ones are forgotten (gc frees
+        their data; docs/lifecycle.md).  Errors: ENOENT unknown snapshot, EEXIST a pool of
+        that name has another base, policy, settings or keep_last, EINVAL bad name, size,
+        policy, setting or keep_last.
         """
         return ExecutionPool(self, snapshot, concurrency, name=name, ttl=ttl, verify=verify,
                              policy=policy, owner=owner, group=group, share=share,
-                             control=control, max_bytes=max_bytes, max_inodes=max_inodes)
+                             control=control, max_bytes=max_bytes, max_inodes=max_inodes,
+                             keep_last=keep_last)
 
     def pools(self) -> list[dict]:
-        """Every pool: ``{"name", "base", "size", "created_ns", "executions", "ready",
-        "leased", "quarantined"}`` (the last three count executions in each state)."""
+        """Every pool: ``{"name", "base", "size", "created_ns", "keep_last", "executions",
+        "ready", "leased", "quarantined"}`` (the last three count executions in each state;
+        ``keep_last`` None: every promote kept)."""
         return self.status()["pools"]
 
     def status(self) -> dict:
@@ -362,7 +388,8 @@ class Ramet:
 
     def snapshots(self) -> list[dict]:
         """Every snapshot record: ``{"id", "label", "message", "parents", "created_ns",
-        "source", "files", "bytes"}``."""
+        "tree", "source", "files", "bytes", "names"}`` (``tree`` the root tree id: equal for
+        equal trees)."""
         return self.status()["snapshots"]
 
     def executions(self) -> list[dict]:
@@ -608,7 +635,8 @@ class _Local:
                               "snapshot-git": self.engine.snapshot_git,
                               "runtime": self.engine.runtime, "name": self.engine.name,
                               "unname": self.engine.unname, "resolve": self.engine.resolve,
-                              "rm": self.engine.rm, "gc": self.engine.gc}
+                              "rm": self.engine.rm, "gc": self.engine.gc,
+                              "forget": self.engine.forget}
         pools = self.engine.pools
         self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
                                    "renew": pools.renew, "return": pools.return_,
@@ -718,7 +746,7 @@ class ExecutionPool:
                  policy: str | os.PathLike | None = None, owner: int | None = None,
                  group: int | None = None, share: int | None = None,
                  control: str | None = None, max_bytes: int | None = None,
-                 max_inodes: int | None = None) -> None:
+                 max_inodes: int | None = None, keep_last: int | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         if not ttl > 0:
@@ -730,6 +758,8 @@ class ExecutionPool:
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
                                             policy=_policy_text(policy),
+                                            keep_last=None if keep_last is None
+                                            else str(keep_last),
                                             **_access(owner, group, share, control,
                                                       max_bytes, max_inodes))
         self.name: str = reply["pool"]

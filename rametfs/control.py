@@ -26,7 +26,7 @@ import trio
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import lifecycle, pools
+from .core import lifecycle, pools, retention
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .fallback import manifest
@@ -145,7 +145,7 @@ class Control:
             "renew": self._renew, "return": self._return, "drop": self._drop,
             "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel,
             "name": self._name, "unname": self._unname, "resolve": self._resolve,
-            "rm": self._rm, "gc": self._gc}
+            "rm": self._rm, "gc": self._gc, "forget": self._forget}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
             "preview": self._preview, "verify": self._verify}
@@ -425,19 +425,40 @@ class Control:
     async def _rm(self, args: dict) -> dict:
         force = protocol.yes_no("rm", "force", args.get("force"))
         # On the trio thread, one transaction: no create or promote comes in between.
-        reply = lifecycle.remove_snapshots(
-            self.overlay.store, [args["snapshot"]], force,
-            [(ex.id, ex.base.id, ex.head) for ex in self.overlay.executions.values()])
+        reply = lifecycle.remove_snapshots(self.overlay.store, [args["snapshot"]], force,
+                                           self._execution_uses())
+        await self._removed(reply["removed"])
+        return reply
+
+    async def _forget(self, args: dict) -> dict:
+        policy = retention.policy_of(args)
+        dry_run = protocol.yes_no("forget", "dry-run", args.get("dry-run"))
+        # On the trio thread, one transaction, as rm; a plan reads every snapshot record
+        # (201 snapshots: 8 ms, the control round trip included: docs/benchmarks.md).
+        reply = lifecycle.forget_snapshots(self.overlay.store, policy, dry_run,
+                                           self._execution_uses())
+        if not dry_run:
+            await self._removed(reply["removed"])
+        log.info("forget%s: kept %d, removed %d", " (dry run)" if dry_run else "",
+                 len(reply["kept"]), len(reply["removed"]))
+        return reply
+
+    def _execution_uses(self) -> list[tuple[str, str, str]]:
+        """``(id, base id, head id)`` of every execution: what rm and forget keep."""
+        return [(ex.id, ex.base.id, ex.head) for ex in self.overlay.executions.values()]
+
+    async def _removed(self, sids: list[str]) -> None:
+        """Snapshots ``sids`` were forgotten: drop their views and the kernel's dentries of
+        ``snapshots/<id>``, and make the status list again."""
         self._listing_changes += 1
         stale: list[tuple[int, bytes]] = []
-        for sid in reply["removed"]:
+        for sid in sids:
             view = self.overlay.snapshot_views.pop(sid, None)
             if view is not None:
                 stale += [(view.root_ino, b"")]
             if self.snapshots_dir_ino is not None:
                 stale.append((self.snapshots_dir_ino, sid.encode()))
         await self.invalidate(stale)
-        return reply
 
     async def _gc(self, args: dict) -> dict:
         dry_run = protocol.yes_no("gc", "dry-run", args.get("dry-run"))
@@ -467,7 +488,17 @@ class Control:
                              charged=not self.running[ex.id].harness)
         self.overlay.set_head(ex, snap.id)
         self.promoted[ex.id] = snap.id
+        await self._trim_pool(ex)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+
+    async def _trim_pool(self, ex: Execution) -> None:
+        """After a promote of ``ex``: its pool's ``--keep-last`` (lifecycle.trim_pool).  Not
+        in the promote's reply: the other members' snapshots are not ``ex``'s to know."""
+        trimmed = lifecycle.trim_pool(self.overlay.store, ex.id, self._execution_uses())
+        if trimmed is not None and trimmed["removed"]:
+            await self._removed(trimmed["removed"])
+            log.info("pool of %s: --keep-last forgot %d promotes", ex.id,
+                     len(trimmed["removed"]))
 
     async def _checkpoint(self, ex: Execution, args: dict) -> dict:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
@@ -536,8 +567,11 @@ class Control:
     async def _pool(self, args: dict) -> dict:
         snap = self.overlay.store.snapshot(args["snapshot"])
         size = protocol.parse_count(args["size"], "--size")
+        keep = args.get("keep-last")
         opened = self.pools.open(args.get("name"), snap.id, size, args,
-                                 policy.stored(args.get("policy"), policy.POOL), time.time_ns())
+                                 policy.stored(args.get("policy"), policy.POOL), time.time_ns(),
+                                 None if keep is None
+                                 else protocol.parse_count(keep, "--keep-last"))
         try:
             await self._make_members(opened.new)
         except RametError:
@@ -610,7 +644,8 @@ class Control:
             self.pools.held(eid, holder)
             reset_ms = await self._reset_layer(ex)
             try:
-                result = (await verify(self.overlay, ex, mode, run.token)).to_json()
+                verification = await verify(self.overlay, ex, mode, run.token)
+                result = await in_slices(verification.json_steps())
                 reason = pools.quarantine_reason(result)
             except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
                 result, reason = None, pools.failure_reason(mode, exc)
@@ -623,7 +658,8 @@ class Control:
 
     async def _verify(self, ex: Execution, args: dict) -> dict:
         mode = protocol.parse_verify_mode(args.get("mode", ROOT))
-        result = (await verify(self.overlay, ex, mode, self._token(ex))).to_json()
+        verification = await verify(self.overlay, ex, mode, self._token(ex))
+        result = await in_slices(verification.json_steps())
         reason = pools.quarantine_reason(result)
         settled = self.pools.verified(ex.id, reason)
         if settled is not None:
@@ -650,11 +686,11 @@ class Control:
                 "last": execution_reply(self.last.get(ex.id))}
 
     def execution_json(self, ex: Execution) -> dict:
-        """The root scope's record of ``ex``: its view, its pool fields, why it failed, its
-        stored policy and recorded runtime, its whole last reply, its path and its access
-        settings."""
+        """The root scope's record of ``ex``: its view, its pool fields, why it failed, how
+        many of its requests wait on its freeze, its stored policy and recorded runtime, its
+        whole last reply, its path and its access settings."""
         return {**self.pools.member_json(ex.id), **self.execution_view(ex),
-                "failure": ex.failure, "policy": policy.shown(ex.policy),
+                "failure": ex.failure, "waiting": ex.waiting, "policy": policy.shown(ex.policy),
                 "runtime": ex.runtime, "last": self.last.get(ex.id),
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
                 **ex.access.to_json()}

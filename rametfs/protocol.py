@@ -57,6 +57,17 @@ default.  Labels are at most :data:`MAX_LABEL_BYTES` bytes and messages
 it is imported (another file, type or content); ``--on-change skip`` leaves such entries out
 instead and counts them in the stats as ``skipped``.
 
+Snapshot lifecycle commands (rametfs.core.lifecycle, docs/lifecycle.md)::
+
+    name <name> <snapshot>                         -> {"ok", "name", "snapshot", "previous"}
+    unname <name>                                  -> {"ok", "name", "snapshot"}
+    resolve <snapshot>                             -> {"ok", "snapshot"}
+    rm <snapshot> [--force yes|no]                 -> {"ok", "removed", "names", "detached"}
+    gc [--dry-run yes|no] [--compact yes|no]       -> {"ok", "gc"}
+    forget [--keep-last N] [--keep-within DURATION] [--keep-name PATTERN] [--dry-run yes|no]
+                                                   -> {"ok", "dry_run", "kept", "removed",
+                                                       "names"}
+
 ``snapshot-git`` imports the tree of commit ``REV`` (default ``HEAD``) of a git repository
 from its objects, without a checkout; ``--gitdir yes`` takes the repository's ``.git``
 directory along (local commits, branches, stash, index).  Its errors: ENOENT no repository
@@ -76,7 +87,7 @@ times in seconds, decimals allowed; lease times in the replies are wall-clock ns
 
     pool <snapshot-id> --size N [--name P] [--owner UID] [--group GID] [--share MODE]
          [--max-bytes B] [--max-inodes N]
-         [--control full|read|none] [--policy POL]
+         [--control full|read|none] [--policy POL] [--keep-last K]
                                               -> {"ok", "pool", "snapshot", "size", "created",
                                                   "executions"}
     acquire <pool> --holder H --ttl S [--pid PID] [--host HOST]
@@ -91,7 +102,9 @@ times in seconds, decimals allowed; lease times in the replies are wall-clock ns
 ``pool`` creates a pool of N warm executions of a snapshot, or reattaches to the pool named
 P (growing it to N; EEXIST when it has another base, when an ``--owner``, ``--group``,
 ``--share`` or ``--control`` given differs from the pool's, or when ``--policy`` names
-another policy).  Every member gets the pool's settings and policy (those of ``create``;
+another policy, or ``--keep-last`` another count).  ``--keep-last K``: after each promote
+of a member, the pool's promotes but the K newest and the named ones are forgotten
+(rametfs.core.lifecycle.trim_pool; gc frees their data).  Every member gets the pool's settings and policy (those of ``create``;
 absent options of a new pool take ``create``'s defaults).  ``acquire`` leases the ready execution
 returned last to holder H (a token the client chooses; PID and HOST are recorded for people)
 for S seconds: EBUSY when none is ready, ENOENT unknown pool.  It answers at once: the kernel
@@ -255,7 +268,8 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "create": (("snapshot",), frozenset({"name", "policy"}) | ACCESS_OPTIONS),
     "release": (("execution",), frozenset()),
     "runtime": (("execution", "name"), frozenset({"uid", "gid", "image"})),
-    "pool": (("snapshot",), frozenset({"size", "name", "policy"}) | ACCESS_OPTIONS),
+    "pool": (("snapshot",), frozenset({"size", "name", "policy", "keep-last"})
+             | ACCESS_OPTIONS),
     "acquire": (("pool",), frozenset({"holder", "ttl", "pid", "host"})),
     "renew": (("execution",), frozenset({"holder", "ttl"})),
     "return": (("execution",), frozenset({"holder", "verify"})),
@@ -268,6 +282,7 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "resolve": (("snapshot",), frozenset()),
     "rm": (("snapshot",), frozenset({"force"})),
     "gc": ((), frozenset({"dry-run", "compact"})),
+    "forget": ((), frozenset({"keep-last", "keep-within", "keep-name", "dry-run"})),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first the default)

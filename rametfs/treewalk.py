@@ -53,22 +53,65 @@ def postorder(root: T, children: Callable[[T], Iterable[T] | None],
     """Fold the tree at ``root`` bottom-up: ``combine(item, results)`` for each item after
     its children, ``results`` their values in order (None for a leaf, whose ``children`` is
     None).  Returns ``root``'s value; combines run in a recursive fold's order."""
+    return run_steps(postorder_steps(root, children, lambda item, results:
+                                     done(combine(item, results))))
+
+
+def mapped_steps(fn: Callable[[T], R], items: Iterable[T]) -> Steps[list[R]]:
+    """``[fn(item) for item in items]`` as steps, one per item."""
+    out = []
+    for item in items:
+        out.append(fn(item))
+        yield
+    return out
+
+
+def done(value: R) -> Steps[R]:
+    """A walk of no step returning ``value``: a value at hand where steps are asked for."""
+    return value
+    yield  # makes this a generator
+
+
+def postorder_steps(root: T, children: Callable[[T], Iterable[T] | None],
+                    combine: Callable[[T, list[R] | None], Steps[R]]) -> Steps[R]:
+    """:func:`postorder` as steps: ``combine`` is itself a walk of steps (a generator
+    returning the item's value), and the fold yields after each item as well, so a tree of
+    any shape is folded in steps bounded by one item's own work."""
     below = children(root)
     if below is None:
-        return combine(root, None)
+        return (yield from combine(root, None))
     stack: list[tuple[T, Iterator[T], list[R]]] = [(root, iter(below), [])]
     while True:
         item, it, done = stack[-1]
         for child in it:
             grand = children(child)
             if grand is None:
-                done.append(combine(child, None))
+                done.append((yield from combine(child, None)))
+                yield
             else:
                 stack.append((child, iter(grand), []))
                 break
         else:
             stack.pop()
-            value = combine(item, done)
+            value = yield from combine(item, done)
             if not stack:
                 return value
             stack[-1][2].append(value)
+            yield
+
+
+def nested_steps(top: T, visit: Callable[[T], Iterator[T | None]]) -> Steps[None]:
+    """A depth-first walk as steps: ``visit(item)`` is a generator that yields None after
+    each step of its own work, or an item to visit (wholly, depth first) before it goes on;
+    this yields once per step of any visit."""
+    stack = [visit(top)]
+    while stack:
+        try:
+            item = next(stack[-1])
+        except StopIteration:
+            stack.pop()
+            continue
+        if item is None:
+            yield
+        else:
+            stack.append(visit(item))

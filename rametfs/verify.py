@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import trio
 
-from .capture import NO_CANCEL, CancelToken, diff, root_entry
-from .core.pools import verification_json
+from .capture import NO_CANCEL, CancelToken, diff_in_slices, root_entry
+from .core.pools import verification_json_steps
 from .overlay import Execution, Overlay
 from .store import EMPTY_CONTENT, PAGE_SIZE, Entry, Store
 from .store.chunks import chunk_id, is_zero
 from .store.extents import data_extents, pages_of
+from .treewalk import Steps
 
 ROOT, DEEP = "root", "deep"
 MODES = (ROOT, DEEP)
@@ -53,9 +54,10 @@ class Verification:
     def equal(self) -> bool:
         return not self.differences
 
-    def to_json(self) -> dict:
-        """As replies carry it (rametfs.core.pools.verification_json)."""
-        return verification_json(self.mode, self.root, self.base_root, self.differences,
+    def json_steps(self) -> Steps[dict]:
+        """As replies carry it (rametfs.core.pools.verification_json), as steps: one per
+        difference (a verify of 200,000 differences took 0.1 s to convert)."""
+        return verification_json_steps(self.mode, self.root, self.base_root, self.differences,
                                  self.verify_ms)
 
 
@@ -88,7 +90,7 @@ async def _compare(overlay: Overlay, ex: Execution, cancel: CancelToken
         return root, []
     # A difference the metadata does not show (bytes of a copied-up page) is named by the
     # file diff marks modified, or else by the root.
-    return root, diff(overlay, ex) or [("M", b"")]
+    return root, await diff_in_slices(overlay, ex) or [("M", b"")]
 
 
 def _bad_cached_contents(store: Store, root: Entry, cancel: CancelToken) -> list[bytes]:

@@ -71,6 +71,29 @@ def test_smoke_run_reports_every_figure(tmp_path):
     assert mounts_under(tmp_path) == []
 
 
+
+def test_the_gc_workload_forgets_all_but_ten_and_gives_the_space_back(tmp_path):
+    require_fuse()
+    out, workdir = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--size", "smoke", "--repeat", "1", "--only",
+         "gc", "--systems", "rametfs", "--gc-promotes", "12", "--out", str(out),
+         "--workdir", str(workdir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "results.json").read_text())
+    assert report["errors"] == []
+    got = {r["workload"]: r for r in report["results"]}
+    assert sorted(got) == ["gc", "gc-compact", "gc-forget", "gc-promote"]
+    assert got["gc-promote"]["extra"] == {"promotes": 12, "files": 1000, "changed_files": 10}
+    assert len(got["gc-promote"]["samples"]) == 12
+    # 13 snapshots (the import, 12 promotes), none in use: the 10 newest stay.
+    assert got["gc-forget"]["extra"] == {"removed": 3, "kept": 10}
+    freed = got["gc"]["extra"]
+    assert freed["bytes"] > 0 and freed["contents"] >= 10 and freed["trees"] >= 3
+    assert got["gc-compact"]["extra"]["after_bytes"] > 0
+    assert list(workdir.iterdir()) == []
+
+
 TRACE = """\
 # entries-in-buffer/entries-written: 5/5   #P:2
               rm-622     [001] ...1. 33961.853291: fuse_request_send: connection 39 req 12 opcode 3 (FUSE_GETATTR) len 56

@@ -767,10 +767,11 @@ def test_the_harness_comes_first_and_the_agent_never_cancels_it(held_work):
 
 
 def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(held_work):
-    """A create that waited for the promote must not land in the layer the reset made: it is
-    ESTALE, or (woken by the cancel before the reset swapped the layer) it lands in the old
-    layer, which the reset then drops: either way the new layer does not hold it.  In the
-    execution's root too, whose inode a reset keeps (it landed in the new layer)."""
+    """A create that waited for the promote is whole in one layer.  Woken by the cancel
+    before the reset swapped the layer, it lands in the old layer, which the reset drops, and
+    the write after it is ESTALE; woken after, it acts in the root, which keeps its inode
+    across a reset, so the file is whole in the new layer (in a directory below, the stale
+    parent is ESTALE and the kernel retries the open, to the same end)."""
     d, eid, _ = held_work
     promote = _Promote(d, eid)
     errors: list[OSError] = []
@@ -783,12 +784,15 @@ def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(held_work)
 
     waiter = threading.Thread(target=create, daemon=True)
     waiter.start()
-    time.sleep(0.5)
+    wait_until(lambda: _harness_record(d, eid)["waiting"] == 1, 30, "the create to wait")
     d.ctl(f"reset {eid}")
     promote.cancelled(f"the reset of execution {eid} by the harness")
     waiter.join(10)
-    assert [e.errno for e in errors] in ([errno.ESTALE], [])
-    assert sorted(os.listdir(d.exec_path(eid))) == ["f"]
+    listed = sorted(os.listdir(d.exec_path(eid)))
+    if errors:
+        assert ([e.errno for e in errors], listed) == ([errno.ESTALE], ["f"])
+    else:
+        assert (listed, (d.exec_path(eid) / "late").read_bytes()) == (["f", "late"], b"late")
 
 
 def test_past_max_waiting_requests_of_one_execution_get_eagain(held_work):
@@ -845,6 +849,26 @@ def test_an_agents_own_captures_count_against_its_max_bytes(daemon, tmp_path):
     assert _harness_record(daemon, eid)["captured_bytes"] == 0
     blob.write_bytes(os.urandom(MIB))
     assert daemon.exec_ctl(eid, "checkpoint")["ok"]
+
+
+def test_what_a_capture_is_charged_tells_nothing_of_other_executions(daemon, tmp_path):
+    """An agent guessing another execution's page: were it charged what the store did not
+    hold yet (new chunks), its captured_bytes or an EDQUOT would say which guess another
+    execution stored (issue 16.5's side channel, through the quota).  It is charged the page
+    bytes it captures, stored before or not."""
+    from rametfs.capture import CAPTURE_BYTES
+    snap = daemon.snapshot(write_tree(tmp_path / "src", {"f": b"f"}))
+    secret = b"DB_PASS=pw4821\n" * 4096  # 60 KiB: one page
+    victim = daemon.create(snap)
+    (daemon.exec_path(victim) / "secret").write_bytes(secret)
+    daemon.ctl(f"checkpoint {victim}")  # the page is in the store now
+    charged = {}
+    for guess in (secret, b"DB_PASS=pw0000\n" * 4096):
+        agent = daemon.ctl(f"create {snap} --max-bytes {MIB}")["execution"]
+        (daemon.exec_path(agent) / "guess").write_bytes(guess)
+        assert daemon.exec_ctl(agent, "checkpoint")["ok"]
+        charged[guess] = daemon.exec_status(agent)["captured_bytes"]
+    assert list(charged.values()) == [len(secret) + CAPTURE_BYTES] * 2
 
 
 async def test_store_flushes_are_group_commits(tmp_path):
@@ -1154,3 +1178,197 @@ def test_a_status_shows_a_large_last_reply_by_its_scalars(shared_daemon, tmp_pat
         assert d.exec_status(eid)["last"] == small  # whole
     finally:
         d.ctl(f"release {eid}")
+
+
+# ----- long work on one execution in slices (issue 15.3) ----------------------------------------
+
+BIG_NAMES = 100_000  # names of the one base directory the hostile execution copies up
+# The longest a bystander's request may wait while a hostile execution checkpoints, diffs or
+# verifies: the issue's 50 ms with room for a 2-core machine shared with other jobs (the
+# daemon's trio thread shares the cores with the kernel, both test processes and whatever else
+# runs).  Measured: 0.05-0.07 s alone, up to 0.38 s at a load average of 7.5; main stalled
+# every request 1.1-10 s on these sizes.
+STALL_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def big_dir_snapshot(_shared_daemon, tmp_path_factory):
+    """A snapshot of ``big/`` holding :data:`BIG_NAMES` empty files, on the shared daemon."""
+    d, _ = _shared_daemon
+    src = tmp_path_factory.mktemp("bigdir") / "src"
+    (src / "big").mkdir(parents=True)
+    for i in range(BIG_NAMES):
+        os.close(os.open(src / "big" / f"f{i:06d}", os.O_CREAT | os.O_WRONLY, 0o644))
+    return d.snapshot(src)
+
+
+# A bystander's loop, in a process of its own (a thread of the test's would wait for the GIL
+# while the test decodes a big reply): creates and removes a file in directory argv[1] until
+# its stdin closes, then prints how many requests it made and the longest one took (s).
+BYSTANDER = """
+import os, select, sys, time
+d, worst, ops, i = sys.argv[1], 0.0, 0, 0
+while not select.select([sys.stdin], [], [], 0)[0]:
+    p = os.path.join(d, f"by{i}")
+    for op in (lambda: os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)),
+               lambda: os.unlink(p)):
+        t = time.perf_counter()
+        op()
+        worst = max(worst, time.perf_counter() - t)
+        ops += 1
+    i += 1
+print(ops, worst)
+"""
+
+
+class _Bystander:
+    """An execution of ``snap`` whose files a process of its own creates and removes in a
+    loop (:data:`BYSTANDER`) while the block runs: then ``ops`` is how many requests it
+    made and ``worst`` the longest one took, in seconds."""
+
+    def __init__(self, d: Daemon, snap: str):
+        self.eid = d.create(snap)
+        self.ops, self.worst = 0, 0.0
+        self.proc = subprocess.Popen([sys.executable, "-c", BYSTANDER, d.exec_path(self.eid)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def __enter__(self) -> "_Bystander":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        out, _ = self.proc.communicate("stop\n", timeout=30)
+        assert self.proc.returncode == 0
+        ops, worst = out.split()
+        self.ops, self.worst = int(ops), float(worst)
+        print(f"bystander: {self.ops} requests, the longest {self.worst:.3f} s")  # pytest -s
+
+
+def test_a_checkpoint_of_a_huge_directory_never_stalls_a_bystander(shared_daemon,
+                                                                   big_dir_snapshot):
+    """A checkpoint after one create in a base directory of 100,000 names plans, encodes and
+    stores its tree of 100,001 entries in slices (rametfs.capture.Capture.commit): a
+    bystander's create or unlink never waits STALL_S (1.1-3.8 s on main)."""
+    d = shared_daemon
+    hostile = d.create(big_dir_snapshot)
+    (d.exec_path(hostile) / "big" / "new").write_bytes(b"new\n")
+    with _Bystander(d, big_dir_snapshot) as by:
+        time.sleep(0.2)
+        snap = d.exec_ctl(hostile, "checkpoint")["snapshot"]
+    assert len(os.listdir(d.snap_path(snap) / "big")) == BIG_NAMES + 1
+    assert by.ops > 100 and by.worst < STALL_S, (by.ops, by.worst)
+    d.ctl(f"release {hostile}")
+    d.ctl(f"release {by.eid}")
+
+
+@pytest.mark.parametrize("command", ["diff", "verify"])
+def test_a_diff_or_verify_of_a_renamed_huge_directory_never_stalls_a_bystander(
+        shared_daemon, big_dir_snapshot, command):
+    """``mv big moved`` makes a diff of 200,000 lines (every path deleted and added) and a
+    verify that plans the renamed tree and then diffs: both in slices (rametfs.core.diff
+    yields per name), a bystander's request never waits STALL_S."""
+    d = shared_daemon
+    hostile = d.create(big_dir_snapshot)
+    os.rename(d.exec_path(hostile) / "big", d.exec_path(hostile) / "moved")
+    with _Bystander(d, big_dir_snapshot) as by:
+        time.sleep(0.2)
+        if command == "diff":
+            diff = d.exec_path(hostile) / protocol.CONTROL_DIR / protocol.DIFF
+            lines = diff.read_bytes().split(b"\n")
+            assert len(lines) == 2 * (BIG_NAMES + 1) + 1
+        else:
+            got = d.ctl(f"verify {hostile}")["verification"]
+            assert not got["equal"] and len(got["differences"]) == 2 * (BIG_NAMES + 1)
+    assert by.ops > 100 and by.worst < STALL_S, (by.ops, by.worst)
+    d.ctl(f"release {hostile}")
+    d.ctl(f"release {by.eid}")
+
+
+# The root tree id main gave the capture of _golden_model's execution (before trees were built
+# in steps and stored in batches).
+GOLDEN_ROOT = "7eab8668eca4a9e8e94a2e971713107e5ae00c919a4f0b2384b114cb6b26bf29"
+
+
+def _golden_model(tmp_path):
+    """``(store, overlay, execution, entries)``: a base of ``sub/`` (3,000 files, every 7th
+    with an xattr, every 11th a hard link, names given out of order) and ``f``; in the
+    execution 5 new directories in ``sub/``, one file removed, fixed times."""
+    import stat as st
+
+    from rametfs.overlay import Overlay
+    from rametfs.store import EMPTY_CONTENT, Store
+    from rametfs.store.importer import put_directory
+    from rametfs.store.trees import Entry
+    entries = [Entry(b"n%05d" % (2999 - i), st.S_IFREG | 0o640, i, 7,
+                     1_700_000_000 * NS_PER_S + i, i * 3, EMPTY_CONTENT,
+                     ((b"user.k", b"v%d" % i),) if i % 7 == 0 else (), i if i % 11 == 0 else 0,
+                     2 if i % 11 == 0 else 1) for i in range(3000)]
+    store = Store(tmp_path / "data")
+    with store.write() as txn:
+        sub = put_directory(store, txn, entries, st.S_IFDIR | 0o755, 0, 0, 5).renamed(b"sub")
+        root = put_directory(store, txn, [sub, Entry(b"f", st.S_IFREG | 0o644, 0, 0, 9, 0,
+                                                     EMPTY_CONTENT)], st.S_IFDIR | 0o755, 0, 0, 5)
+        snap = store.put_snapshot(txn, root, [], "", "", "test", {})
+    overlay = Overlay(store)
+    ex = overlay.create_execution(snap, "e")
+    d = overlay.lookup(ex.root_ino, b"sub")
+    for i in range(5):
+        overlay.setattr(overlay.mkdir(d.ino, b"new%d" % i, 0o755, 1, 2), mtime_ns=123 + i)
+    overlay.unlink(d.ino, b"n00003")
+    overlay.setattr(d, mtime_ns=77)
+    overlay.setattr(overlay.node(ex.root_ino), mtime_ns=78)
+    return store, overlay, ex, entries
+
+
+async def test_tree_ids_and_totals_are_those_main_made(tmp_path):
+    """The trees are encoded, and a capture's totals counted, in steps now: the ids and
+    stats are byte for byte those main made for the same trees (computed on main, before
+    this change), so the format is unchanged."""
+    from rametfs import capture
+    from rametfs.store.trees import decode_tree, encode_tree
+    store, overlay, ex, entries = _golden_model(tmp_path)
+    tid, value = encode_tree(entries)
+    assert tid.hex() == "04afe9590ae5f27af9fad9216d4d259a7ddb2278791803943e3181c35314b898"
+    assert list(decode_tree(value).values()) == sorted(entries, key=lambda e: e.name)
+    want = GOLDEN_ROOT
+    assert (await capture.root_entry(overlay, ex)).ref.hex() == want
+    snap = await capture.capture(overlay, ex, "l", "m")
+    assert snap.root.ref.hex() == want
+    assert {k: v for k, v in snap.stats.items() if k != "capture_ms"} == {
+        "bytes": 13486512, "changed_files": 0, "dirs": 7, "files": 3000,
+        "new_chunk_bytes": 0, "new_chunks": 0, "symlinks": 0}
+    store.close()
+
+
+async def test_a_capture_cancelled_after_storing_trees_lists_no_snapshot(tmp_path,
+                                                                         monkeypatch):
+    """A capture stores its trees in batches (one tree a batch here) before its snapshot
+    record: cancelled after the first batch, it lists no snapshot and leaves only the trees
+    stored (content-addressed, unreferenced); the next capture works and reuses them."""
+    from rametfs import capture
+    from rametfs.errors import Cancelled
+    store, overlay, ex, _ = _golden_model(tmp_path)
+    monkeypatch.setattr(capture, "TREE_BATCH_TREES", 1)
+    token = capture.CancelToken()
+    flush = capture._NewTrees.flush
+
+    def flush_then_cancel(self) -> None:
+        flush(self)
+        token.cancel("the test")
+
+    def trees() -> int:
+        with store.read() as txn:
+            return txn.stat(store.db["trees"])["entries"]
+
+    before, stored = [s.id for s in store.snapshots()], trees()
+    monkeypatch.setattr(capture._NewTrees, "flush", flush_then_cancel)
+    with pytest.raises(Cancelled, match="cancelled by the test"):
+        await capture.capture(overlay, ex, "l", "m", cancel=token)
+    # the first batch: the empty tree of new0/ (the 4 other new directories share it)
+    assert [s.id for s in store.snapshots()] == before and trees() == stored + 1
+    monkeypatch.setattr(capture._NewTrees, "flush", flush)
+    snap = await capture.capture(overlay, ex, "l", "m")
+    assert [s.id for s in store.snapshots()] == before + [snap.id]
+    assert snap.root.ref.hex() == GOLDEN_ROOT
+    assert trees() == stored + 3  # the empty one, sub/, the root
+    assert len(store.tree(store.tree(snap.root.ref)[b"sub"].ref)) == 2999 + 5
+    store.close()

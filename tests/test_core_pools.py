@@ -66,7 +66,7 @@ def test_open_makes_a_pool_and_asks_for_its_members(pools):
     members = made(pools, opened, T0 + 5)
     assert pools.opened_reply(opened)["executions"] == sorted(members)
     assert pools.to_json() == [{
-        "name": "p", "base": BASE, "size": 2, "created_ns": T0,
+        "name": "p", "base": BASE, "size": 2, "created_ns": T0, "keep_last": None,
         "executions": sorted(members), "ready": 2, "leased": 0, "quarantined": 0,
         "owner": DAEMON_UID, "group": DAEMON_GID, "share": "0750", "control": "full",
         "max_bytes": None, "max_inodes": None}]

@@ -100,3 +100,19 @@ def test_many_changes_and_a_deep_path_are_answered_exactly(shared_daemon, tmp_pa
     (sub / "f0001").write_bytes(b"changed")
     (ex / "d2" / "f0002").write_bytes(b"changed")
     assert hook(sub, token)[1] == ["f0001"]
+
+
+def test_a_token_tells_nothing_of_other_executions(shared_daemon, tmp_path):
+    """Each execution counts its own changes: a daemon-wide clock in the token let an agent
+    count what every other execution changed between two queries."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("f\n")
+    snap = shared_daemon.snapshot(src)
+    agent, other = (shared_daemon.exec_path(shared_daemon.create(snap)) for _ in range(2))
+    token, _ = hook(agent, "")
+    for i in range(50):
+        (other / f"n{i}").write_text("n\n")
+    assert hook(agent, token) == (token, [])
+    (agent / "f").write_text("changed\n")
+    assert hook(agent, token)[1] == ["f"]

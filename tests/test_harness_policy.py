@@ -499,7 +499,7 @@ def test_labels_and_messages_are_limited_and_printed_escaped(ramet, base, tmp_pa
     listing = cli("ls", *cli_where(ramet)).stdout.decode()
     assert not {"\x1b", "\x07"} & set(listing)
     row, = [line for line in listing.splitlines() if line.startswith(sid[:12])]
-    assert row.split()[2] == f"ok{escaped}"  # SNAPSHOT NAMES LABEL ...
+    assert row.split()[3] == f"ok{escaped}"  # SNAPSHOT TREE NAMES LABEL
     log = cli("log", *cli_where(ramet), sid).stdout.decode().splitlines()
     assert log[0].split(" ", 2)[::2] == [sid, f"ok{escaped} line 1\\nline 2{escaped}\\u202e"]
     status = cli("status", *cli_where(ramet)).stdout.decode()

@@ -46,7 +46,8 @@ def test_a_name_resolves_everywhere_a_snapshot_is_taken_and_moves(ramet, tmp_pat
     listed = {s["id"]: s["names"] for s in ramet.snapshots()}
     assert (listed[one], listed[two]) == ([], [tag])
     ls = cli(ramet, "ls", check=True).stdout
-    assert any(line.split()[:2] == [two[:12], tag] for line in ls.splitlines())
+    tid = {s["id"]: s["tree"] for s in ramet.snapshots()}[two]
+    assert any(line.split()[:3] == [two[:12], tid[:12], tag] for line in ls.splitlines())
     assert cli(ramet, "log", tag, check=True).stdout.split()[0] == two
     gone = cli(ramet, "name", "--delete", tag, check=True)
     assert gone.stdout == f"deleted name {tag} (was {two})\n"

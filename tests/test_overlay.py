@@ -309,7 +309,7 @@ def test_capture_reuses_unchanged_subtrees(model):
     cap = Capture(overlay, ex)
     plan = cap.plan()
     trio.run(cap.hash)
-    snap = cap.commit(plan, [ex.head], "l", "m", 0)
+    snap = trio.run(cap.commit, plan, [ex.head], "l", "m", 0)
     new_root = store.tree(snap.root.ref)
     old_root = store.tree(ex.base.root.ref)
     # dir holds the other name of small (a hard link), so it changes; its sub does not
@@ -447,3 +447,41 @@ def test_no_room_for_a_new_upper_file_empties_the_pool_and_tries_again(model, mo
     assert overlay.write(node, 0, b"data") == 4
     assert read_all(overlay, node) == b"data"
     assert list(pool.paths) == [] and os.listdir(pool.directory) == []
+
+
+async def test_a_move_between_deep_directories_is_checked_in_slices(model):
+    """Overlay.rename_in_slices: a directory moved between two chains 20,000 deep has the new
+    parent's ancestors walked ANCESTOR_STEP at a time, other tasks running between slices (in
+    one step, 72 ms a rename at 60,000 deep stalled every execution); moving a directory
+    below itself from that deep is EINVAL."""
+    store, overlay, ex = model
+
+    def chain(name: bytes, depth: int):
+        node = overlay.mkdir(ex.root_ino, name, 0o755, 0, 0)
+        for _ in range(depth):
+            node = overlay.mkdir(node.ino, b"d", 0o755, 0, 0)
+        return node
+
+    depth = 20_000
+    a, b = chain(b"a", depth), chain(b"b", depth)
+    moved = overlay.mkdir(a.ino, b"x", 0o755, 0, 0)
+    ran = []
+
+    async def other() -> None:
+        while True:
+            ran.append(None)
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.sleep(0)
+        before = len(ran)
+        await overlay.rename_in_slices(a.ino, b"x", b.ino, b"x", 0)
+        between = len(ran) - before
+        nursery.cancel_scope.cancel()
+    assert between >= 1  # the walk takes more than a slice; run whole it let none run
+    assert overlay.lookup(b.ino, b"x").ino == moved.ino
+    with pytest.raises(RametError) as caught:
+        await overlay.rename_in_slices(ex.root_ino, b"b", moved.ino, b"b", 0)
+    assert caught.value.errno == errno.EINVAL
+    assert overlay.lookup(ex.root_ino, b"b").ino != moved.ino  # nothing moved

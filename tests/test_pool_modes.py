@@ -85,7 +85,8 @@ def test_open_reattach_grow_and_the_pool_record(ramet, source):
     record = pool_record(ramet, name)
     assert record == {
         "name": name, "base": base, "size": 3, "created_ns": record["created_ns"],
-        "executions": again["executions"], "ready": 3, "leased": 0, "quarantined": 0,
+        "keep_last": None, "executions": again["executions"], "ready": 3, "leased": 0,
+        "quarantined": 0,
         "owner": os.getuid(), "group": os.getgid(), "share": "0750", "control": "full",
         "max_bytes": None, "max_inodes": None}
     other = ramet.snapshot(source / "src")

@@ -56,7 +56,7 @@ def test_format_then_parse_round_trips(name, positional, options, line, args):
     ("  \n", EXECUTION_COMMANDS, "empty command"),
     ("frobnicate x", ROOT_COMMANDS,
      "unknown command 'frobnicate'; expected one of acquire, cancel, checkpoint, create, diff, "
-     "drop, fault, gc, name, pool, preview, promote, release, renew, reset, resolve, return, "
+     "drop, fault, forget, gc, name, pool, preview, promote, release, renew, reset, resolve, return, "
      "rm, runtime, snapshot, snapshot-git, status, unname, verify"),
     ("promote", ROOT_COMMANDS, "promote: expected <execution>, got 0 argument(s)"),
     ("status", EXECUTION_COMMANDS,
@@ -93,14 +93,14 @@ def fake_mount(tmp_path):
     now = time.time_ns()
     snapshots = [
         {"id": ID_A, "label": "clean", "message": "first import", "parents": [],
-         "created_ns": now - 10 * DAY_NS - 3600 * 10**9, "source": "/src", "files": 3,
-         "bytes": 1536},
+         "created_ns": now - 10 * DAY_NS - 3600 * 10**9, "tree": "d" * 64,
+         "source": "/src", "files": 3, "bytes": 1536},
         {"id": ID_B, "label": None, "message": None, "parents": [ID_A],
-         "created_ns": now - 3 * DAY_NS - 3600 * 10**9, "source": None, "files": 4,
-         "bytes": 10 << 20},
+         "created_ns": now - 3 * DAY_NS - 3600 * 10**9, "tree": "d" * 64,
+         "source": None, "files": 4, "bytes": 10 << 20},
         {"id": ID_C, "label": "fix", "message": "try 2", "parents": [ID_B],
-         "created_ns": now - 2 * DAY_NS - 3600 * 10**9, "source": None, "files": 4,
-         "bytes": 512},
+         "created_ns": now - 2 * DAY_NS - 3600 * 10**9, "tree": "e" * 64,
+         "source": None, "files": 4, "bytes": 512},
     ]
     executions = [{"id": "run-1", "base": ID_A, "head": ID_C,
                    "created_ns": now - DAY_NS - 60 * 10**9, "upper_bytes": 2048,
@@ -202,10 +202,10 @@ def test_cli_diff_status_log_ls(fake_mount):
     assert run("ls", "-m", mount).stdout == (
         f"mount: {mount}  mode: open-less\n"
         "\n"
-        "SNAPSHOT      NAMES  LABEL  FILES  BYTES  AGE\n"
-        "aaaaaaaaaaaa  -      clean  3      1.5K   10d\n"
-        "abbbbbbbbbbb  -             4      10M    3d\n"
-        "cccccccccccc  -      fix    4      512B   2d\n"
+        "SNAPSHOT      TREE          NAMES  LABEL  FILES  BYTES  AGE\n"
+        "aaaaaaaaaaaa  dddddddddddd  -      clean  3      1.5K   10d\n"
+        "abbbbbbbbbbb  dddddddddddd  -             4      10M    3d\n"
+        "cccccccccccc  eeeeeeeeeeee  -      fix    4      512B   2d\n"
         "\n"
         "EXECUTION  BASE          HEAD          UPPER  AGE  ACCESS\n"
         "run-1      aaaaaaaaaaaa  cccccccccccc  2.0K   1d   1000:100/0750/read\n")

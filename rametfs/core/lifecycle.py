@@ -1,4 +1,5 @@
-"""Snapshot lifecycle for both modes: forgetting snapshot records (``rm``).
+"""Snapshot lifecycle for both modes: forgetting snapshot records (``rm``, and ``forget``
+by a retention policy: rametfs.core.retention).
 
 What a snapshot is used by, and so what ``rm`` refuses (EBUSY) or, with ``force``, undoes:
 
@@ -19,11 +20,43 @@ deletes only the snapshot record; its trees, contents and chunks stay until ``gc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from ..errors import Busy
-from ..store import Store
+from ..store import Snapshot, Store
 from ..store.catalog import Catalog
+from . import retention
+
+
+@dataclass(frozen=True)
+class Use:
+    """A use of a snapshot that keeps it: it is the ``role`` (``"base"``, ``"head"``) of the
+    execution or pool ``owner`` (``kind``); ``hard`` when even ``rm --force`` refuses."""
+
+    snapshot: str
+    role: str
+    kind: str
+    owner: str
+
+    @property
+    def hard(self) -> bool:
+        return self.role == "base"
+
+    def __str__(self) -> str:
+        return f"{self.role} of {self.kind} {self.owner}"
+
+
+def uses(store: Store, txn, executions: Iterable[tuple[str, str, str]]) -> list[Use]:
+    """Every use of a snapshot by an execution or a pool, read in ``txn``: the bases of the
+    ``executions`` (``(id, base id, head id)``), the pools' bases, then the heads that are not
+    their execution's base."""
+    executions = list(executions)
+    found = [Use(base, "base", "execution", eid) for eid, base, _ in executions]
+    found += [Use(rec.base, "base", "pool", name) for name, rec in Catalog(store).pools(txn)]
+    return found + [Use(head, "head", "execution", eid) for eid, base, head in executions
+                    if head != base]
 
 
 def remove_snapshots(store: Store, refs: Iterable[str], force: bool,
@@ -37,33 +70,76 @@ def remove_snapshots(store: Store, refs: Iterable[str], force: bool,
     that refuses it (names and heads only without ``force``).
     """
     wanted = {store.snapshot(ref).id: ref for ref in refs}
-    executions = list(executions)
     with store.write() as txn:
         names = {n: sid for n, sid in store.names(txn).items() if sid in wanted}
-        pools = [(name, rec.base) for name, rec in Catalog(store).pools(txn)
-                 if rec.base in wanted]
-        bases = [(eid, base) for eid, base, _ in executions if base in wanted]
-        heads = [(eid, head) for eid, base, head in executions
-                 if head in wanted and head != base]
-        uses = [(sid, f"it is the base of execution {eid}", True) for eid, sid in bases]
-        uses += [(sid, f"it is the base of pool {name}", True) for name, sid in pools]
-        uses += [(sid, f"name {name!r} points at it", False) for name, sid in names.items()]
-        uses += [(sid, f"it is the head of execution {eid}", False) for eid, sid in heads]
+        used = [u for u in uses(store, txn, executions) if u.snapshot in wanted]
+        why = [(u.snapshot, f"it is the {u}", u.hard) for u in used if u.hard]
+        why += [(sid, f"name {name!r} points at it", False) for name, sid in names.items()]
+        why += [(u.snapshot, f"it is the {u}", False) for u in used if not u.hard]
         refused: dict[str, list[str]] = {}
-        for sid, why, hard in uses:
+        for sid, text, hard in why:
             if hard or not force:
-                refused.setdefault(sid, []).append(why)
+                refused.setdefault(sid, []).append(text)
         if refused:
-            soft = not any(hard for _, _, hard in uses)
+            soft = not any(u.hard for u in used)
             raise Busy("rm: " + "; ".join(
                 f"snapshot {sid[:12]}{'' if wanted[sid] == sid else f' ({wanted[sid]})'}: "
                 f"{', '.join(whys)}" for sid, whys in refused.items())
                 + (": --force deletes the names and detaches the executions" if soft else
                    ": release the execution, or drop the pool, first"))
-        for name in names:
-            txn.delete(name.encode(), db=store.db["names"])
-        for sid in wanted:
-            txn.delete(bytes.fromhex(sid), db=store.db["snapshots"])
+        _delete(store, txn, wanted, names)
     return {"ok": True, "removed": sorted(wanted), "names": sorted(names),
-            "detached": sorted(eid for eid, _ in heads)}
+            "detached": sorted({u.owner for u in used if u.role == "head"})}
 
+
+def forget_snapshots(store: Store, policy: retention.Policy, dry_run: bool,
+                     executions: Iterable[tuple[str, str, str]],
+                     among: Callable[[Snapshot], bool] | None = None) -> dict:
+    """Forget every snapshot (``among``: every one it is true of) that ``policy`` does not
+    keep (rametfs.core.retention), with the names pointing at them, in one write
+    transaction; every snapshot an execution of ``executions`` (``(id, base id, head id)``)
+    or a pool uses is kept.  ``dry_run``: nothing changes.  Returns the reply ``{"ok",
+    "dry_run", "kept": [{"snapshot", "reasons"}], "removed": [ids], "names": [names
+    deleted]}``, kept and removed newest first."""
+    with store.write() as txn:
+        considered = [s for s in store.snapshots(txn) if among is None or among(s)]
+        used: dict[str, list[str]] = {}
+        for use in uses(store, txn, executions):
+            used.setdefault(use.snapshot, []).append(str(use))
+        all_names = store.names(txn)
+        decided = retention.plan([(s.id, s.created_ns) for s in considered], all_names, used,
+                                 policy)
+        gone = set(decided.forget)
+        names = sorted(n for n, sid in all_names.items() if sid in gone)
+        if not dry_run:
+            _delete(store, txn, gone, names)
+    return {"ok": True, "dry_run": dry_run,
+            "kept": [{"snapshot": sid, "reasons": why} for sid, why in decided.keep.items()],
+            "removed": decided.forget, "names": names}
+
+
+def trim_pool(store: Store, execution: str,
+              executions: Iterable[tuple[str, str, str]]) -> dict | None:
+    """After a promote of ``execution``: when it is a member of a pool with ``keep_last``
+    N (``pool --keep-last``), forget the pool's promotes but the N newest and the named ones
+    (a name is the harness's choice to keep one), as :func:`forget_snapshots` does with
+    ``executions``; its reply, or None (not a member, or no ``keep_last``).  The pool's
+    promotes are the snapshots whose source is a member's id: ``execution:<pool>-<8 hex>``
+    (rametfs.protocol.member_name), members gone included."""
+    with store.read() as txn:
+        catalog = Catalog(store)
+        member = catalog.member(txn, execution)
+        pool = None if member is None else catalog.pool(txn, member.pool)
+    if pool is None or not pool.keep_last:
+        return None
+    source = re.compile(rf"execution:{re.escape(member.pool)}-[0-9a-f]{{8}}")
+    return forget_snapshots(store, retention.Policy(keep_last=pool.keep_last, keep_name="*"),
+                            False, executions, lambda s: source.fullmatch(s.source) is not None)
+
+
+def _delete(store: Store, txn, snapshots: Iterable[str], names: Iterable[str]) -> None:
+    """Delete the snapshot records ``snapshots`` (ids) and the ``names`` in ``txn``."""
+    for name in names:
+        txn.delete(name.encode(), db=store.db["names"])
+    for sid in snapshots:
+        txn.delete(bytes.fromhex(sid), db=store.db["snapshots"])

@@ -48,6 +48,7 @@ from ..authority import Access
 from ..errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
 from ..store import Store
 from ..store.catalog import LEASED, QUARANTINED, READY, Catalog, Lease, Member, PoolRecord
+from ..treewalk import Steps, mapped_steps, run_steps
 
 __all__ = ["LEASED", "QUARANTINED", "READY", "VERIFICATION_FAILURES", "Acquired", "NewMember",
            "Opened", "Pools", "Settled", "failure_reason", "quarantine_reason", "return_reply",
@@ -118,17 +119,19 @@ class Pools:
     # -- pools ---------------------------------------------------------------------------
 
     def open(self, name: str | None, base: str, size: int, options: dict[str, str],
-             policy: dict | None, now_ns: int) -> Opened:
+             policy: dict | None, now_ns: int, keep_last: int | None = None) -> Opened:
         """Create pool ``name`` (generated when None) of ``size`` executions of snapshot
         ``base`` (hex id), or reattach to the pool of that name, growing it to ``size``.
         ``options`` are the access options given (``Access.given``): a new pool's members get
         them over the defaults; a pool reattached to must have them.  Members are created
-        with ``policy`` (a policy record; None: not given).
+        with ``policy`` (a policy record; None: not given).  ``keep_last`` N: after each
+        promote of a member, only the pool's N newest promotes are kept
+        (rametfs.core.lifecycle.trim_pool; None: not given, a new pool keeps all).
 
         Raises ProtocolError (EINVAL) for a bad name or size (``protocol.check_pool``),
         InvalidArgument (EINVAL) for a bad option, RametError (EEXIST) when the pool exists
-        with another base or other access settings, or ``policy`` is given and is not the
-        pool's.
+        with another base or other access settings, or ``policy`` or ``keep_last`` is given
+        and is not the pool's.
         """
         name = protocol.check_pool(name, size)
         with self.store.write() as txn:
@@ -136,9 +139,13 @@ class Pools:
             created = pool is None
             if pool is None:
                 pool = PoolRecord(base, size, now_ns, Access().given(options).to_record(),
-                                  policy)
+                                  policy, keep_last or 0)
             else:
                 _check_reattach(name, pool, base, options, policy)
+                if keep_last is not None and keep_last != pool.keep_last:
+                    raise RametError(f"pool {name!r} exists with --keep-last "
+                                     f"{pool.keep_last or 'unset'}, not {keep_last}",
+                                     errno.EEXIST)
                 pool.size = max(pool.size, size)
             self.catalog.put_pool(txn, name, pool)
             new = self._missing(txn, name, pool)
@@ -310,7 +317,8 @@ class Pools:
     # -- status --------------------------------------------------------------------------
 
     def to_json(self) -> list[dict]:
-        """Every pool, by name: ``{"name", "base", "size", "created_ns", "executions",
+        """Every pool, by name: ``{"name", "base", "size", "created_ns", "keep_last"
+        (None: all kept), "executions",
         "ready", "leased", "quarantined", "owner", "group", "share", "control", "max_bytes",
         "max_inodes"}``; ``ready``, ``leased`` and ``quarantined`` count the ``executions``
         (member ids) in each state, the rest are the members' access settings
@@ -320,7 +328,7 @@ class Pools:
             for m in self.catalog.members(txn):
                 members.setdefault(m.pool, []).append(m)
             return [{"name": name, "base": pool.base, "size": pool.size,
-                     "created_ns": pool.created_ns,
+                     "created_ns": pool.created_ns, "keep_last": pool.keep_last or None,
                      "executions": [m.execution for m in members.get(name, [])],
                      **_counts(members.get(name, [])),
                      **Access.from_record(pool.access).to_json()}
@@ -415,9 +423,16 @@ def verification_json(mode: str, root: str, base_root: str,
     "verify_ms", "differences": [[letter, path], ...]}``; ``root`` the tree id (hex) the
     execution holds, ``base_root`` its base's, ``differences`` as ``diff`` gives them (paths
     decoded as os.fsdecode does), ``verify_ms`` milliseconds."""
+    return run_steps(verification_json_steps(mode, root, base_root, differences, verify_ms))
+
+
+def verification_json_steps(mode: str, root: str, base_root: str,
+                            differences: list[tuple[str, bytes]], verify_ms: float
+                            ) -> Steps[dict]:
+    """:func:`verification_json` as steps (rametfs.treewalk.run_steps), one per difference."""
+    decoded = yield from mapped_steps(lambda d: [d[0], os.fsdecode(d[1])], differences)
     return {"mode": mode, "equal": not differences, "root": root, "base_root": base_root,
-            "verify_ms": verify_ms,
-            "differences": [[letter, os.fsdecode(path)] for letter, path in differences]}
+            "verify_ms": verify_ms, "differences": decoded}
 
 
 def quarantine_reason(verification: dict) -> str:

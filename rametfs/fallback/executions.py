@@ -30,7 +30,7 @@ from pathlib import Path
 from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
-from ..core import lifecycle
+from ..core import lifecycle, retention
 from ..core.pools import verification_json
 from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
@@ -222,7 +222,19 @@ class Fallback:
         except protocol.ProtocolError as exc:
             raise InvalidArgument(str(exc)) from None
         return lifecycle.remove_snapshots(self.store, [snapshot], forced,
-                                          [(m.id, m.base, m.head) for m in self._metas()])
+                                          self._execution_uses())
+
+    def forget(self, keep_last: str | None = None, keep_within: str | None = None,
+               keep_name: str | None = None, dry_run: str | None = None) -> dict:
+        """Forget what the retention policy does not keep (lifecycle.forget_snapshots)."""
+        policy = retention.policy_of({"keep-last": keep_last, "keep-within": keep_within,
+                                      "keep-name": keep_name})
+        try:
+            dry = protocol.yes_no("forget", "dry-run", dry_run)
+        except protocol.ProtocolError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return lifecycle.forget_snapshots(self.store, policy, dry,
+                                          self._execution_uses())
 
     def gc(self, dry_run: str | None = None, compact: str | None = None,
            progress: Progress | None = None) -> dict:
@@ -239,6 +251,10 @@ class Fallback:
         report = gc.collect(self.store, functools.partial(manifest.gc_roots, self.data), dry,
                             progress)
         return {"ok": True, "gc": report.to_json()}
+
+    def _execution_uses(self) -> list[tuple[str, str, str]]:
+        """``(id, base id, head id)`` of every execution: what rm and forget keep."""
+        return [(m.id, m.base, m.head) for m in self._metas()]
 
     def _metas(self, records: bool = False) -> Iterator[manifest.Meta]:
         """Every execution's record (``records``: with its manifest), by id."""
@@ -262,7 +278,9 @@ class Fallback:
         InvalidArgument (EINVAL) when it is malformed or this state breaks it (changed shared
         paths, recipe inputs missing or not kept).
         """
-        return self._capture(eid, label, message, True, policy, stored=True)
+        reply = self._capture(eid, label, message, True, policy, stored=True)
+        lifecycle.trim_pool(self.store, eid, self._execution_uses())  # pool --keep-last
+        return reply
 
     def checkpoint(self, eid: str, label: str = "", message: str = "",
                    policy: str | None = None) -> dict:

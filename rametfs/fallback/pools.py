@@ -37,16 +37,18 @@ class Pools:
     # -- commands ------------------------------------------------------------------------
 
     def open(self, snapshot: str, size: str, name: str | None = None,
-             policy: str | None = None, **access: str) -> dict:
+             policy: str | None = None, keep_last: str | None = None, **access: str) -> dict:
         """Create pool ``name`` of ``size`` executions of ``snapshot``, whose members are
-        created with the persistence policy ``policy`` (a ``--policy`` value), or reattach to
-        it (growing it to ``size``); ``access`` the members' settings, as the daemon's
-        ``pool`` takes them.  Errors: ENOENT snapshot, EINVAL, EEXIST other base, settings or
-        policy (rametfs.core.pools.Pools.open)."""
+        created with the persistence policy ``policy`` (a ``--policy`` value) and whose
+        promotes are trimmed to the ``keep_last`` newest, or reattach to it (growing it to
+        ``size``); ``access`` the members' settings, as the daemon's ``pool`` takes them.
+        Errors: ENOENT snapshot, EINVAL, EEXIST other base, settings, policy or keep_last
+        (rametfs.core.pools.Pools.open)."""
         snap = self.engine.store.snapshot(snapshot)
         count = protocol.parse_count(size, "--size")
+        keep = None if keep_last is None else protocol.parse_count(keep_last, "--keep-last")
         opened = self.rules.open(name, snap.id, count, access,
-                                 _policy.stored(policy, _policy.POOL), self.clock())
+                                 _policy.stored(policy, _policy.POOL), self.clock(), keep)
         try:
             self._make(opened.new)
         except BaseException:

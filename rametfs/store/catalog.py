@@ -38,13 +38,15 @@ class PoolRecord:
     was made (ns), the access settings its members get (``rametfs.authority.Access`` as a
     record: owner, group, share, control, limits; empty in a record from before them), and
     the persistence policy its members are created with (the record of a
-    rametfs.policy.Setting, or None)."""
+    rametfs.policy.Setting, or None); ``keep_last`` how many of its members' promotes are
+    kept after each promote (rametfs.core.lifecycle.trim_pool; 0: all)."""
 
     base: str
     size: int
     created_ns: int
     access: dict = field(default_factory=dict)
     policy: dict | None = None
+    keep_last: int = 0
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))

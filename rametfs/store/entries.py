@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import blake3
 
-from .trees import FLAG_HAS_LINKS, Entry
+from ..treewalk import Steps, run_steps
+from .trees import FLAG_HAS_LINKS, TREE_STEP, Entry
 
 
 def directory_entry(entries: Sequence[Entry], tid: bytes, mode: int, uid: int, gid: int,
@@ -19,9 +20,23 @@ def directory_entry(entries: Sequence[Entry], tid: bytes, mode: int, uid: int, g
     the full st_mode, ``mtime_ns`` in ns, ``xattrs`` sorted ``(name, value)`` pairs; its link
     count is 2 + its subdirectories and its flags :data:`FLAG_HAS_LINKS` when a hard-linked
     file lies anywhere below it."""
-    has_links = any(e.link or e.flags & FLAG_HAS_LINKS for e in entries)
-    return Entry(name, mode, uid, gid, mtime_ns, 0, tid, xattrs, 0,
-                 2 + sum(1 for e in entries if e.is_dir), FLAG_HAS_LINKS if has_links else 0)
+    return run_steps(directory_entry_steps(entries, tid, mode, uid, gid, mtime_ns, xattrs,
+                                           name))
+
+
+def directory_entry_steps(entries: Sequence[Entry], tid: bytes, mode: int, uid: int,
+                          gid: int, mtime_ns: int, xattrs: tuple[tuple[bytes, bytes], ...] = (),
+                          name: bytes = b"") -> Steps[Entry]:
+    """:func:`directory_entry` as steps (rametfs.treewalk.run_steps), one per
+    ``trees.TREE_STEP`` entries."""
+    has_links, subdirs = False, 0
+    for at in range(0, len(entries), TREE_STEP):
+        batch = entries[at:at + TREE_STEP]
+        has_links = has_links or any(e.link or e.flags & FLAG_HAS_LINKS for e in batch)
+        subdirs += sum(1 for e in batch if e.is_dir)
+        yield
+    return Entry(name, mode, uid, gid, mtime_ns, 0, tid, xattrs, 0, 2 + subdirs,
+                 FLAG_HAS_LINKS if has_links else 0)
 
 
 def link_id(seed: bytes) -> int:

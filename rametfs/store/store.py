@@ -18,8 +18,10 @@ import errno
 import os
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -32,8 +34,9 @@ from .cache import HydrationCache
 from .chunks import Content
 from .gc_guard import GcGuard
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
+from ..treewalk import Steps, run_steps
 from .names import HEX_REF, MIN_ID_PREFIX, check_name
-from .trees import Entry, decode_tree, encode_tree
+from .trees import TREE_STEP, Entry, decode_tree_steps, encode_tree
 
 MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is written
 # Bytes of the metadata file kept allocated past LMDB's last page, so that small metadata
@@ -64,7 +67,7 @@ class Snapshot:
     def to_json(self) -> dict:
         return {"id": self.id, "label": self.label, "message": self.message,
                 "parents": list(self.parents), "created_ns": self.created_ns,
-                "source": self.source, **self.stats, "recipes": list(self.recipes),
+                "tree": self.root.ref.hex(), "source": self.source, **self.stats, "recipes": list(self.recipes),
                 "runtime": self.runtime}
 
 
@@ -322,11 +325,16 @@ class Store:
 
     def tree(self, tid: bytes) -> dict[bytes, Entry]:
         """Entries of tree ``tid`` by name; IntegrityError (EIO) when missing."""
-        with self.env.begin(db=self.db["trees"], buffers=True) as txn:
+        return run_steps(self.tree_steps(tid))
+
+    def tree_steps(self, tid: bytes) -> Steps[dict[bytes, Entry]]:
+        """:meth:`tree` as steps (``trees.decode_tree_steps``); no transaction is held
+        across a step."""
+        with self.env.begin(db=self.db["trees"]) as txn:
             value = txn.get(tid)
-            if value is None:
-                raise IntegrityError(f"tree {tid.hex()} is missing")
-            return decode_tree(value)
+        if value is None:
+            raise IntegrityError(f"tree {tid.hex()} is missing")
+        return (yield from decode_tree_steps(value))
 
     def tree_bytes(self, tid: bytes) -> int:
         """Bytes of tree ``tid``'s stored value (what decoding it costs); 0 when missing."""
@@ -337,26 +345,50 @@ class Store:
     def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
         tid, value = encode_tree(entries)
-        self.gc_guard.pin(tid)
-        if txn.put(tid, value, db=self.db["trees"], overwrite=False):
-            totals = [0, 0, 0, 0]  # files, bytes, directories, symlinks below
-            for e in entries:
-                if e.is_dir:
-                    sub = msgpack.unpackb(txn.get(e.ref, db=self.db["tree_stats"]))
-                    totals = [a + b for a, b in zip(totals, sub)]
-                    totals[2] += 1
-                elif e.is_reg:
-                    totals[0] += 1
-                    totals[1] += e.size
-                elif e.is_symlink:
-                    totals[3] += 1
-            txn.put(tid, msgpack.packb(totals), db=self.db["tree_stats"])
+        self.put_encoded_tree(txn, tid, value, lambda: run_steps(
+            self.totals_steps(entries, partial(self.stored_totals, txn))))
         return tid
+
+    def put_encoded_tree(self, txn: lmdb.Transaction, tid: bytes, value: bytes,
+                         totals: Callable[[], list[int]]) -> bool:
+        """Store tree ``tid`` encoded as ``value`` (``trees.encode_tree``) unless it is
+        stored, with its totals (``totals()``, only then); True when it was not stored.
+        A running gc keeps it (``gc_guard.pin``, inside ``txn``: rametfs.store.gc)."""
+        self.gc_guard.pin(tid)
+        if not txn.put(tid, value, db=self.db["trees"], overwrite=False):
+            return False
+        txn.put(tid, msgpack.packb(totals()), db=self.db["tree_stats"])
+        return True
+
+    @staticmethod
+    def totals_steps(entries: list[Entry], below: Callable[[bytes], list[int]]
+                     ) -> Steps[list[int]]:
+        """What ``tree_stats`` holds for a tree of ``entries``: ``[files, bytes, directories,
+        symlinks]`` below it, a subdirectory's own from ``below(its tree id)``; as steps
+        (rametfs.treewalk.run_steps), one per ``trees.TREE_STEP`` entries."""
+        files = size = dirs = symlinks = 0
+        for at in range(0, len(entries), TREE_STEP):
+            for e in entries[at:at + TREE_STEP]:
+                if e.is_dir:
+                    sub = below(e.ref)
+                    files, size = files + sub[0], size + sub[1]
+                    dirs, symlinks = dirs + sub[2] + 1, symlinks + sub[3]
+                elif e.is_reg:
+                    files, size = files + 1, size + e.size
+                elif e.is_symlink:
+                    symlinks += 1
+            yield
+        return [files, size, dirs, symlinks]
+
+    def stored_totals(self, txn: lmdb.Transaction, tid: bytes) -> list[int]:
+        """``tree_stats`` of stored tree ``tid``: ``[files, bytes, directories, symlinks]``
+        below it (:meth:`totals_steps`)."""
+        return msgpack.unpackb(txn.get(tid, db=self.db["tree_stats"]))
 
     def tree_totals(self, txn: lmdb.Transaction, tid: bytes) -> dict:
         """Names of files (each hard link counts), their bytes, directories (the top one
         included) and symlinks of the tree ``tid``, from ``tree_stats``."""
-        files, size, dirs, symlinks = msgpack.unpackb(txn.get(tid, db=self.db["tree_stats"]))
+        files, size, dirs, symlinks = self.stored_totals(txn, tid)
         return {"files": files, "bytes": size, "dirs": dirs + 1, "symlinks": symlinks}
 
     # -- snapshots -----------------------------------------------------------------------
@@ -469,10 +501,12 @@ class Store:
             value = txn.get(sid)
         return None if value is None else self._snapshot(sid, value)
 
-    def snapshots(self) -> list[Snapshot]:
-        """Every snapshot, oldest first."""
-        with self.env.begin(db=self.db["snapshots"]) as txn:
-            items = [self._snapshot(k, v) for k, v in txn.cursor()]
+    def snapshots(self, txn: lmdb.Transaction | None = None) -> list[Snapshot]:
+        """Every snapshot (read in ``txn``, else a transaction of its own), oldest first."""
+        with contextlib.ExitStack() as stack:
+            if txn is None:
+                txn = stack.enter_context(self.env.begin())
+            items = [self._snapshot(k, v) for k, v in txn.cursor(db=self.db["snapshots"])]
         return sorted(items, key=lambda s: s.created_ns)
 
     # -- maintenance ---------------------------------------------------------------------

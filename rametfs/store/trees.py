@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import stat
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import blake3
 import msgpack
+
+from ..treewalk import Steps, run_steps
 
 FLAG_HAS_LINKS = 1  # a directory with a hard-linked file somewhere below it
 
@@ -61,10 +64,27 @@ class Entry:
         return replace(self, name=name)
 
 
+TREE_STEP = 1024  # entries a step of encode_tree_steps packs
+
+
 def encode_tree(entries: list[Entry]) -> tuple[bytes, bytes]:
     """Serialise entries (sorted by name here) -> ``(tree id, value)``."""
-    value = msgpack.packb([e.pack() for e in sorted(entries, key=lambda e: e.name)],
-                          use_bin_type=True)
+    return run_steps(encode_tree_steps(entries))
+
+
+def encode_tree_steps(entries: list[Entry]) -> Steps[tuple[bytes, bytes]]:
+    """:func:`encode_tree` as steps (rametfs.treewalk.run_steps), one per :data:`TREE_STEP`
+    entries: a directory of 500,000 names took 2 s to encode in one go.  The value is the
+    msgpack array of the sorted entries' lists, packed a batch at a time: a msgpack array is
+    its header followed by its items, so the bytes (and the id) are those of one
+    ``packb``."""
+    ordered = sorted(entries, key=attrgetter("name"))
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_array_header(len(ordered))]
+    for at in range(0, len(ordered), TREE_STEP):
+        parts.extend(packer.pack(e.pack()) for e in ordered[at:at + TREE_STEP])
+        yield
+    value = b"".join(parts)
     return blake3.blake3(value).digest(), value
 
 
@@ -76,4 +96,19 @@ def tree_id(entries: list[Entry]) -> bytes:
 
 def decode_tree(value: bytes) -> dict[bytes, Entry]:
     """Parse a stored tree into ``{name: Entry}``, in name order."""
-    return {item[0]: Entry.unpack(item) for item in msgpack.unpackb(value, raw=True)}
+    return run_steps(decode_tree_steps(value))
+
+
+def decode_tree_steps(value: bytes) -> Steps[dict[bytes, Entry]]:
+    """:func:`decode_tree` as steps (rametfs.treewalk.run_steps), one per :data:`TREE_STEP`
+    entries: the array is unpacked an item at a time (a tree of 100,000 names took 0.8 s
+    to decode in one go)."""
+    unpacker = msgpack.Unpacker(raw=True, max_buffer_size=max(len(value), 1))
+    unpacker.feed(value)
+    entries = {}
+    for at in range(1, unpacker.read_array_header() + 1):
+        item = unpacker.unpack()
+        entries[item[0]] = Entry.unpack(item)
+        if at % TREE_STEP == 0:
+            yield
+    return entries

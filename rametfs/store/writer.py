@@ -23,13 +23,17 @@ class ChunkWriter:
     """Adds chunks to ``store``: a chunk already stored, or already added here, is not
     compressed or written again; a page of zeros is a hole, never a chunk.  ``new_chunks``
     and ``new_bytes`` (stored envelope bytes) count what this writer added.  Call
-    ``flush()`` before the chunks are referenced.
+    ``flush()`` before the chunks are referenced.  ``added_bytes`` counts the page bytes of
+    the distinct chunks given to this writer, stored before or not: what a caller may be
+    told without learning what else the store holds (new_chunks would say whether another
+    execution stored the same page).
     """
 
     def __init__(self, store: Store):
         self.store = store
         self.new_chunks = 0
         self.new_bytes = 0
+        self.added_bytes = 0
         self._seen: set[bytes] = set()
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
@@ -49,6 +53,7 @@ class ChunkWriter:
             if cid in self._seen:
                 return cid
             self._seen.add(cid)
+            self.added_bytes += len(raw)
         if self.store.has_chunk(cid):
             return cid
         envelope = chunks.encode_chunk(raw)

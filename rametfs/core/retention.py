@@ -1,0 +1,148 @@
+"""The retention rule of ``forget``: which snapshots a policy keeps, and why (both modes).
+
+The model is restic's ``forget`` (restic-forget(1), "Removing snapshots according to a
+policy" in restic's manual), on the rules that fit a workspace store:
+
+* ``keep_last`` N: the N newest snapshots (by ``created_ns``, newest first; restic's
+  ``--keep-last``);
+* ``keep_within`` DURATION: every snapshot younger than DURATION counted back from the
+  **newest snapshot's** time, not from the clock (restic's rule since 0.10: a store nobody
+  promoted to for a month does not lose everything at once); kept when its time is after
+  that cutoff, as restic keeps ``Time.After(cutoff)``;
+* ``keep_name`` PATTERN: every snapshot that a name matching the glob PATTERN points at
+  (restic's ``--keep-tag``; ``fnmatch.fnmatchcase``: ``*`` also matches ``/``).
+
+A snapshot any rule keeps is kept (the rules add up, as restic's do), and so is every
+snapshot in use (``uses``: an execution's base or head, a pool's base), which ``rm`` refuses
+too.  An empty policy is EINVAL, as restic refuses to forget "everything" by accident.
+
+The rule is pure: it reads no clock and no store.  rametfs.core.lifecycle.forget_snapshots
+applies it inside one write transaction.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .. import protocol
+from ..errors import InvalidArgument
+
+# A duration: whole numbers, each with a unit, units in this order, each at most once
+# (restic's units; ``m`` is months, as in restic: ``2h30m`` is EINVAL, not 30 months).
+_DURATION = re.compile(r"(?:(\d+)y)?(?:(\d+)m)?(?:(\d+)d)?(?:(\d+)h)?")
+# Of each unit: 1,000 years before any time since 1970 is still a year datetime holds (>= 1).
+MAX_DURATION_PART = 1000
+
+
+@dataclass(frozen=True)
+class Duration:
+    """A calendar duration as restic's ``--keep-within`` takes it: ``1y2m7d3h`` is one year,
+    two months, seven days and three hours (units ``y`` years, ``m`` months, ``d`` days,
+    ``h`` hours, in that order, each at most once, at least one)."""
+
+    years: int = 0
+    months: int = 0
+    days: int = 0
+    hours: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Duration:
+        """The duration ``text`` spells; InvalidArgument (EINVAL), saying the units, for
+        anything else (an empty or zero duration, another unit, units out of order)."""
+        match = _DURATION.fullmatch(text)
+        parts = [int(p) if p else 0 for p in match.groups()] if match else []
+        if not any(parts) or max(parts) > MAX_DURATION_PART:
+            raise InvalidArgument(
+                f"bad duration {text!r}: give whole numbers of y (years), m (months), "
+                f"d (days) and h (hours), in that order, each at most {MAX_DURATION_PART} "
+                "and not all zero, as restic does: 7d, 36h, 1y2m (m is months, so 2h30m "
+                "is not a duration)")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return "".join(f"{n}{unit}" for n, unit in zip(
+            (self.years, self.months, self.days, self.hours), "ymdh") if n)
+
+    def before(self, ns: int) -> int:
+        """The time (ns since the epoch, UTC) this duration before ``ns``: years and months
+        by the calendar, a day past a month's end rolling over as Go's ``AddDate`` does
+        (restic's arithmetic: Mar 31 less one month is Mar 3, or Mar 2 in a leap year)."""
+        seconds, rest = divmod(ns, 1_000_000_000)
+        t = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+        month0 = t.year * 12 + (t.month - 1) - self.years * 12 - self.months
+        first = t.replace(year=month0 // 12, month=month0 % 12 + 1, day=1)
+        moved = first + datetime.timedelta(days=t.day - 1 - self.days, hours=-self.hours)
+        return int(moved.timestamp()) * 1_000_000_000 + rest
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What ``forget`` keeps: the module's rules; None leaves a rule out."""
+
+    keep_last: int | None = None
+    keep_within: Duration | None = None
+    keep_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_last is None and self.keep_within is None and self.keep_name is None:
+            raise InvalidArgument("forget: give at least one of --keep-last, --keep-within, "
+                                  "--keep-name (forgetting everything is rm's job)")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise InvalidArgument(f"forget: --keep-last must be at least 1, not "
+                                  f"{self.keep_last}")
+
+
+def policy_of(args: Mapping[str, str | None]) -> Policy:
+    """The policy of a ``forget`` command's ``keep-last``, ``keep-within`` and ``keep-name``
+    arguments (absent or None: the rule is left out); InvalidArgument (EINVAL) for a bad
+    value or none at all."""
+    last, within, name = (args.get(k) for k in ("keep-last", "keep-within", "keep-name"))
+    try:
+        count = None if last is None else protocol.parse_count(last, "--keep-last")
+    except protocol.ProtocolError as exc:
+        raise InvalidArgument(f"forget: {exc}") from None
+    return Policy(count, None if within is None else Duration.parse(within), name)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a policy does to a list of snapshots: ``keep`` maps each kept id to its reasons
+    (``"last 3"``, ``"within 7d"``, ``"name main"``, ``"base of execution e1"``, ...), in the
+    order of the rules; ``forget`` the other ids; both newest first."""
+
+    keep: dict[str, list[str]]
+    forget: list[str]
+
+
+def plan(snapshots: Iterable[tuple[str, int]], names: Mapping[str, str],
+         uses: Mapping[str, list[str]], policy: Policy) -> Plan:
+    """Apply ``policy`` to ``snapshots``, ``(id, created_ns)`` pairs in any order (ties of
+    time are broken by id, so the plan is the same every time); ``names`` maps each snapshot
+    name to the id it points at, ``uses`` each id in use to why (always kept).  Pure: no
+    clock, no store."""
+    ordered = sorted(snapshots, key=lambda s: (s[1], s[0]), reverse=True)
+    cutoff = (policy.keep_within.before(ordered[0][1])
+              if ordered and policy.keep_within is not None else None)
+    named: dict[str, list[str]] = {}
+    if policy.keep_name is not None:
+        for name, sid in sorted(names.items()):
+            if fnmatch.fnmatchcase(name, policy.keep_name):
+                named.setdefault(sid, []).append(f"name {name}")
+    keep: dict[str, list[str]] = {}
+    forget: list[str] = []
+    for rank, (sid, created_ns) in enumerate(ordered):
+        why = []
+        if policy.keep_last is not None and rank < policy.keep_last:
+            why.append(f"last {policy.keep_last}")
+        if cutoff is not None and created_ns > cutoff:
+            why.append(f"within {policy.keep_within}")
+        why += named.get(sid, []) + list(uses.get(sid, ()))
+        if why:
+            keep[sid] = why
+        else:
+            forget.append(sid)
+    return Plan(keep, forget)
