@@ -697,11 +697,11 @@ class Control:
 
     def memory_json(self) -> dict:
         """What the daemon holds (the harness's root status): ``heap_bytes``, its resident
-        anonymous memory (RssAnon; None where /proc lacks it), ``nodes`` (inodes of every
-        view) and ``node_table_bytes`` (their table's), ``stale_nodes`` of dropped layers not freed yet, and the adapter's kept
-        ``listings`` and their ``listing_entries``.  After a reset or release is collected
-        the counts are as before it (docs/benchmarks.md, "Daemon memory across reset
-        cycles")."""
+        anonymous memory (RssAnon; None where /proc lacks it); ``nodes``, the inodes of every
+        view, and ``node_table_bytes``, their table's; ``stale_nodes`` of dropped layers not
+        freed yet; the adapter's kept ``listings`` and their ``listing_entries``.  Once a
+        reset or release is collected the counts are as before it (docs/benchmarks.md,
+        "Daemon memory across reset cycles")."""
         heap = None
         with contextlib.suppress(OSError), open("/proc/self/status", "rb") as f:
             for line in f:
