@@ -48,7 +48,7 @@ from .precreate import Precreated
 from .protocol import CONTROL_DIR
 
 RESERVED = CONTROL_DIR.encode()  # the name no entry may have at an execution's root
-from .store import EMPTY_CONTENT, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
+from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
 from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
                            page_of_key, u64)
 from .treewalk import Steps, preorder, run_steps
@@ -79,7 +79,9 @@ class UpperInode:
 
     Times in ns; ``size`` in bytes; ``base`` the origin base entry (None for a new inode);
     ``base_limit`` the number of leading bytes of the base content still visible (bytes);
-    ``tree`` the base subtree id of a directory that came from the base (None: opaque).
+    ``tree`` the base subtree id of a directory that came from the base (None: opaque);
+    ``content`` the content id a capture found the file's bytes to hold, until its bytes
+    change (None: not known), so a diff against the head that capture made needs no hash.
     """
 
     mode: int
@@ -96,11 +98,14 @@ class UpperInode:
     base: Entry | None = None
     base_limit: int = 0
     tree: bytes | None = None
+    content: bytes | None = None
 
     def pack(self) -> bytes:
         d = {name: getattr(self, name) for name in self.__slots__}
         d["base"] = self.base.pack() if self.base else None
         d["xattrs"] = sorted(self.xattrs.items())
+        if d["content"] is None:  # absent unless a capture set it: records stay as small
+            del d["content"]
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -165,10 +170,12 @@ class SnapshotView(View):
 
 
 class Execution(View):
-    """``/executions/<id>``: a writable copy-on-write view of ``base``.
+    """``/executions/<id>``: a writable copy-on-write view of a snapshot.
 
-    ``head`` is the snapshot its next promote descends from; ``layer`` numbers the current
-    upper layer; while ``freezes`` counts captures or walks of it, its mutations wait;
+    ``base`` is the snapshot it was created from; ``head`` the one its next promote descends
+    from and its diff, verify and reset compare with (rametfs.core.heads); ``lower`` the one
+    its current upper layer lies over (the head at its last reset: a promote moves the head,
+    not the layer); ``layer`` numbers the current upper layer; while ``freezes`` counts captures or walks of it, its mutations wait;
     ``access`` who may use it and what its control files do (rametfs.authority), fixed at
     create; ``failure`` says why an internal error stopped it, until its next reset;
     ``policy`` is the persistence policy the harness stored with it (the record of a
@@ -178,12 +185,13 @@ class Execution(View):
 
     read_only = False
 
-    def __init__(self, eid: str, base: Snapshot, head: str, layer: int, root_ino: int,
-                 created_ns: int, access: Access):
+    def __init__(self, eid: str, base: Snapshot, head: Snapshot, lower: Snapshot, layer: int,
+                 root_ino: int, created_ns: int, access: Access):
         super().__init__(root_ino)
         self.id = eid
         self.base = base
         self.head = head
+        self.lower = lower
         self.layer = layer
         self.created_ns = created_ns
         self.access = access
@@ -211,7 +219,8 @@ class Execution(View):
         self.runtime: dict | None = None
 
     def record(self) -> bytes:
-        rec = {"base": self.base.id, "head": self.head, "layer": self.layer,
+        rec = {"base": self.base.id, "head": self.head.id, "lower": self.lower.id,
+               "layer": self.layer,
                "root_ino": self.root_ino, "created_ns": self.created_ns,
                **self.access.to_record()}
         rec.update((key, value) for key, value in (("policy", self.policy),
@@ -527,11 +536,14 @@ class Overlay:
         node.view.dcache[(node.parent, node.name)] = node.ino
         return node
 
-    def _drop_layer_nodes(self, view: View) -> None:
-        """Forget the nodes of ``view``'s current layer: O(1) now, as their layer no longer
-        matches; ``drop_stale_nodes`` frees them later, in batches."""
-        self.stale_inos.append(view.inos)
-        view.inos, view.dcache, view.link_inos, view.dirty = set(), {}, {}, set()
+    def _drop_layer_nodes(self, view: View, kept: set[int] = frozenset()) -> None:
+        """Forget the nodes of ``view``'s current layer but ``kept`` (a reset's unchanged
+        ones, which the caller moves to the new layer): O(1) now for the others, as their
+        layer no longer matches; ``drop_stale_nodes`` frees them later, in batches."""
+        self.stale_inos.append(view.inos - kept if kept else view.inos)
+        dcache = {key: ino for key, ino in view.dcache.items()
+                  if ino in kept and (key[0] in kept or key[0] == view.root_ino)}
+        view.inos, view.dcache, view.link_inos, view.dirty = set(kept), dcache, {}, set()
         if isinstance(view, Execution):
             view.changes, view.negative_root = {}, set()
 
@@ -619,28 +631,30 @@ class Overlay:
 
     def _load_execution(self, eid: str, rec: dict) -> Execution:
         base = self.store.snapshot(rec["base"])
-        ex = Execution(eid, base, rec["head"], rec["layer"], rec["root_ino"], rec["created_ns"],
-                       Access.from_record(rec))
+        # A record from before "lower" was kept: its layer lies over its base.
+        lower = self.store.snapshot(rec["lower"]) if "lower" in rec else base
+        ex = Execution(eid, base, self.store.snapshot(rec["head"]), lower, rec["layer"],
+                       rec["root_ino"], rec["created_ns"], Access.from_record(rec))
         ex.policy, ex.runtime = rec.get("policy"), rec.get("runtime")
         with self.store.read() as txn:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
-        upper = UpperInode.unpack(value) if value else UpperInode.from_entry(base.root)
+        upper = UpperInode.unpack(value) if value else UpperInode.from_entry(lower.root)
         self.executions[eid] = ex
         self.readers.add(eid, ex.access)
-        root = self._add_node(Node(ex.root_ino, ex, base.root, upper, 0, eid.encode()))
+        root = self._add_node(Node(ex.root_ino, ex, lower.root, upper, 0, eid.encode()))
         root.record_bytes = len(value) if value else 0
         return ex
 
     def _new_layer(self, txn, ex: Execution) -> None:
-        """Give ``ex`` a fresh, empty upper layer whose root is its base's root."""
+        """Give ``ex`` a fresh, empty upper layer over ``ex.lower``, and store its record."""
         ex.layer = self.next_layer
         self.next_layer += 1
         txn.put(b"next_layer", u64(self.next_layer), db=self.store.db["meta"])
-        root = UpperInode.from_entry(ex.base.root)
+        root = UpperInode.from_entry(ex.lower.root)
         packed = root.pack()
         txn.put(inode_key(ex.layer, ex.root_ino), packed, db=self.store.db["inodes"])
         txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
-        node = self._add_node(Node(ex.root_ino, ex, ex.base.root, root, 0, ex.id.encode()))
+        node = self._add_node(Node(ex.root_ino, ex, ex.lower.root, root, 0, ex.id.encode()))
         node.record_bytes = len(packed)  # the root's record is not counted in upper_bytes
 
     def create_execution(self, snap: Snapshot, eid: str, access: Access = Access(),
@@ -652,7 +666,7 @@ class Overlay:
         """
         if eid in self.executions:
             raise RametError(f"execution {eid!r} already exists", errno.EEXIST)
-        ex = Execution(eid, snap, snap.id, 0, self._alloc_ino(), time.time_ns(), access)
+        ex = Execution(eid, snap, snap, snap, 0, self._alloc_ino(), time.time_ns(), access)
         ex.policy = policy
         with self.store.write() as txn:
             self._new_layer(txn, ex)
@@ -667,27 +681,73 @@ class Overlay:
         except KeyError:
             raise NotFound(f"no execution {eid!r}") from None
 
-    def reset(self, ex: Execution) -> list[tuple[int, bytes]]:
-        """Drop the upper layer of ``ex``: O(1) visible; the old layer is deleted later.
+    def reset(self, ex: Execution, to: Snapshot) -> list[tuple[int, bytes]]:
+        """Drop the upper layer of ``ex`` and give it a fresh one over snapshot ``to``, which
+        becomes its head (rametfs.core.heads): O(1) visible whatever ``to`` is; the old layer
+        is deleted later.
 
         Returns the ``(parent ino, name)`` dentries and inode numbers the kernel may cache
         (as ``(ino, b"")`` pairs for inodes), for the adapter to invalidate.  The root keeps
-        its dentry and inode number, so a bind mount of the execution stays valid.
+        its dentry and inode number, so a bind mount of the execution stays valid, and so do
+        the directories and files of the root that are the same in ``to``, with everything
+        below them (:meth:`_unchanged`): a shell working in one of them carries on.
         """
-        stale = self._stale_entries(ex, keep_root_entry=True)
+        kept = self._unchanged(ex, to)
+        stale = self._stale_entries(ex, keep_root_entry=True, kept=kept)
         old = ex.layer
         ex.failure = None
         ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
-        self._drop_layer_nodes(ex)
+        self._drop_layer_nodes(ex, kept)
+        ex.head = ex.lower = to
         with self.store.write() as txn:
             txn.put(u64(old), b"", db=self.store.db["dead"])
             self._new_layer(txn, ex)
+        for ino in kept:
+            self.nodes[ino].layer = ex.layer
         self.dead_layers.set()
         return stale
 
+    def _unchanged(self, ex: Execution, to: Snapshot) -> set[int]:
+        """The inodes of ``ex`` the kernel knows that a reset onto ``to`` leaves as they are:
+        each name of the root the kernel looked up whose node was never copied up, whose
+        base entry is ``to``'s entry of that name (so a directory's whole subtree is the
+        same: a change below it would have copied it up), and with no hard link in it, and
+        every known node below such a directory.  O(known inodes)."""
+        root = ex.root_ino
+        new = self.tree(to.root.ref)
+        tops: dict[int, bool] = {}  # kept candidates among the root's names
+        for (parent, name), ino in ex.dcache.items():
+            node = self.nodes.get(ino)
+            if parent == root and node is not None and node.upper is None and \
+                    not node.entry.link and not node.entry.flags & FLAG_HAS_LINKS:
+                tops[ino] = new.get(name) == node.entry
+        top_of: dict[int, int | None] = {root: None}
+
+        def top(ino: int) -> int | None:
+            """The root's child ``ino`` lies below (None: none known)."""
+            chain = []
+            while ino not in top_of:
+                node = self.nodes.get(ino)
+                if node is None or node.parent == root:
+                    top_of[ino] = None if node is None else ino
+                    break
+                chain.append(ino)
+                ino = node.parent
+            for below in chain:
+                top_of[below] = top_of[ino]
+            return top_of[ino]
+
+        below = {ino: top(ino) for ino in ex.inos if ino != root}
+        for ino, t in below.items():
+            node = self.nodes.get(ino)
+            if t in tops and (node is None or node.upper is not None or node.entry.link):
+                tops[t] = False  # not the base's after all (cannot happen without links)
+        return {ino for ino, t in below.items() if tops.get(t)}
+
     def pristine(self, ex: Execution) -> bool:
         """Whether ``ex``'s layer is as a reset leaves it: no change recorded since, no
-        dentry stored in it (one from before a daemon restart), its root record the base's."""
+        dentry stored in it (one from before a daemon restart), its root record its lower
+        snapshot's."""
         if ex.changes:
             return False
         prefix = u64(ex.layer)
@@ -696,7 +756,7 @@ class Overlay:
             if cur.set_range(prefix) and cur.key().startswith(prefix):
                 return False
         root = self.nodes[ex.root_ino].upper
-        return root is not None and root.pack() == UpperInode.from_entry(ex.base.root).pack()
+        return root is not None and root.pack() == UpperInode.from_entry(ex.lower.root).pack()
 
     def release(self, ex: Execution) -> list[tuple[int, bytes]]:
         """Delete execution ``ex`` and its upper layer (files still open turn stale).
@@ -715,20 +775,24 @@ class Overlay:
         return stale
 
     @staticmethod
-    def _stale_entries(view: View, keep_root_entry: bool) -> list[tuple[int, bytes]]:
+    def _stale_entries(view: View, keep_root_entry: bool, kept: set[int] = frozenset()
+                       ) -> list[tuple[int, bytes]]:
         # Invalidating a directory's dentry drops everything cached below it that nothing
         # holds; the inodes a process still holds (its cwd, an open file) keep their cached
-        # pages and listings until told, so every inode of the layer is told too.
+        # pages and listings until told, so every inode of the layer is told too, but those
+        # ``kept`` (a reset's unchanged ones: Overlay._unchanged) and the names of the root
+        # that lead to them.
         root = view.root_ino
-        entries = [key for key in view.dcache if key[0] == root]
+        entries = [key for key, ino in view.dcache.items() if key[0] == root and ino not in kept]
         if isinstance(view, Execution):
             entries += [(root, name) for name in view.negative_root]
         if not keep_root_entry:
             entries += [key for key in view.dcache if key[0] == 0]
-        return entries + [(ino, b"") for ino in view.inos]
+        return entries + [(ino, b"") for ino in view.inos if ino not in kept]
 
-    def set_head(self, ex: Execution, sid: str) -> None:
-        ex.head = sid
+    def set_head(self, ex: Execution, snap: Snapshot) -> None:
+        """Make ``snap`` the head of ``ex`` (a promote of it); its layer stays."""
+        ex.head = snap
         self._save_record(ex)
 
     def set_runtime(self, ex: Execution, runtime: dict) -> None:
@@ -1808,6 +1872,7 @@ class Overlay:
         if len(data) > room:
             data = data[:room]
         u = self.copy_up(node)
+        self._bytes_change(node, u)
         fd = self._upper_fd(node)
         data = data[:self._room(ex, len(data))]  # a short write up to the limit
         end = off + len(data)
@@ -1847,6 +1912,14 @@ class Overlay:
         self._mark_dirty(node)
         return done - off
 
+    def _bytes_change(self, node: Node, u: UpperInode) -> None:
+        """``node``'s bytes are about to change: forget the content id a capture found them
+        to hold, storing the record at once (a crash must never leave that id vouching for
+        other bytes); after the first change since a capture this costs nothing."""
+        if u.content is not None:
+            u.content = None
+            self.save(node)
+
     def _check_size(self, node: Node, size: int) -> None:
         """EFBIG when ``size`` (bytes) grows ``node`` past :attr:`max_file_size`."""
         if size > self.max_file_size and size > node.size:
@@ -1858,6 +1931,7 @@ class Overlay:
         Raises EFBIG past :attr:`max_file_size`."""
         self._check_size(node, size)
         u = self.copy_up(node)
+        self._bytes_change(node, u)
         ex = node.view
         if size < u.size:
             pages = self._pages(node)  # loaded while the base limit still says it may have any
@@ -1891,7 +1965,7 @@ class Overlay:
         it once at its start, after :meth:`remove_orphans`; from then on every change keeps
         the counts."""
         for ex in self.executions.values():
-            ex.upper_bytes = -len(UpperInode.from_entry(ex.base.root).pack())
+            ex.upper_bytes = -len(UpperInode.from_entry(ex.lower.root).pack())
             with contextlib.suppress(FileNotFoundError), \
                     os.scandir(f"{self.upper_root}/{ex.layer}") as it:
                 for e in it:

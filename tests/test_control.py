@@ -190,14 +190,25 @@ def test_reset_returns_every_file_to_its_base(shared_daemon, ex, snap, source):
     assert (path / "after-reset").read_bytes() == b"still writable"
 
 
-def test_reset_after_promote_returns_to_the_base(shared_daemon, ex, snap, source):
+def test_reset_after_promote_returns_to_the_promoted_snapshot(shared_daemon, ex, snap,
+                                                              source):
+    """git's commit then ``reset --hard``: the promote is the head; ``--base yes`` goes back
+    to the snapshot the execution was created from (before the change: the base)."""
     eid, path = ex
     make_known_changes(path)
-    shared_daemon.exec_ctl(eid, "promote")
+    promoted = shared_daemon.exec_ctl(eid, "promote")["snapshot"]
+    promoted_tree = tree_signature(path)
+    assert control(path, "diff").read_text() == ""
     (path / "later").write_bytes(b"later")
+    assert control(path, "diff").read_text() == "A later\n"
 
-    assert shared_daemon.exec_ctl(eid, "reset")["snapshot"] == snap
+    assert shared_daemon.exec_ctl(eid, "reset")["snapshot"] == promoted
+    assert tree_signature(path) == promoted_tree
+    assert control(path, "diff").read_text() == ""
+    assert shared_daemon.exec_ctl(eid, "reset --base yes")["snapshot"] == snap
     assert tree_signature(path) == tree_signature(source)
+    status = shared_daemon.exec_status(eid)
+    assert (status["base"], status["head"]) == (snap, snap)
 
 
 def test_commands_act_on_their_own_execution_only(shared_daemon, new_execution, snap, source):

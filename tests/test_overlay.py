@@ -270,7 +270,7 @@ def test_truncate_to_zero_starts_a_new_data_file_and_hands_over_the_old_one(mode
 def test_reset_drops_the_layer(model):
     store, overlay, ex = model
     overlay.create(ex.root_ino, b"x", 0o644, 0, 0)
-    overlay.reset(ex)
+    overlay.reset(ex, ex.head)
     assert [n for n, _ in overlay.listdir(ex.root_ino)] == [b"big", b"dir", b"small"]
     assert diff(overlay, ex) == []
     while (batch := overlay.collect_dead_layer()) is not None:
@@ -309,7 +309,7 @@ def test_capture_reuses_unchanged_subtrees(model):
     cap = Capture(overlay, ex)
     plan = cap.plan()
     trio.run(cap.hash)
-    snap = trio.run(cap.commit, plan, [ex.head], "l", "m", 0)
+    snap = trio.run(cap.commit, plan, [ex.head.id], "l", "m", 0)
     new_root = store.tree(snap.root.ref)
     old_root = store.tree(ex.base.root.ref)
     # dir holds the other name of small (a hard link), so it changes; its sub does not
