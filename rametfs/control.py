@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -124,6 +125,7 @@ class Control:
         self.snapshots_settled = False
         self.snapshots_bind_failure: str | None = None
         self.snapshots_dir_ino: int | None = None  # the adapter's snapshots/, to invalidate
+        self.adapter_memory: Callable[[], dict] = dict  # the adapter's kept tables, by size
         self.gc_progress: dict | None = None  # a running gc's {phase, done, total}
         self.root_last: dict | None = None
         self.root_error = ""
@@ -702,6 +704,22 @@ class Control:
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
                 **ex.access.to_json()}
 
+    def memory_json(self) -> dict:
+        """What the daemon holds (the harness's root status): ``heap_bytes``, its resident
+        anonymous memory (RssAnon; None where /proc lacks it); ``nodes``, the inodes of every
+        view, and ``node_table_bytes``, their table's; ``stale_nodes`` of dropped layers not
+        freed yet; the adapter's kept ``listings`` and their ``listing_entries``.  Once a
+        reset or release is collected the counts are as before it (docs/benchmarks.md,
+        "Daemon memory across reset cycles")."""
+        heap = None
+        with contextlib.suppress(OSError), open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    heap = int(line.split()[1]) * 1024
+        return {"heap_bytes": heap, "nodes": len(self.overlay.nodes),
+                "node_table_bytes": sys.getsizeof(self.overlay.nodes),
+                "stale_nodes": sum(map(len, self.overlay.stale_inos)), **self.adapter_memory()}
+
     def root_status(self, caller: Caller = HARNESS) -> bytes:
         """The root ``.ramet/status`` as ``caller`` may read it: whole for the harness; for
         another uid only the executions whose ``r`` bit it has (as their own ``status`` shows
@@ -716,7 +734,8 @@ class Control:
                 "pid": os.getpid(), "data": str(self.overlay.store.root), **common,
                 "snapshots": self._snapshots_json(),
                 "executions": [self.execution_json(ex) for ex in self.overlay.executions.values()],
-                "pools": self.pools.to_json(), "last": self.root_last, "gc": self.gc_progress})
+                "pools": self.pools.to_json(), "last": self.root_last, "gc": self.gc_progress,
+                "memory": self.memory_json()})
         visible = sorted((self.overlay.executions[eid]
                           for eid in self.overlay.readers.readable(caller)),
                          key=lambda ex: (ex.created_ns, ex.id))

@@ -73,7 +73,7 @@ SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
 MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
 
 
-@dataclass
+@dataclass(slots=True)
 class UpperInode:
     """An inode record in an execution's upper layer (``inodes`` database).
 
@@ -101,7 +101,7 @@ class UpperInode:
     content: bytes | None = None
 
     def pack(self) -> bytes:
-        d = dict(self.__dict__)
+        d = {name: getattr(self, name) for name in self.__slots__}
         d["base"] = self.base.pack() if self.base else None
         d["xattrs"] = sorted(self.xattrs.items())
         if d["content"] is None:  # absent unless a capture set it: records stay as small
@@ -228,6 +228,15 @@ class Execution(View):
         return msgpack.packb(rec)
 
 
+NO_PAGES: frozenset[int] = frozenset()  # the empty page set of the nodes that have none
+
+
+def _add_new_page(node: Node, page: int) -> None:
+    if node.new_pages is NO_PAGES:
+        node.new_pages = set()
+    node.new_pages.add(page)
+
+
 class Node:
     """An inode of a view: a base entry (``entry``), an upper record (``upper``), or both."""
 
@@ -244,7 +253,9 @@ class Node:
         self.parent = parent
         self.name = name
         self.pages: set[int] | None = None  # page map, loaded on first use
-        self.new_pages: set[int] = set()  # pages not yet written to the page map
+        # pages not yet written to the page map; a set of its own once it has one (a set
+        # is 216 bytes, and most nodes never get a page)
+        self.new_pages: set[int] | frozenset[int] = NO_PAGES
         self.dirty = False  # upper record changed since it was last stored (view.dirty)
         self.allocated = 0  # bytes its upper data file takes on disk, as last seen
         self.record_bytes = 0  # bytes its upper record took when last stored
@@ -456,6 +467,7 @@ class Overlay:
         self.sync_calls = self.synced = 0
         self.syncing: trio.Event | None = None
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
+        self.nodes_dropped = 0  # freed from :attr:`nodes` since its table was last remade
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
 
@@ -551,6 +563,13 @@ class Overlay:
                     freed += 1
             if not inos:
                 self.stale_inos.pop()
+        self.nodes_dropped += freed
+        if not self.stale_inos and self.nodes_dropped > len(self.nodes):
+            # A dict never shrinks its table as entries go: remade at the size of what is
+            # left (O(left), less than what was freed), not the peak's (a table of 100,000
+            # nodes is 5 MiB).  Inserted one by one: dict(self.nodes) may copy the table.
+            self.nodes = {ino: node for ino, node in self.nodes.items()}
+            self.nodes_dropped = 0
         return freed
 
     # -- snapshots -----------------------------------------------------------------------
@@ -1203,7 +1222,7 @@ class Overlay:
         their records' bytes count into their executions' usage."""
         for node in nodes:
             if node.upper is not None:
-                node.new_pages.clear()
+                node.new_pages = NO_PAGES
                 node.dirty = False
                 node.view.dirty.discard(node)
                 node.view.upper_bytes += node.pending_bytes - node.record_bytes
@@ -1376,7 +1395,8 @@ class Overlay:
             yield
         except BaseException:
             for node, upper, parent, name in saved:
-                vars(node.upper).update(vars(upper))
+                for field_name in UpperInode.__slots__:
+                    setattr(node.upper, field_name, getattr(upper, field_name))
                 node.parent, node.name = parent, name
             raise
 
@@ -1756,7 +1776,12 @@ class Overlay:
                 self.syncing.set()
                 self.syncing = None
 
-    def _pages(self, node: Node) -> set[int]:
+    def _pages(self, node: Node) -> set[int] | frozenset[int]:
+        """The page map of file ``node``: its pages in its upper data file.  While no byte of
+        its base is visible (a new file, or one truncated to 0) no page can join it, and an
+        unloaded map stays unloaded (:data:`NO_PAGES`): a created file costs no set."""
+        if node.pages is None and (node.upper is None or not node.upper.base_limit):
+            return NO_PAGES
         if node.pages is None:
             node.pages = set()
             ex = node.view
@@ -1868,7 +1893,7 @@ class Overlay:
                 if os.pwrite(fd, raw, start) < len(raw):
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 pages.add(page)
-                node.new_pages.add(page)
+                _add_new_page(node, page)
             done = off + os.pwrite(fd, data, off)
         except OSError as exc:
             raise RametError(f"upper data write failed: {exc.strerror}", exc.errno) from None
@@ -1879,7 +1904,7 @@ class Overlay:
                 done = min(done, page * PAGE_SIZE)
                 break
             pages.add(page)
-            node.new_pages.add(page)
+            _add_new_page(node, page)
         if done <= off and data:
             raise NoSpace("upper data write failed: no space left on device")
         u.size = max(u.size, done)
@@ -1909,14 +1934,15 @@ class Overlay:
         self._bytes_change(node, u)
         ex = node.view
         if size < u.size:
+            pages = self._pages(node)  # loaded while the base limit still says it may have any
             if size < u.base_limit:
                 u.base_limit = size
-            pages = self._pages(node)
             first_gone = -(-size // PAGE_SIZE)
             gone = {p for p in pages if p >= first_gone}
             if gone:
                 pages -= gone
-                node.new_pages -= gone
+                if node.new_pages:  # else NO_PAGES, shared
+                    node.new_pages -= gone
                 with self.store.write() as txn:
                     for p in gone:
                         txn.delete(page_key(ex.layer, node.ino, p), db=self.store.db["pages"])

@@ -405,3 +405,35 @@ def test_ctl_with_options_and_quotes(shared_daemon, ex):
     record, = [s for s in shared_daemon.status()["snapshots"] if s["id"] == reply["snapshot"]]
     assert (record["label"], record["message"]) == ("it's", "two\nlines")
     assert shared_daemon.exec_status(eid)["head"] == shared_daemon.exec_status(eid)["base"]
+
+
+# ----- what a reset and a release give back ---------------------------------------------------
+
+FILES = 2000
+
+
+def test_a_reset_or_release_gives_back_every_node_and_kept_listing(daemon, source):
+    # A listed directory's names stay kept between readdir calls (fuse_ops.LISTINGS); those
+    # of a dropped layer went only when 64 other listings pushed them out; the table of nodes
+    # (a dict) kept its peak's size.
+    snap = daemon.snapshot(source)
+    first = daemon.create(snap)
+    before = daemon.status()["memory"]
+    for release in (False, True):
+        eid = daemon.create(snap) if release else first
+        path = daemon.exec_path(eid)
+        (path / "many").mkdir()
+        for i in range(FILES):
+            (path / "many" / f"f{i}").write_bytes(b"x" * 100)
+        assert len(os.listdir(path / "many")) == FILES
+        grown = daemon.status()["memory"]
+        assert grown["nodes"] >= before["nodes"] + FILES + 1
+        assert grown["node_table_bytes"] > before["node_table_bytes"]
+        assert grown["listing_entries"] >= before["listing_entries"] + FILES
+        daemon.ctl(f"release {eid}") if release else daemon.exec_ctl(eid, "reset")
+        wait_until(lambda: daemon.status()["memory"]["stale_nodes"] == 0, 30,
+                   "the dropped nodes freed")
+        after = daemon.status()["memory"]
+        held = ("nodes", "node_table_bytes", "listings", "listing_entries")
+        assert {k: after[k] for k in held} == {k: before[k] for k in held}, release
+    assert before["heap_bytes"] > 0

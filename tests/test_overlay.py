@@ -86,6 +86,28 @@ def test_write_copies_up_one_page(model, src):
     assert read_all(overlay, node) == bytes(expected)
 
 
+def test_a_created_file_holds_no_page_sets(model):
+    # Each set is 216 bytes of the daemon's heap per node (issue 15.5): a file with no base
+    # byte visible never gets a page map; the pending pages get a set with their first page
+    # and give it up once stored.  Base pages still copy up into a page map of their own.
+    store, overlay, ex = model
+    node = overlay.create(ex.root_ino, b"new", 0o644, 0, 0)
+    assert overlay.write(node, 0, b"x" * 100) == 100
+    overlay.flush_view(ex)
+    assert node.pages is None and not isinstance(node.new_pages, set)
+    assert not hasattr(node.upper, "__dict__")
+    assert read_all(overlay, node) == b"x" * 100
+    big = path_node(overlay, ex, "big")
+    overlay.write(big, 5, b"Y")
+    assert big.pages == {0} and big.new_pages == {0}
+    overlay.flush_view(ex)
+    assert big.pages == {0} and not isinstance(big.new_pages, set)
+    overlay.truncate(big, 0)  # the page map goes with the base bytes, not left to a reload
+    assert big.pages == set()
+    with store.read() as txn:
+        assert txn.get(page_key(ex.layer, big.ino, 0), db=store.db["pages"]) is None
+
+
 def test_short_write_leaves_the_pages_past_it_to_the_base(model, src, monkeypatch):
     # A full disk: the upper file takes PAGE_SIZE + 100 bytes of a two-page write.
     store, overlay, ex = model
