@@ -1559,8 +1559,9 @@ class Overlay:
             dst = self.lookup(new_parent_ino, new_name) if flags & 2 else None
         except NotFound:
             src = dst = None  # rename says which
-        moves = [] if src is None or not isinstance(ex, Execution) else \
-            self._moves_of_directories(src, dst, old_parent, new_parent)
+        moves = [] if src is None or not isinstance(ex, Execution) or \
+            new_parent.view is not ex else \
+            self._moves_of_directories(src, dst, old_parent, new_parent)  # else rename refuses
         if not moves:
             return self.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags)
         with self.freeze(ex):
