@@ -415,6 +415,16 @@ class Capture:
         return Entry(name, u.mode, u.uid, u.gid, u.mtime_ns, size, ref,
                      tuple(sorted(u.xattrs.items())), link, u.nlink if link else 1)
 
+    def remember_contents(self) -> None:
+        """Record in each hashed file's upper inode the content id its bytes hold (while
+        the execution is still frozen), so a diff against this capture hashes nothing
+        (``UpperInode.content``; stored with the next flush)."""
+        for ino, job in self.jobs.items():
+            node = self.overlay.nodes.get(ino)
+            if node is not None and self.overlay.is_live(node) and node.upper is not None:
+                node.upper.content = job.content
+                self.overlay._mark_dirty(node)
+
     async def commit(self, plan: Entry | _DirPlan, parents: list[str], label: str,
                      message: str, started_ns: int) -> Snapshot:
         """Build and store the new trees in slices of the trio thread (``in_slices``, in
@@ -491,7 +501,7 @@ class _NewTrees:
 async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
                   chosen: policy.Setting | None = None, cancel: CancelToken = NO_CANCEL,
                   charged: bool = False) -> Snapshot:
-    """Turn the current state of ``ex`` into a new snapshot whose parent is ``ex.head``.
+    """Turn the current state of ``ex`` into a new snapshot whose parent is its head.
 
     The policy applied is the one the harness ``chosen`` (None: none, everything is kept).
     Mutations of ``ex`` wait while this runs (a consistent point in time).  Raises
@@ -512,13 +522,14 @@ async def capture(overlay: Overlay, ex: Execution, label: str, message: str,
         await cap.digest_inputs()
         if charged:
             overlay.charge(ex, cap.writer.added_bytes + CAPTURE_BYTES)
-        snap = await cap.commit(plan, [ex.head], label, message, started)
+        snap = await cap.commit(plan, [ex.head.id], label, message, started)
+        cap.remember_contents()
         await overlay.sync_store()
         return snap
 
 
 def diff(overlay: Overlay, ex: Execution) -> list[tuple[str, bytes]]:
-    """What changed against the base: ``[(letter, path)]`` (rametfs.core.diff's rules),
+    """What changed against the head: ``[(letter, path)]`` (rametfs.core.diff's rules),
     paths relative to the execution root; only copied-up directories are read."""
     return run_steps(diff_steps(overlay, ex))
 
@@ -536,7 +547,7 @@ def diff_steps(overlay: Overlay, ex: Execution, out: list | None = None
     """:func:`diff` as steps (rametfs.treewalk.run_steps): one per name compared or
     listed (rametfs.core.diff.diff_steps); ``out`` as rametfs.core.diff.diff_steps takes
     it."""
-    return core_diff.diff_steps(ex.base.root, overlay.tree_steps, overlay.node(ex.root_ino),
+    return core_diff.diff_steps(ex.head.root, overlay.tree_steps, overlay.node(ex.root_ino),
                                 _NodeSide(overlay, _has_upper_links(overlay, ex)), out)
 
 
@@ -569,6 +580,8 @@ class _NodeSide:
         if stat.S_ISDIR(u.mode):
             return True
         if stat.S_ISREG(u.mode):
+            if u.content is not None:  # what a capture found, the bytes unchanged since
+                return u.content != base.ref
             return u.base is None or u.base.ref != base.ref or not self.overlay.base_only(node)
         if stat.S_ISLNK(u.mode):
             return u.target != base.ref
@@ -650,8 +663,8 @@ def _lookup_path(overlay: Overlay, ex: Execution, path: str) -> Node | None:
 
 
 def _base_at(overlay: Overlay, ex: Execution, path: str) -> Entry:
-    """The base's entry at ``path`` (a shared path, checked unchanged)."""
-    entry = ex.base.root
+    """The head's entry at ``path`` (a shared path, checked unchanged against it)."""
+    entry = ex.head.root
     for name in path.split("/"):
         entry = overlay.tree(entry.ref)[os.fsencode(name)]
     return entry

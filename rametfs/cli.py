@@ -32,8 +32,8 @@ import click
 
 from rametfs import __version__, mounts, protocol
 from rametfs.policy import CLASSES
-from rametfs.client import (DATA_ENV, MODE_ENV, MODES, MOUNT_ENV, Execution, NotMountedError,
-                            Ramet, RametError, RestoreError, resolve_mode)
+from rametfs.client import (DATA_ENV, DEFAULT_TTL, MODE_ENV, MODES, MOUNT_ENV, Execution,
+                            NotMountedError, Ramet, RametError, RestoreError, resolve_mode)
 from rametfs.protocol import quote_path
 
 EXIT_CODES = {
@@ -49,7 +49,8 @@ EXIT_OTHER = 1
 EXIT_HELP = """\b
 Exit codes:
   0  ok
-  1  failed otherwise (EIO, EDQUOT, ECANCELED ...; verify and fsck: differences found)
+  1  failed otherwise (EIO, EDQUOT, ECANCELED ...; verify and fsck: differences found;
+     return: the execution was quarantined)
   2  usage error
   3  ENOENT    no such snapshot, execution or path
   4  EINVAL    malformed argument or command
@@ -321,7 +322,9 @@ def _tail(path: str, start: int, lines: int = 20) -> str:
 def umount(mountpoint: str | None, lazy: bool, force: bool) -> None:
     """Unmount MOUNTPOINT (default $RAMET_MOUNT); wait for its daemon to exit.
 
-    When it returns, the daemon has flushed its state.  Without --lazy the read-only bind
+    When it returns, the daemon has flushed its state; with --lazy (and no --force) it
+    returns once the mount is detached, and the daemon exits when the last process using the
+    mount lets go.  Without --lazy the read-only bind
     of snapshots/ goes first (it would keep the mount busy) and comes back if the mount is
     busy; a busy mount (exit 5) is named with the processes using it, as fuser -m finds
     them.  Commands running on executions are cancelled first (their callers get
@@ -388,7 +391,10 @@ def umount(mountpoint: str | None, lazy: bool, force: bool) -> None:
         if pid is None:
             raise NotMountedError(mountpoint)
         raise RametError(errno.EIO, why)
-    if pid is not None:
+    if pid is not None and lazy and not force:
+        click.echo(f"detached {mountpoint}; its daemon (pid {pid}) exits once the last "
+                   f"process using it lets go", err=True)
+    elif pid is not None:
         _wait_for_daemon(pid, top.dev, mountpoint, force)
 
 
@@ -604,22 +610,35 @@ name_option = click.option("--name", callback=_name,
                                 "when taken).")
 
 
+_ACCESS_OPTIONS = (
+    click.option("--owner", type=click.IntRange(0), metavar="UID",
+                 help="The uid it belongs to (default: the daemon's)."),
+    click.option("--group", type=click.IntRange(0), metavar="GID",
+                 help="Its group, for --share's group bits (default: the daemon's gid)."),
+    click.option("--share", metavar="MODE", callback=_octal,
+                 help="Its permission bits, like a directory's (default 0700: the owner "
+                      "alone)."),
+    click.option("--control", type=click.Choice(protocol.CONTROLS),
+                 help="What its own .ramet files allow: full (default), read (no writes) or "
+                      "none (no .ramet)."),
+    click.option("--max-bytes", type=click.IntRange(1, 2**63 - 1), metavar="BYTES",
+                 help="Disk its written data may take (EDQUOT past it; default: no limit)."),
+    click.option("--max-inodes", type=click.IntRange(1, 2**63 - 1), metavar="N",
+                 help="Upper inodes it may hold, copies-up included (EDQUOT past it)."),
+)
+
+
+def access_options(command):
+    """Give ``command`` the access settings and limits of ``create`` (docs/security.md)."""
+    for option in reversed(_ACCESS_OPTIONS):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.argument("snapshot")
 @name_option
-@click.option("--owner", type=click.IntRange(0), metavar="UID",
-              help="The uid it belongs to (default: the daemon's).")
-@click.option("--group", type=click.IntRange(0), metavar="GID",
-              help="Its group, for --share's group bits (default: the daemon's gid).")
-@click.option("--share", metavar="MODE", callback=_octal,
-              help="Its permission bits, like a directory's (default 0700: the owner alone).")
-@click.option("--control", type=click.Choice(protocol.CONTROLS),
-              help="What its own .ramet files allow: full (default), read (no writes) or "
-                   "none (no .ramet).")
-@click.option("--max-bytes", type=click.IntRange(1, 2**63 - 1), metavar="BYTES",
-              help="Disk its written data may take (EDQUOT past it; default: no limit).")
-@click.option("--max-inodes", type=click.IntRange(1, 2**63 - 1), metavar="N",
-              help="Upper inodes it may hold, copies-up included (EDQUOT past it).")
+@access_options
 @policy_option("none")
 @ramet_options
 def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, group: int | None,
@@ -648,7 +667,7 @@ def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, gro
 @ramet_options
 def promote(ramet: Ramet, execution: str, label: str | None, message: str | None,
             policy: str | None) -> None:
-    """Snapshot EXECUTION and carry on from it; print the id.
+    """Snapshot EXECUTION and make it its head (reset returns to it); print the id.
 
     A policy (--policy, else the one stored at create) leaves out ephemeral paths, stores
     rebuildable ones as recipes and checks shared ones against the base.  The tree's own
@@ -665,7 +684,7 @@ def promote(ramet: Ramet, execution: str, label: str | None, message: str | None
 @ramet_options
 def checkpoint(ramet: Ramet, execution: str, label: str | None, message: str | None,
                policy: str | None) -> None:
-    """Snapshot EXECUTION, keeping its base; print the id (everything, unless --policy)."""
+    """Snapshot EXECUTION, keeping its head; print the id (everything, unless --policy)."""
     click.echo(target(ramet, execution).checkpoint(label=label, message=message,
                                                    policy=policy))
 
@@ -731,10 +750,22 @@ def restore(ramet: Ramet, snapshot: str, name: str | None, runtime: str | None,
 
 @main.command()
 @execution_argument
+@click.option("--base", "to_base", is_flag=True,
+              help="Go back to the snapshot EXECUTION was created from instead.")
+@click.option("--to", metavar="SNAPSHOT",
+              help="Rebase EXECUTION onto SNAPSHOT instead (id or unique prefix; the "
+                   "harness's: EACCES from inside a sandbox).")
 @ramet_options
-def reset(ramet: Ramet, execution: str) -> None:
-    """Drop every change in EXECUTION since its base."""
-    target(ramet, execution).reset()
+def reset(ramet: Ramet, execution: str, to_base: bool, to: str | None) -> None:
+    """Drop every change in EXECUTION since its head; print the head's id.
+
+    The head is its last promote, else the snapshot it was created from (its base).  With
+    --base or --to, that snapshot becomes its head: diff, verify and the next promote refer
+    to it.  O(1) in FUSE mode, whatever the snapshot.
+    """
+    if to_base and to is not None:
+        raise click.UsageError("--base and --to name two snapshots; give one.")
+    click.echo(target(ramet, execution).reset(to=to, base=to_base))
 
 
 @main.command()
@@ -761,13 +792,114 @@ def release(ramet: Ramet, execution: str) -> None:
                          f"the daemon returns it to its pool: release it then") from None
 
 
+# ----- pools and leases (docs/protocol.md; rametfs ls shows their state and lease holders) ----
+
+HOLDER_ENV = "RAMET_HOLDER"
+holder_option = click.option(
+    "--holder", required=True, envvar=HOLDER_ENV, show_envvar=True,
+    help="The lease holder: a token you choose, given again to renew and return.")
+ttl_option = click.option("--ttl", type=click.FloatRange(0, 1e9, max_open=True),
+                          default=DEFAULT_TTL, show_default=True, metavar="SECONDS",
+                          help="How long the lease lasts unless renewed.")
+
+
+@main.command()
+@click.argument("snapshot")
+@click.option("--size", type=click.IntRange(1, protocol.MAX_POOL_SIZE), required=True,
+              help="Executions it keeps ready (leased and quarantined ones are replaced).")
+@click.option("--name", help="The pool's name: reattach to it when it exists (default: a new "
+                             "pool-<8 hex>).")
+@access_options
+@policy_option("none")
+@click.option("--keep-last", type=click.IntRange(1), metavar="N",
+              help="After each promote of a member, forget the pool's promotes but the N "
+                   "newest and the named ones (default: keep every one).")
+@ramet_options
+def pool(ramet: Ramet, snapshot: str, size: int, name: str | None, owner: int | None,
+         group: int | None, share: int | None, control: str | None, max_bytes: int | None,
+         max_inodes: int | None, policy: str | None, keep_last: int | None) -> None:
+    """Keep SIZE executions of SNAPSHOT ready to lease; print the pool's name.
+
+    The daemon keeps the pool (fallback mode: the data directory) until `rametfs drop`.
+    Every member gets the settings and policy given (those of create).  Reattaching to a pool
+    with another base, settings or policy is refused (exit 8, EEXIST).
+    """
+    click.echo(ramet.open_pool(snapshot, size, name=name, policy=policy, owner=owner,
+                               group=group, share=share, control=control,
+                               max_bytes=max_bytes, max_inodes=max_inodes,
+                               keep_last=keep_last)["pool"])
+
+
+@main.command()
+@click.argument("pool_name", metavar="POOL")
+@holder_option
+@ttl_option
+@click.option("--pid", type=click.IntRange(0), metavar="PID",
+              help="The process the lease is for, shown by rametfs ls (default: this "
+                   "command's parent, e.g. the shell running it).")
+@ramet_options
+def acquire(ramet: Ramet, pool_name: str, holder: str, ttl: float, pid: int | None) -> None:
+    """Lease the ready execution of POOL returned last; print its id.
+
+    Answers at once: exit 5 (EBUSY) when none is ready (try again later).  Renew the lease
+    before it ends (rametfs renew), or it ends and the execution goes back to the pool;
+    give it back with rametfs return.
+    """
+    click.echo(ramet.acquire(pool_name, holder, ttl,
+                             pid=os.getppid() if pid is None else pid)["execution"])
+
+
+@main.command()
+@click.argument("execution")
+@holder_option
+@ttl_option
+@ramet_options
+def renew(ramet: Ramet, execution: str, holder: str, ttl: float) -> None:
+    """Extend HOLDER's lease on EXECUTION to TTL seconds from now.
+
+    Exit 5 (EBUSY) when another holder has it, 4 (EINVAL) when the lease has ended (the
+    execution went back to its pool).
+    """
+    ramet.renew(execution, holder, ttl)
+
+
+@main.command(name="return")
+@click.argument("execution")
+@holder_option
+@click.option("--deep", is_flag=True, help="Verify deeply (as verify --deep) after the reset.")
+@ramet_options
+def return_(ramet: Ramet, execution: str, holder: str, deep: bool) -> None:
+    """Give HOLDER's leased EXECUTION back to its pool; print its state.
+
+    It is reset to the pool's snapshot and verified: "ready" again, or "quarantined" (exit 1,
+    with the reason on stderr; the pool makes a new member in its place).
+    """
+    reply = ramet.return_execution(execution, holder, "deep" if deep else "root")
+    click.echo(reply["state"])
+    if reply["state"] == "quarantined":
+        reason = next((e.get("quarantine_reason") for e in ramet.executions()
+                       if e["id"] == execution), None)
+        click.echo(f"rametfs: execution {execution} quarantined: {printable(reason or '?')}",
+                   err=True)
+        raise click.exceptions.Exit(EXIT_OTHER)
+
+
+@main.command()
+@click.argument("pool_name", metavar="POOL")
+@ramet_options
+def drop(ramet: Ramet, pool_name: str) -> None:
+    """Release every execution of POOL, leased ones too, and forget it; print their ids."""
+    for execution in ramet.drop_pool(pool_name):
+        click.echo(execution)
+
+
 @main.command()
 @execution_argument
 @click.option("--deep", is_flag=True,
               help="Also reread the stored state and rehash every byte served from the base.")
 @ramet_options
 def verify(ramet: Ramet, execution: str, deep: bool) -> None:
-    """Check that EXECUTION equals its base; print each difference like diff.  Exit 1 when
+    """Check that EXECUTION equals its head; print each difference like diff.  Exit 1 when
     it differs (a ready pool execution that differs is quarantined)."""
     differences = target(ramet, execution).verify(deep=deep)
     for status, path in differences:
@@ -935,17 +1067,14 @@ def name_(ramet: Ramet, name: str, snapshot: str | None, delete: bool) -> None:
 def rm(ramet: Ramet, snapshots: tuple[str, ...], force: bool) -> None:
     """Forget snapshots: their records go, their data stays until rametfs gc.
 
-    Refused (exit 5, saying why) while a snapshot is an execution's or a pool's base, and,
-    unless --force, while a name points at it or it is an execution's head (its last
-    promote).  A snapshot that is only another's parent is forgotten like any other.  They
+    Refused (exit 5, saying why) while a snapshot is an execution's base or head (reset
+    returns to it) or a pool's base, and, unless --force, while a name points at it.  A snapshot that is only another's parent is forgotten like any other.  They
     go one at a time, in order: the first refused stops the rest.  docs/lifecycle.md.
     """
     ids = [ramet.resolve(ref) for ref in snapshots]  # ENOENT before anything goes
     for sid in dict.fromkeys(ids):
         reply = ramet.rm(sid, force=force)
-        extra = [f"deleted name {n}" for n in reply["names"]] + \
-                [f"detached execution {e}" for e in reply["detached"]]
-        click.echo(f"removed {sid}" + "".join(f"; {x}" for x in extra))
+        click.echo(f"removed {sid}" + "".join(f"; deleted name {n}" for n in reply["names"]))
 
 
 @main.command()

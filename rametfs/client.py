@@ -212,8 +212,7 @@ class Ramet:
 
     def release(self, execution: str | Execution) -> None:
         """Drop an execution and its changes.  Errors: ENOENT unknown execution."""
-        execution_id = execution.id if isinstance(execution, Execution) else execution
-        self._backend.root_command("release", execution_id)
+        self._backend.root_command("release", _execution_id(execution))
 
     def name(self, name: str, snapshot: str) -> dict:
         """Point the snapshot name ``name`` at ``snapshot`` (id, prefix or name), creating
@@ -233,10 +232,10 @@ class Ramet:
 
     def rm(self, snapshot: str, force: bool = False) -> dict:
         """Forget the snapshot ``snapshot`` (its record; gc frees its data):
-        ``{"removed": [id], "names": [names deleted], "detached": [executions]}``.  Errors:
-        ENOENT unknown snapshot; EBUSY, saying why, while it is an execution's or a pool's
-        base, or (unless ``force``: the names go, the executions carry on) a name points
-        at it or it is an execution's head (docs/lifecycle.md)."""
+        ``{"removed": [id], "names": [names deleted]}``.  Errors: ENOENT unknown snapshot;
+        EBUSY, saying why, while it is an execution's base or head (reset returns to it) or a
+        pool's base, or (unless ``force``: the names go) a name points at it
+        (docs/lifecycle.md)."""
         return self._backend.root_command("rm", snapshot,
                                           force=protocol.YES if force else None)
 
@@ -297,7 +296,7 @@ class Ramet:
         to cancel there.  Errors: ENOENT unknown execution."""
         if self.mode == "fallback":
             return []
-        execution_id = execution.id if isinstance(execution, Execution) else execution
+        execution_id = None if execution is None else _execution_id(execution)
         return self._backend.root_command("cancel", execution=execution_id)["cancelled"]
 
     def execution(self, execution_id: str) -> Execution:
@@ -374,6 +373,61 @@ class Ramet:
                              control=control, max_bytes=max_bytes, max_inodes=max_inodes,
                              keep_last=keep_last)
 
+    def open_pool(self, snapshot: str, size: int, *, name: str | None = None,
+                  policy: str | os.PathLike | None = None, owner: int | None = None,
+                  group: int | None = None, share: int | None = None,
+                  control: str | None = None, max_bytes: int | None = None,
+                  max_inodes: int | None = None, keep_last: int | None = None) -> dict:
+        """Create a pool of ``size`` executions of ``snapshot`` kept by the daemon (fallback
+        mode: the data directory), or reattach to the pool ``name``, growing it to ``size``;
+        the settings and ``policy`` are every member's, as :meth:`create` takes them, and
+        ``keep_last`` trims the pool's promotes as :meth:`execution_pool` says.  Unlike
+        :meth:`execution_pool` it holds nothing here: the pool stays until :meth:`drop_pool`.
+        Returns ``{"ok", "pool", "snapshot", "size", "created", "executions"}``.  Errors as
+        :meth:`execution_pool`'s."""
+        return self._backend.root_command("pool", snapshot, size=str(size), name=name,
+                                          policy=_policy_text(policy),
+                                          keep_last=None if keep_last is None
+                                          else str(keep_last),
+                                          **_access(owner, group, share, control, max_bytes,
+                                                    max_inodes))
+
+    def acquire(self, pool: str, holder: str, ttl: float = DEFAULT_TTL,
+                pid: int | None = None, host: str | None = None) -> dict:
+        """Lease the ready execution of ``pool`` returned last to ``holder`` (a token the
+        caller chooses and gives again to :meth:`renew` and :meth:`return_execution`) for
+        ``ttl`` seconds, recording ``pid`` (default: this process) and ``host`` (default:
+        this host's name) for people.  Answers at once: ``{"ok", "execution", "path", "pool",
+        "snapshot", "lease"}``.  Errors: EBUSY none ready (poll; :meth:`ExecutionPool.acquire`
+        does), ENOENT unknown pool, EINVAL a bad ``ttl``."""
+        return self._backend.root_command(
+            "acquire", pool, holder=holder, ttl=str(ttl),
+            pid=str(os.getpid() if pid is None else pid),
+            host=socket.gethostname() if host is None else host)
+
+    def renew(self, execution: str | Execution, holder: str, ttl: float = DEFAULT_TTL
+              ) -> dict:
+        """Extend ``holder``'s lease on ``execution`` to ``ttl`` seconds from now; the lease
+        record (``{"holder", "pid", "host", "expires_ns", "acquired_ns"}``).  Errors: EBUSY
+        another holder's, EINVAL not leased (it ended: the execution went back to its pool),
+        ENOENT not in a pool."""
+        return self._backend.root_command("renew", _execution_id(execution), holder=holder,
+                                          ttl=str(ttl))["lease"]
+
+    def return_execution(self, execution: str | Execution, holder: str,
+                         verify: str = "root") -> dict:
+        """Give ``holder``'s leased ``execution`` back: it is reset to its pool's snapshot,
+        verified (``"root"`` or ``"deep"``) and made ready, or quarantined when it differs.
+        Returns ``{"ok", "execution", "pool", "state", "reset_ms", "verification"}``.  Errors
+        as :meth:`renew`."""
+        return self._backend.root_command("return", _execution_id(execution), holder=holder,
+                                          verify=verify)
+
+    def drop_pool(self, pool: str) -> list[str]:
+        """Release every execution of ``pool``, leased ones too, and forget it; the ids of
+        the executions released.  Errors: ENOENT unknown pool."""
+        return self._backend.root_command("drop", pool)["executions"]
+
     def pools(self) -> list[dict]:
         """Every pool: ``{"name", "base", "size", "created_ns", "keep_last", "executions",
         "ready", "leased", "quarantined"}`` (the last three count executions in each state;
@@ -440,7 +494,7 @@ class Execution:
 
     def checkpoint(self, label: str | None = None, message: str | None = None,
                    policy: str | os.PathLike | None = None) -> str:
-        """Save the current tree as a new snapshot without moving the base; return its id.
+        """Save the current tree as a new snapshot without moving the head; return its id.
         Everything is kept unless a ``policy`` is given (as :meth:`promote` takes it)."""
         reply = self.ramet._backend.command(self.id, "checkpoint", label=label,
                                             message=message, policy=_policy_text(policy))
@@ -455,9 +509,19 @@ class Execution:
         return self.ramet._backend.command(self.id, "preview",
                                            policy=_policy_text(policy))["preview"]
 
-    def reset(self) -> str:
-        """Drop every change since the base; return the base snapshot id."""
-        return self.ramet._backend.command(self.id, "reset")["snapshot"]
+    def reset(self, to: str | None = None, base: bool = False) -> str:
+        """Drop every change since the head (the last promote, else the base it was created
+        from) and return the head's snapshot id.  ``to`` (a snapshot id or unique prefix)
+        rebases it onto that snapshot instead, and ``base`` onto its base; either becomes its
+        head (what :meth:`diff`, :meth:`verify` and the next promote refer to).  O(1) in FUSE
+        mode whatever the target.
+
+        Errors: EINVAL both given, ENOENT unknown snapshot, EACCES ``to`` through the
+        execution's own control file (a sandbox's: which snapshot it stands on is the
+        harness's).
+        """
+        return self.ramet._backend.command(self.id, "reset", to=to,
+                                           base=protocol.YES if base else None)["snapshot"]
 
     def record_runtime(self, name: str, uid: int, gid: int, image: str | None = None) -> None:
         """Record that sandbox ``name`` (``"bubblewrap"`` or ``"docker"``, with ``image``)
@@ -469,18 +533,18 @@ class Execution:
                                          image=image)
 
     def diff(self) -> list[tuple[str, str]]:
-        """What changed against the base: sorted ``(status, path)`` pairs, status one of
+        """What changed against the head (see :meth:`reset`): sorted ``(status, path)`` pairs, status one of
         ``"A"``, ``"M"``, ``"D"``, path relative to :attr:`path` (a name that is not UTF-8
         is decoded as ``os.fsdecode`` does: ``os.fsencode`` gives its bytes back)."""
         return self.ramet._backend.diff(self.id)
 
     def verify(self, deep: bool = False) -> list[tuple[str, str]]:
-        """How the tree differs from the base, as ``(status, path)`` pairs; empty when it
-        equals the base, as it must after :meth:`reset`.
+        """How the tree differs from the head, as ``(status, path)`` pairs; empty when it
+        equals the head, as it must after :meth:`reset`.
 
         Fallback mode checks the manifest (a path it cannot vouch for counts as different);
         ``deep`` reads and hashes every file.  FUSE mode compares the root tree id the
-        execution would promote to with its base's, rehashing files that hold changed
+        execution would promote to with its head's, rehashing files that hold changed
         bytes; ``deep`` also rehashes every base byte it serves.  A ready execution of a
         pool that differs is quarantined by the daemon (never handed out again).
         """
@@ -517,7 +581,7 @@ class _Mount:
         self.own: Path | None = None  # an execution's directory, reached through its own files
         top = path.parent.parent
         in_executions = path.parent.name == protocol.EXECUTIONS_DIR and _is_root(top)
-        if not os.path.exists(_control_file(path, protocol.STATUS)):  # any OSError: not here
+        if not _reachable(_control_file(path, protocol.STATUS)):
             if not in_executions:  # (--control none: an execution without .ramet)
                 raise NotMountedError(path)
             self.here, path = path.name, top
@@ -702,6 +766,10 @@ def _policy_text(path: str | os.PathLike | None) -> str | None:
         raise RametError(code, f"policy {os.fspath(path)}: {exc}") from None
 
 
+def _execution_id(execution: str | Execution) -> str:
+    return execution.id if isinstance(execution, Execution) else execution
+
+
 def _given(options: dict[str, str | None]) -> dict[str, str]:
     return {key: value for key, value in options.items() if value is not None}
 
@@ -756,12 +824,10 @@ class ExecutionPool:
         self.verify = verify
         self.host = socket.gethostname()
         self.holder = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
-        reply = ramet._backend.root_command("pool", snapshot, size=str(concurrency), name=name,
-                                            policy=_policy_text(policy),
-                                            keep_last=None if keep_last is None
-                                            else str(keep_last),
-                                            **_access(owner, group, share, control,
-                                                      max_bytes, max_inodes))
+        reply = ramet.open_pool(snapshot, concurrency, name=name, policy=policy, owner=owner,
+                                group=group, share=share, control=control,
+                                max_bytes=max_bytes, max_inodes=max_inodes,
+                                keep_last=keep_last)
         self.name: str = reply["pool"]
         self.base: str = reply["snapshot"]
         self._owned = name is None
@@ -807,7 +873,7 @@ class ExecutionPool:
         if self._renewer is not None:
             self._renewer.join()
         if self._owned:
-            self._root("drop", self.name)
+            self.ramet.drop_pool(self.name)
             return
         first_error = None
         for execution in held:
@@ -823,9 +889,6 @@ class ExecutionPool:
         self._owned = True
         self.close()
 
-    def _root(self, command: str, *positional: str, **options: str | None) -> dict:
-        return self.ramet._backend.root_command(command, *positional, **options)
-
     def _take(self, timeout: float | None) -> Execution:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = _POLL_FIRST
@@ -833,8 +896,7 @@ class ExecutionPool:
             if self._closed:
                 raise RametError(errno.EINVAL, "the execution pool is closed")
             try:
-                reply = self._root("acquire", self.name, holder=self.holder, ttl=str(self.ttl),
-                                   pid=str(os.getpid()), host=self.host)
+                reply = self.ramet.acquire(self.name, self.holder, self.ttl, host=self.host)
             except RametError as exc:
                 if self._closed:  # closed (and maybe dropped) by another thread meanwhile
                     raise RametError(errno.EINVAL, "the execution pool is closed") from None
@@ -863,7 +925,7 @@ class ExecutionPool:
         self._return(execution)
 
     def _return(self, execution: Execution) -> dict:
-        return self._root("return", execution.id, holder=self.holder, verify=self.verify)
+        return self.ramet.return_execution(execution, self.holder, self.verify)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -871,12 +933,26 @@ class ExecutionPool:
                 held = list(self._held)
             for execution_id in held:
                 try:
-                    self._root("renew", execution_id, holder=self.holder, ttl=str(self.ttl))
+                    self.ramet.renew(execution_id, self.holder, self.ttl)
                     self.renew_error = None
                 except RametError as exc:  # the daemon may be restarting: try again later
                     with self._lock:
                         if execution_id in self._held:  # not returned meanwhile
                             self.renew_error = exc
+
+
+def _reachable(path: Path) -> bool:
+    """Whether ``path`` exists; RametError (EACCES) when this uid may not look (an execution
+    of another owner, which is there, not "not mounted")."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise RametError(errno.EACCES, f"{path}: permission denied: uid {os.getuid()} may not "
+                         f"use this execution (its owner, create --owner, and --share "
+                         f"decide)") from None
+    except OSError:
+        return False
+    return True
 
 
 def _control_file(directory: Path, name: str) -> Path:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -25,13 +26,13 @@ import trio
 from . import mounts, policy, protocol
 from .authority import HARNESS, Access, Caller
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import lifecycle, pools, retention
+from .core import heads, lifecycle, pools, retention
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .fallback import manifest
 from .overlay import Execution, Overlay, in_slices
 from .treewalk import Steps
-from .store import gc, import_git, import_tree
+from .store import Snapshot, gc, import_git, import_tree
 from .store.catalog import Lease
 from .verify import ROOT, verify
 
@@ -125,6 +126,7 @@ class Control:
         self.snapshots_settled = False
         self.snapshots_bind_failure: str | None = None
         self.snapshots_dir_ino: int | None = None  # the adapter's snapshots/, to invalidate
+        self.adapter_memory: Callable[[], dict] = dict  # the adapter's kept tables, by size
         self.gc_progress: dict | None = None  # a running gc's {phase, done, total}
         self.root_last: dict | None = None
         self.root_error = ""
@@ -182,6 +184,11 @@ class Control:
                     raise RametError(f"{name}: the policy is the harness's (create --policy, "
                                      f"or the root ctl); an execution cannot give its own",
                                      errno.EACCES)
+                if "to" in args:
+                    raise RametError("reset --to: which snapshot an execution stands on is "
+                                     "the harness's (the root ctl: reset <execution-id> --to "
+                                     "SNAPSHOT); an execution resets to its head, or to its "
+                                     "base with --base yes", errno.EACCES)
                 reply = await self._on_execution(ex, name, args, harness=False)
             except Exception as exc:
                 raise self._as_rametfs(exc, ex.id, command) from None
@@ -442,9 +449,11 @@ class Control:
                  len(reply["kept"]), len(reply["removed"]))
         return reply
 
-    def _execution_uses(self) -> list[tuple[str, str, str]]:
-        """``(id, base id, head id)`` of every execution: what rm and forget keep."""
-        return [(ex.id, ex.base.id, ex.head) for ex in self.overlay.executions.values()]
+    def _execution_uses(self) -> list[tuple[str, str, str, str]]:
+        """``(id, base id, head id, lower id)`` of every execution: what rm and forget keep
+        (lifecycle.uses)."""
+        return [(ex.id, ex.base.id, ex.head.id, ex.lower.id)
+                for ex in self.overlay.executions.values()]
 
     async def _removed(self, sids: list[str]) -> None:
         """Snapshots ``sids`` were forgotten: drop their views and the kernel's dentries of
@@ -485,7 +494,7 @@ class Control:
         snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
                              policy.choose(args.get("policy"), ex.policy), self._token(ex),
                              charged=not self.running[ex.id].harness)
-        self.overlay.set_head(ex, snap.id)
+        self.overlay.set_head(ex, snap)
         self.promoted[ex.id] = snap.id
         await self._trim_pool(ex)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
@@ -506,12 +515,14 @@ class Control:
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
-        return {"ok": True, "snapshot": ex.base.id, "reset_ms": await self._reset_layer(ex)}
+        to = self.overlay.store.snapshot(heads.reset_target(args, ex.base.id, ex.head.id))
+        return {"ok": True, "snapshot": to.id, "reset_ms": await self._reset_layer(ex, to)}
 
-    async def _reset_layer(self, ex: Execution) -> float:
-        """Drop ``ex``'s changes and what the kernel caches of them; milliseconds taken."""
+    async def _reset_layer(self, ex: Execution, to: Snapshot) -> float:
+        """Drop ``ex``'s changes and what the kernel caches of them, giving it a fresh layer
+        over ``to``, its head from now on; milliseconds taken."""
         started = time.monotonic_ns()
-        await self.invalidate(*self.overlay.reset(ex))
+        await self.invalidate(*self.overlay.reset(ex, to))
         return round((time.monotonic_ns() - started) / 1e6, 3)
 
     def _forget_replies(self, eid: str) -> None:
@@ -599,7 +610,7 @@ class Control:
         if not self.overlay.pristine(ex):  # a process of an earlier holder wrote after return
             log.info("pool %s: execution %s changed while ready: reset before its lease",
                      acquired.member.pool, ex.id)
-            await self._reset_layer(ex)
+            await self._reset_layer(ex, ex.base)
         return self.pools.acquired_reply(
             acquired, os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id))
 
@@ -641,7 +652,7 @@ class Control:
             if ended is not None and self.pools.lease(eid) != ended:
                 return None
             self.pools.held(eid, holder)
-            reset_ms = await self._reset_layer(ex)
+            reset_ms = await self._reset_layer(ex, ex.base)  # the pool's snapshot
             try:
                 verification = await verify(self.overlay, ex, mode, run.token)
                 result = await in_slices(verification.json_steps())
@@ -677,7 +688,7 @@ class Control:
         state = ("failed" if ex.failure is not None else
                  "promoting" if running is not None and running.command in CAPTURES
                  else self.pools.member_json(ex.id)["state"])
-        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head,
+        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head.id,
                 "state": state, "created_ns": ex.created_ns,
                 "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
                 "captured_bytes": ex.captured_bytes,
@@ -694,6 +705,22 @@ class Control:
                 "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
                 **ex.access.to_json()}
 
+    def memory_json(self) -> dict:
+        """What the daemon holds (the harness's root status): ``heap_bytes``, its resident
+        anonymous memory (RssAnon; None where /proc lacks it); ``nodes``, the inodes of every
+        view, and ``node_table_bytes``, their table's; ``stale_nodes`` of dropped layers not
+        freed yet; the adapter's kept ``listings`` and their ``listing_entries``.  Once a
+        reset or release is collected the counts are as before it (docs/benchmarks.md,
+        "Daemon memory across reset cycles")."""
+        heap = None
+        with contextlib.suppress(OSError), open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    heap = int(line.split()[1]) * 1024
+        return {"heap_bytes": heap, "nodes": len(self.overlay.nodes),
+                "node_table_bytes": sys.getsizeof(self.overlay.nodes),
+                "stale_nodes": sum(map(len, self.overlay.stale_inos)), **self.adapter_memory()}
+
     def root_status(self, caller: Caller = HARNESS) -> bytes:
         """The root ``.ramet/status`` as ``caller`` may read it: whole for the harness; for
         another uid only the executions whose ``r`` bit it has (as their own ``status`` shows
@@ -708,14 +735,12 @@ class Control:
                 "pid": os.getpid(), "data": str(self.overlay.store.root), **common,
                 "snapshots": self._snapshots_json(),
                 "executions": [self.execution_json(ex) for ex in self.overlay.executions.values()],
-                "pools": self.pools.to_json(), "last": self.root_last, "gc": self.gc_progress})
+                "pools": self.pools.to_json(), "last": self.root_last, "gc": self.gc_progress,
+                "memory": self.memory_json()})
         visible = sorted((self.overlay.executions[eid]
                           for eid in self.overlay.readers.readable(caller)),
                          key=lambda ex: (ex.created_ns, ex.id))
-        seen = {ex.base.id: ex.base for ex in visible}
-        for sid in {ex.head for ex in visible} - seen.keys():
-            with contextlib.suppress(NotFound):
-                seen[sid] = self.overlay.store.snapshot(sid)
+        seen = {snap.id: snap for ex in visible for snap in (ex.base, ex.head)}
         return _json_object({
             **common,
             "snapshots": [_local_stats(s.to_json(), "source")
@@ -803,7 +828,7 @@ class Control:
         return b"\0".join([new, *(paths if paths is not None else [b"/"])]) + b"\0"
 
     def promoted_text(self, ex: Execution) -> bytes:
-        sid = self.promoted.get(ex.id) or (ex.head if ex.head != ex.base.id else "")
+        sid = self.promoted.get(ex.id) or (ex.head.id if ex.head.id != ex.base.id else "")
         return f"{sid}\n".encode() if sid else b""
 
 

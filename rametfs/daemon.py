@@ -112,10 +112,11 @@ async def _guarded(name: str, task, *args) -> None:
 # every object in it is gone; objects over 512 bytes (dict, set and list tables, long
 # names) come from glibc's malloc, which keeps freed pages until ``malloc_trim``.  Heap
 # (RssAnon, MiB) after each of 10 cycles of 20,000 files created and reset, from 24 at
-# start (docs/benchmarks.md, rss-cycles): 37-52 with the trim, 44-59 without; glibc's malloc
-# for everything (PYTHONMALLOC=malloc) with the trim kept 56-59 and cost the daemon 20%
-# more CPU (untar 9%, a cold read of every file 75%), so pymalloc stays.  Not after each
-# batch of drop_stale_nodes: a batch frees nodes all over the heap, and few pages are
+# start (docs/benchmarks.md, rss-cycles, before nodes lost their empty page sets, which
+# took it to 34.5-40.9): 37-52 with the trim, 44-59 without; glibc's malloc for everything
+# (PYTHONMALLOC=malloc) with the trim kept 56-59 and cost the daemon 20% more CPU (untar
+# 9%, a cold read of every file 75%), so pymalloc stays.  Not after each batch of
+# drop_stale_nodes: a batch frees nodes all over the heap, and few pages are
 # wholly free before the last one.  The trim holds the arena's lock while it works (tens
 # of ms after 100,000 nodes), so it runs in a worker thread.
 TRIM_NODES = 10_000

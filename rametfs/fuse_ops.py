@@ -185,11 +185,13 @@ class Operations(pyfuse3.Operations):
         self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS,
                                faults=faults, max_answer_bytes=max_answer_bytes)
         self.control.snapshots_dir_ino = SNAPSHOTS
+        self.control.adapter_memory = lambda: {"listings": len(self.listings),
+                                               "listing_entries": self.listing_entries}
         # Per caller key: its generations holding content of their own, oldest first, and
-        # those bytes (GENERATION_ANSWERS); one answer made at a time (_one_answer).
+        # those bytes (GENERATION_ANSWERS); one answer made at a time per execution (_one_answer).
         self.kept: dict[int, OrderedDict[int, None]] = {}
         self.kept_bytes: dict[int, int] = {}
-        self.answering: dict[int, trio.Lock] = {}
+        self.answering: dict[tuple[str, int], trio.Lock] = {}
         self.virtual: dict[int, Virtual] = {}
         self._add_virtual(Virtual(ROOT, stat.S_IFDIR | 0o755, "dir",
                                   children={**TOP, CONTROL_NAME: CONTROL}))
@@ -232,6 +234,12 @@ class Operations(pyfuse3.Operations):
                           inodes: Sequence[int] = ()) -> None:
         # The kernel calls block until related requests finish: run them in a thread while
         # the loop goes on serving, and reply to the command only when they are done.
+        # The kept listings of the inodes named go now: those of a dropped layer would stay
+        # until 64 others pushed them out (a reset kept a 20,000-name listing, 2 MB).
+        named = [ino for ino, name in entries if not name] + list(self.listings.keys() & inodes)
+        for ino in named:
+            if (listing := self.listings.pop(ino, None)) is not None:
+                self.listing_entries -= len(listing)
         await trio.to_thread.run_sync(self._invalidate_now, entries, inodes)
 
     @staticmethod
@@ -391,10 +399,12 @@ class Operations(pyfuse3.Operations):
             self._drop_generation(v)
 
     @contextlib.asynccontextmanager
-    async def _one_answer(self, key: int) -> AsyncIterator[None]:
+    async def _one_answer(self, key: tuple[str, int]) -> AsyncIterator[None]:
         """Make the block's answer (a diff, preview or fsmonitor answer) alone among those of
-        caller ``key``: one caller's concurrent lookups hold one answer in memory at a
-        time, not one each."""
+        ``key``, (execution id, caller key): one caller's concurrent lookups in one
+        execution hold one answer in memory at a time, not one each.  By execution too:
+        executions of one uid (a sandbox's) must not wait for each other's answers (an
+        agent's 3 s diffs held another's fsmonitor answers 11 s)."""
         lock = self.answering.setdefault(key, trio.Lock())
         try:
             async with lock:
@@ -640,7 +650,8 @@ class Operations(pyfuse3.Operations):
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         await self._parent(parent_inode_old)
         await self._parent(parent_inode_new)
-        self.overlay.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self.overlay.rename_in_slices(parent_inode_old, name_old, parent_inode_new,
+                                            name_new, flags)
 
     # -- directories ---------------------------------------------------------------------
 
@@ -876,7 +887,7 @@ class Operations(pyfuse3.Operations):
         is made in slices of the trio thread (rametfs.control)."""
         if v.execution is not None and v.kind in (protocol.DIFF, protocol.PREVIEW):
             ex = self._execution_of(v)
-            async with self._one_answer(caller_key(caller)):
+            async with self._one_answer((ex.id, caller_key(caller))):
                 if v.kind == protocol.DIFF:
                     return await self.control.diff_text(ex)
                 return await self.control.preview_text(ex)
@@ -905,8 +916,9 @@ class Operations(pyfuse3.Operations):
         if v.kind == protocol.FSMONITOR:
             if len(buf) > protocol.MAX_COMMAND_BYTES:
                 raise pyfuse3.FUSEError(errno.E2BIG)
-            async with self._one_answer(v.caller):
-                answer = await self.control.fsmonitor_answer(self._execution_of(v), buf)
+            ex = self._execution_of(v)
+            async with self._one_answer((ex.id, v.caller)):
+                answer = await self.control.fsmonitor_answer(ex, buf)
             self._show(v, answer)
             return len(buf)
         # One write is one command: a quoted argument may hold a newline.

@@ -62,7 +62,7 @@ Snapshot lifecycle commands (rametfs.core.lifecycle, docs/lifecycle.md)::
     name <name> <snapshot>                         -> {"ok", "name", "snapshot", "previous"}
     unname <name>                                  -> {"ok", "name", "snapshot"}
     resolve <snapshot>                             -> {"ok", "snapshot"}
-    rm <snapshot> [--force yes|no]                 -> {"ok", "removed", "names", "detached"}
+    rm <snapshot> [--force yes|no]                 -> {"ok", "removed", "names"}
     gc [--dry-run yes|no] [--compact yes|no]       -> {"ok", "gc"}
     forget [--keep-last N] [--keep-within DURATION] [--keep-name PATTERN] [--dry-run yes|no]
                                                    -> {"ok", "dry_run", "kept", "removed",
@@ -139,14 +139,21 @@ EINVAL.
 Execution commands::
 
     promote [--label L] [--message M] [--policy TOML]   -> {"ok", "snapshot", "stats"}
-                                         (execution continues on it)
+                                         (it becomes the head)
     checkpoint [--label L] [--message M] [--policy TOML] -> {"ok", "snapshot", "stats"}
-                                         (base stays; not a new head)
-    reset                               -> {"ok", "snapshot"}            (back to its base)
+                                         (the head stays)
+    reset [--base yes]                  -> {"ok", "snapshot", "reset_ms"} (back to its head,
+                                         or to its base, which becomes the head)
     verify [--mode root|deep]           -> {"ok", "execution", "state", "verification"}
     preview [--policy TOML]             -> {"ok", "preview"}             (changes nothing)
 
-``verify`` compares the execution with its base (rametfs.verify): ``verification`` is
+An execution's *head* (rametfs.core.heads) is its base until a promote, which makes the new
+snapshot the head; ``diff``, ``verify``, ``reset`` and the next promote's parent refer to the
+head.  ``reset --to SNAPSHOT`` (root ``ctl`` only: EACCES from the execution's own, as
+``--policy``) rebases the execution onto any snapshot in place, which becomes its head; EINVAL
+with ``--base yes``.
+
+``verify`` compares the execution with its head (rametfs.verify): ``verification`` is
 ``{"mode", "equal", "root", "base_root", "verify_ms", "differences"}``, ``differences`` a
 list of ``[letter, path]`` like ``diff``.  A ready pool member that is not equal is
 quarantined.
@@ -156,7 +163,7 @@ harness acts on an execution whatever its ``--control``::
 
     promote <execution-id> [--label L] [--message M] [--policy TOML]
     checkpoint <execution-id> [--label L] [--message M] [--policy TOML]
-    reset <execution-id>
+    reset <execution-id> [--base yes | --to SNAPSHOT]
     verify <execution-id> [--mode root|deep]
     preview <execution-id> [--policy TOML]
     diff <execution-id>                 -> {"ok", "execution", "diff": [[letter, path], ...]}
@@ -289,7 +296,7 @@ ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first 
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "promote": ((), frozenset({"label", "message", "policy"})),
     "checkpoint": ((), frozenset({"label", "message", "policy"})),
-    "reset": ((), frozenset()),
+    "reset": ((), frozenset({"to", "base"})),
     "verify": ((), frozenset({"mode"})),
     "preview": ((), frozenset({"policy"})),
 }

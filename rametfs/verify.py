@@ -1,4 +1,6 @@
-"""Verification: does an execution equal its base snapshot?
+"""Verification: does an execution equal its head snapshot (rametfs.core.heads: its base
+until a promote or a ``reset --to``; after a reset, what it was reset to)?  "Base" below is
+the snapshot its layer lies over, which after a reset is the head.
 
 Two modes:
 
@@ -46,7 +48,7 @@ class Verification:
 
     mode: str
     root: str
-    base_root: str
+    base_root: str  # the head's root tree id (the reply's name, from when it was the base's)
     differences: list[tuple[str, bytes]]
     verify_ms: float
 
@@ -63,28 +65,31 @@ class Verification:
 
 async def verify(overlay: Overlay, ex: Execution, mode: str = ROOT,
                  cancel: CancelToken = NO_CANCEL) -> Verification:
-    """Check ``ex`` against its base in ``mode`` (``"root"`` or ``"deep"``).
+    """Check ``ex`` against its head (rametfs.core.heads: after a reset, what it was reset
+    to) in ``mode`` (``"root"`` or ``"deep"``).  Deep mode rehashes the hydrated copies of
+    the contents of the snapshot its layer lies over (``Execution.lower``), whose bytes it
+    serves for every file not copied up.
 
     Raises IntegrityError (EIO) when a base record or chunk it needs is missing or corrupt,
     Cancelled (ECANCELED) once ``cancel`` is.
     """
     started = time.monotonic_ns()
-    base = ex.base.root
+    head = ex.head.root
     root, differences = await _compare(overlay, ex, cancel)
     if mode == DEEP and not differences:
         stored = Overlay(overlay.store)  # after root_entry flushed every pending record
         root, differences = await _compare(stored, stored.execution(ex.id), cancel)
     if mode == DEEP and not differences:
         differences = [("M", path) for path in await trio.to_thread.run_sync(
-            _bad_cached_contents, overlay.store, base, cancel)]
-    return Verification(mode, root.ref.hex(), base.ref.hex(), differences,
+            _bad_cached_contents, overlay.store, ex.lower.root, cancel)]
+    return Verification(mode, root.ref.hex(), head.ref.hex(), differences,
                         round((time.monotonic_ns() - started) / 1e6, 3))
 
 
 async def _compare(overlay: Overlay, ex: Execution, cancel: CancelToken
                    ) -> tuple[Entry, list[tuple[str, bytes]]]:
     """``(root entry, differences)`` of ``ex`` as ``overlay`` serves it."""
-    root, base = await root_entry(overlay, ex, cancel), ex.base.root
+    root, base = await root_entry(overlay, ex, cancel), ex.head.root
     if root.ref == base.ref and (root.mode, root.uid, root.gid, root.xattrs) == (
             base.mode, base.uid, base.gid, base.xattrs):
         return root, []

@@ -214,8 +214,9 @@ def test_the_harness_acts_through_the_root_ctl_whatever_the_control(harness, bas
     assert (status["head"], status["control"], status["last"]["snapshot"]) == (
         promoted, choice, promoted)
     assert checkpoint in snapshot_ids(harness)
-    assert ex.verify() == [("A", "new")]
-    assert ex.reset() == base and ex.diff() == []
+    assert ex.verify() == [] and ex.diff() == []  # against the head: the promote
+    assert ex.reset(base=True) == base and ex.diff() == [] and ex.verify() == []
+    assert not (ex.path / "new").exists()
 
     def cli(*args):
         return CliRunner(env={"RAMET_MODE": None}).invoke(main, [args[0], "-m", str(harness.mount),
@@ -245,7 +246,8 @@ def test_root_commands_on_one_execution(allow_other_daemon, base, made):
     promoted = d.ctl(f"promote {ex.id} --message m")["snapshot"]
     assert d.ctl(f"status {ex.id}")["status"]["head"] == promoted
     reset = d.ctl(f"reset {ex.id}")
-    assert (reset["ok"], reset["snapshot"], d.ctl(f"diff {ex.id}")["diff"]) == (True, base, [])
+    assert (reset["ok"], reset["snapshot"], d.ctl(f"diff {ex.id}")["diff"]) == (True, promoted,
+                                                                                 [])
     for line, err, message in [
             ("promote no-such-execution", errno.ENOENT, "no execution 'no-such-execution'"),
             ("status no-such-execution", errno.ENOENT, "no execution 'no-such-execution'"),

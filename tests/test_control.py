@@ -190,14 +190,25 @@ def test_reset_returns_every_file_to_its_base(shared_daemon, ex, snap, source):
     assert (path / "after-reset").read_bytes() == b"still writable"
 
 
-def test_reset_after_promote_returns_to_the_base(shared_daemon, ex, snap, source):
+def test_reset_after_promote_returns_to_the_promoted_snapshot(shared_daemon, ex, snap,
+                                                              source):
+    """git's commit then ``reset --hard``: the promote is the head; ``--base yes`` goes back
+    to the snapshot the execution was created from (before the change: the base)."""
     eid, path = ex
     make_known_changes(path)
-    shared_daemon.exec_ctl(eid, "promote")
+    promoted = shared_daemon.exec_ctl(eid, "promote")["snapshot"]
+    promoted_tree = tree_signature(path)
+    assert control(path, "diff").read_text() == ""
     (path / "later").write_bytes(b"later")
+    assert control(path, "diff").read_text() == "A later\n"
 
-    assert shared_daemon.exec_ctl(eid, "reset")["snapshot"] == snap
+    assert shared_daemon.exec_ctl(eid, "reset")["snapshot"] == promoted
+    assert tree_signature(path) == promoted_tree
+    assert control(path, "diff").read_text() == ""
+    assert shared_daemon.exec_ctl(eid, "reset --base yes")["snapshot"] == snap
     assert tree_signature(path) == tree_signature(source)
+    status = shared_daemon.exec_status(eid)
+    assert (status["base"], status["head"]) == (snap, snap)
 
 
 def test_commands_act_on_their_own_execution_only(shared_daemon, new_execution, snap, source):
@@ -394,3 +405,35 @@ def test_ctl_with_options_and_quotes(shared_daemon, ex):
     record, = [s for s in shared_daemon.status()["snapshots"] if s["id"] == reply["snapshot"]]
     assert (record["label"], record["message"]) == ("it's", "two\nlines")
     assert shared_daemon.exec_status(eid)["head"] == shared_daemon.exec_status(eid)["base"]
+
+
+# ----- what a reset and a release give back ---------------------------------------------------
+
+FILES = 2000
+
+
+def test_a_reset_or_release_gives_back_every_node_and_kept_listing(daemon, source):
+    # A listed directory's names stay kept between readdir calls (fuse_ops.LISTINGS); those
+    # of a dropped layer went only when 64 other listings pushed them out; the table of nodes
+    # (a dict) kept its peak's size.
+    snap = daemon.snapshot(source)
+    first = daemon.create(snap)
+    before = daemon.status()["memory"]
+    for release in (False, True):
+        eid = daemon.create(snap) if release else first
+        path = daemon.exec_path(eid)
+        (path / "many").mkdir()
+        for i in range(FILES):
+            (path / "many" / f"f{i}").write_bytes(b"x" * 100)
+        assert len(os.listdir(path / "many")) == FILES
+        grown = daemon.status()["memory"]
+        assert grown["nodes"] >= before["nodes"] + FILES + 1
+        assert grown["node_table_bytes"] > before["node_table_bytes"]
+        assert grown["listing_entries"] >= before["listing_entries"] + FILES
+        daemon.ctl(f"release {eid}") if release else daemon.exec_ctl(eid, "reset")
+        wait_until(lambda: daemon.status()["memory"]["stale_nodes"] == 0, 30,
+                   "the dropped nodes freed")
+        after = daemon.status()["memory"]
+        held = ("nodes", "node_table_bytes", "listings", "listing_entries")
+        assert {k: after[k] for k in held} == {k: before[k] for k in held}, release
+    assert before["heap_bytes"] > 0

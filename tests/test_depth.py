@@ -272,7 +272,7 @@ def test_deep_tree_made_in_an_execution(ramet, tmp_path, empty_base):
         assert recipe["inputs"] == [{"path": f"{level_path(DEPTH - 1)}src.txt",
                                      "blake3": _b3(b"input\n")}]
 
-        assert ex.reset() == empty_base
+        assert ex.reset(base=True) == empty_base
         assert os.listdir(ex.path) == []
         assert (ex.diff(), ex.verify(), ex.verify(deep=True)) == ([], [], [])
     finally:
@@ -338,7 +338,7 @@ def test_deep_base_snapshot_changed_deep_inside(ramet, empty_base):
         assert read_chain(copy.path) == files_of(model)
         assert _at(copy.path, 3500, lambda fd: stat.S_IMODE(os.fstat(fd).st_mode)) == 0o700
         assert (copy.diff(), copy.verify(), copy.verify(deep=True)) == ([], [], [])
-        assert ex.reset() == base
+        assert ex.reset(base=True) == base
         assert read_chain(ex.path) == files_of(BASE_MODEL)
         assert (ex.diff(), ex.verify(), ex.verify(deep=True)) == ([], [], [])
     finally:

@@ -158,7 +158,7 @@ def test_a_policy_stored_at_create_applies_and_the_agent_cannot_change_it(ramet,
     kept = {"main.py", "data/table.csv", "ramet.toml"}
     sid = ex.promote()
     assert (files_of(ramet, sid), record_of(ramet, sid)["policy"]) == (kept, "create --policy")
-    ex.reset()  # the policy stays with the execution
+    ex.reset(base=True)  # back to the base, without the agent's ramet.toml; the policy stays
     write(ex.path, {"run.log": "again\n"})
     assert files_of(ramet, ex.promote()) == {"main.py", "data/table.csv"}
     # a --policy given at promote overrides it for that promote only

@@ -74,9 +74,10 @@ def test_control_files_from_a_shell_are_fresh_after_each_command(execution):
     assert first["ok"] is True and len(first["snapshot"]) == 64
     assert (ramet / "promote").read_text() == first["snapshot"] + "\n"
     (ex / "dir" / "a.txt").unlink()
-    assert (ramet / "diff").read_bytes() == b"D dir/a.txt\nA new.txt\n"  # against the base
+    assert (ramet / "diff").read_bytes() == b"D dir/a.txt\n"  # against the head: the promote
 
     (ex / "new.txt").write_text("changed\n")
+    assert (ramet / "diff").read_bytes() == b"D dir/a.txt\nM new.txt\n"
     out = run("sh", "-c", "echo promote > .ramet/ctl && cat .ramet/ctl", cwd=ex).stdout
     second = ctl_reply(out)
     assert second["snapshot"] != first["snapshot"]

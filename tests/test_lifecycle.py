@@ -94,24 +94,26 @@ def test_rm_refuses_while_used_and_force_says_what_goes(ramet, tmp_path):
     refused = cli(ramet, "rm", base)
     assert refused.returncode == 5, refused.stderr  # EBUSY
     assert refused.stderr == (f"rametfs: rm: snapshot {base[:12]}: it is the base of "
-                              f"execution {ex.id}: release the execution, or drop the pool, "
-                              "first\n")
-    refused = cli(ramet, "rm", head)
+                              f"execution {ex.id}: reset the execution onto another snapshot "
+                              "(reset --base or --to), release it, or drop the pool, first\n")
+    refused = cli(ramet, "rm", "--force", tag)  # the head: reset returns to it
     assert refused.returncode == 5
-    assert refused.stderr == (f"rametfs: rm: snapshot {head[:12]}: name {tag!r} points at "
-                              f"it, it is the head of execution {ex.id}: --force deletes the "
-                              "names and detaches the executions\n")
+    assert refused.stderr == (f"rametfs: rm: snapshot {head[:12]}: it is the head of "
+                              f"execution {ex.id}: reset the execution onto another snapshot "
+                              "(reset --base or --to), release it, or drop the pool, first\n")
     assert cli(ramet, "rm", "--force", base).returncode == 5  # a base even with --force
+    (ex.path / "g").write_bytes(b"more\n")
+    after = ex.promote()  # now the head; the layer still lies over the base
+    refused = cli(ramet, "rm", head)
+    assert (refused.returncode, refused.stderr) == (
+        5, f"rametfs: rm: snapshot {head[:12]}: name {tag!r} points at it: --force deletes "
+           "the names\n")
     forced = cli(ramet, "rm", "--force", tag, check=True)
-    assert forced.stdout == (f"removed {head}; deleted name {tag}; detached execution "
-                             f"{ex.id}\n")
+    assert forced.stdout == f"removed {head}; deleted name {tag}\n"
     ids = [s["id"] for s in ramet.snapshots()]
-    assert head not in ids and base in ids
+    assert head not in ids and base in ids and after in ids
     with pytest.raises(RametError):
         ramet.resolve(tag)
-    # The detached execution carries on: its next promote names the forgotten head.
-    (ex.path / "g").write_bytes(b"more\n")
-    after = ex.promote()
     record = next(s for s in ramet.snapshots() if s["id"] == after)
     assert record["parents"] == [head]
     assert cli(ramet, "log", after, check=True).stdout.split("\n")[0].split()[0] == after

@@ -507,10 +507,19 @@ def test_a_busy_umount_names_the_processes_and_lazy(tmp_path):
             assert f"pid {reader.pid} (sleep): open file {d.exec_path(eid) / 'f'}" in busy.stderr
             assert f"rametfs umount --lazy {d.mnt} detaches it now" in busy.stderr
             assert d.is_alive()
+            started = time.monotonic()
+            lazy = cli("umount", "--lazy", d.mnt)
+            assert (lazy.returncode, lazy.stderr) == (0, f"detached {d.mnt}; its daemon (pid "
+                                                         f"{d.pid}) exits once the last "
+                                                         f"process using it lets go\n")
+            assert time.monotonic() - started < 5 and not os.path.ismount(d.mnt)
+            assert pid_alive(d.pid)  # the holders still use it
         finally:
             for proc in (holder, reader):
                 proc.kill()
                 proc.wait()
+        wait_until(lambda: not pid_alive(d.pid), 30, "the daemon to exit once let go")
+        d.pid = None  # stopped
 
 
 # ----- 7. protocol page, exit codes, mount and umount --------------------------------------
@@ -654,3 +663,15 @@ def test_release_of_a_leased_execution_says_what_to_do_from_the_cli(d, snap):
     assert "return" not in refused.stderr.replace("returns it", "")
     d.ctl("drop newcomers")
     assert pool["executions"] == [leased]
+
+
+def test_another_uid_is_told_permission_denied_not_not_mounted(d, snap):
+    """The user's own sandbox as uid 65534 on an execution the harness owns: EACCES saying
+    who decides, not "no rametfs mounted" (which sent a newcomer looking for a mount)."""
+    eid = d.create(snap)
+    proc = no_traceback(run("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                            "--clear-groups", *RAMETFS, "diff", "-m", d.exec_path(eid),
+                            check=False))
+    assert (proc.returncode, proc.stderr) == (9, (  # EACCES's exit code (rametfs --help)
+        f"rametfs: {d.exec_path(eid) / '.ramet' / 'status'}: permission denied: uid {NOBODY} "
+        "may not use this execution (its owner, create --owner, and --share decide)\n"))

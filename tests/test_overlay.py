@@ -86,6 +86,28 @@ def test_write_copies_up_one_page(model, src):
     assert read_all(overlay, node) == bytes(expected)
 
 
+def test_a_created_file_holds_no_page_sets(model):
+    # Each set is 216 bytes of the daemon's heap per node (issue 15.5): a file with no base
+    # byte visible never gets a page map; the pending pages get a set with their first page
+    # and give it up once stored.  Base pages still copy up into a page map of their own.
+    store, overlay, ex = model
+    node = overlay.create(ex.root_ino, b"new", 0o644, 0, 0)
+    assert overlay.write(node, 0, b"x" * 100) == 100
+    overlay.flush_view(ex)
+    assert node.pages is None and not isinstance(node.new_pages, set)
+    assert not hasattr(node.upper, "__dict__")
+    assert read_all(overlay, node) == b"x" * 100
+    big = path_node(overlay, ex, "big")
+    overlay.write(big, 5, b"Y")
+    assert big.pages == {0} and big.new_pages == {0}
+    overlay.flush_view(ex)
+    assert big.pages == {0} and not isinstance(big.new_pages, set)
+    overlay.truncate(big, 0)  # the page map goes with the base bytes, not left to a reload
+    assert big.pages == set()
+    with store.read() as txn:
+        assert txn.get(page_key(ex.layer, big.ino, 0), db=store.db["pages"]) is None
+
+
 def test_short_write_leaves_the_pages_past_it_to_the_base(model, src, monkeypatch):
     # A full disk: the upper file takes PAGE_SIZE + 100 bytes of a two-page write.
     store, overlay, ex = model
@@ -248,7 +270,7 @@ def test_truncate_to_zero_starts_a_new_data_file_and_hands_over_the_old_one(mode
 def test_reset_drops_the_layer(model):
     store, overlay, ex = model
     overlay.create(ex.root_ino, b"x", 0o644, 0, 0)
-    overlay.reset(ex)
+    overlay.reset(ex, ex.head)
     assert [n for n, _ in overlay.listdir(ex.root_ino)] == [b"big", b"dir", b"small"]
     assert diff(overlay, ex) == []
     while (batch := overlay.collect_dead_layer()) is not None:
@@ -287,7 +309,7 @@ def test_capture_reuses_unchanged_subtrees(model):
     cap = Capture(overlay, ex)
     plan = cap.plan()
     trio.run(cap.hash)
-    snap = trio.run(cap.commit, plan, [ex.head], "l", "m", 0)
+    snap = trio.run(cap.commit, plan, [ex.head.id], "l", "m", 0)
     new_root = store.tree(snap.root.ref)
     old_root = store.tree(ex.base.root.ref)
     # dir holds the other name of small (a hard link), so it changes; its sub does not
@@ -425,3 +447,43 @@ def test_no_room_for_a_new_upper_file_empties_the_pool_and_tries_again(model, mo
     assert overlay.write(node, 0, b"data") == 4
     assert read_all(overlay, node) == b"data"
     assert list(pool.paths) == [] and os.listdir(pool.directory) == []
+
+
+async def test_a_move_between_deep_directories_is_checked_in_slices(model, monkeypatch):
+    """Overlay.rename_in_slices: a directory moved between two chains 20,000 deep has the new
+    parent's ancestors walked ANCESTOR_STEP at a time, other tasks running between slices (in
+    one step, 72 ms a rename at 60,000 deep stalled every execution); moving a directory
+    below itself from that deep is EINVAL."""
+    store, overlay, ex = model
+
+    def chain(name: bytes, depth: int):
+        node = overlay.mkdir(ex.root_ino, name, 0o755, 0, 0)
+        for _ in range(depth):
+            node = overlay.mkdir(node.ino, b"d", 0o755, 0, 0)
+        return node
+
+    from rametfs import overlay as model_module
+    monkeypatch.setattr(model_module, "SLICE_S", 0.0)  # a slice a step, however fast the host
+    depth = 20_000
+    a, b = chain(b"a", depth), chain(b"b", depth)
+    moved = overlay.mkdir(a.ino, b"x", 0o755, 0, 0)
+    ran = []
+
+    async def other() -> None:
+        while True:
+            ran.append(None)
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.sleep(0)
+        before = len(ran)
+        await overlay.rename_in_slices(a.ino, b"x", b.ino, b"x", 0)
+        between = len(ran) - before
+        nursery.cancel_scope.cancel()
+    assert between >= depth // model_module.ANCESTOR_STEP  # run whole it let none run
+    assert overlay.lookup(b.ino, b"x").ino == moved.ino
+    with pytest.raises(RametError) as caught:
+        await overlay.rename_in_slices(ex.root_ino, b"b", moved.ino, b"b", 0)
+    assert caught.value.errno == errno.EINVAL
+    assert overlay.lookup(ex.root_ino, b"b").ino != moved.ino  # nothing moved

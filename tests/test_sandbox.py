@@ -126,6 +126,8 @@ def test_its_own_ctl_promotes_and_resets_itself(ramet, pair):
     assert ex.status()["head"] == promoted
     assert (ramet.mount / "snapshots" / promoted / "kept").read_text() == "kept\n"
     result = sh(ex, "echo more > more; echo reset > .ramet/ctl; ls")
+    assert result.stdout.split() == ["README", "kept", "pkg"]  # back to the head: the promote
+    result = sh(ex, "echo 'reset --base yes' > .ramet/ctl; ls")
     assert result.stdout.split() == ["README", "pkg"]  # back to the base
     assert ex.diff() == [] and sorted(os.listdir(sibling.path)) == ["README", "pkg", "secret"]
 

@@ -5,12 +5,11 @@ What a snapshot is used by, and so what ``rm`` refuses (EBUSY) or, with ``force`
 
 * a **name** pointing at it: ``force`` deletes the name (a git branch deleted with its last
   commit: ``git branch -D``);
-* an **execution whose head** it is (its last promote), not its base: ``force`` detaches the
-  execution, which carries on; its next promote names the forgotten snapshot as its parent,
-  a parent no longer listed (like history cut by ``git replace``/a shallow clone);
-* an **execution's base** or a **pool's base**: refused even with ``force``, as git refuses to
-  delete a branch checked out in a worktree: the execution's tree *is* that snapshot's (reset
-  returns to it).  Release the execution, or drop the pool, first.
+* an **execution's base**, **head** or **lower** snapshot, or a **pool's base**: refused even
+  with ``force``, as git refuses to delete a branch checked out in a worktree: the
+  execution's tree is compared with its head and reset returns to it or to its base
+  (rametfs.core.heads), and its layer lies over its lower snapshot until its next reset.
+  Reset the execution onto another snapshot, release it, or drop the pool, first.
 
 A snapshot that is only the parent of another is forgotten like any other (restic's
 ``forget``): its child keeps the parent's id in ``parents`` and ``log`` stops there.  Forgetting
@@ -32,72 +31,73 @@ from . import retention
 
 @dataclass(frozen=True)
 class Use:
-    """A use of a snapshot that keeps it: it is the ``role`` (``"base"``, ``"head"``) of the
-    execution or pool ``owner`` (``kind``); ``hard`` when even ``rm --force`` refuses."""
+    """A use of a snapshot that keeps it, even from ``rm --force``: it is the ``role``
+    (``"base"``, ``"head"``, ``"lower snapshot"``) of the execution or pool ``owner``
+    (``kind``)."""
 
     snapshot: str
     role: str
     kind: str
     owner: str
 
-    @property
-    def hard(self) -> bool:
-        return self.role == "base"
-
     def __str__(self) -> str:
         return f"{self.role} of {self.kind} {self.owner}"
 
 
-def uses(store: Store, txn, executions: Iterable[tuple[str, str, str]]) -> list[Use]:
+Executions = Iterable[tuple[str, str, str, str]]  # (id, base id, head id, lower id)
+
+
+def uses(store: Store, txn, executions: Executions) -> list[Use]:
     """Every use of a snapshot by an execution or a pool, read in ``txn``: the bases of the
-    ``executions`` (``(id, base id, head id)``), the pools' bases, then the heads that are not
-    their execution's base."""
+    ``executions`` (``(id, base id, head id, lower id)``; fallback mode's lower is its head),
+    the pools' bases, then the heads that are not their execution's base and the lower
+    snapshots that are neither."""
     executions = list(executions)
-    found = [Use(base, "base", "execution", eid) for eid, base, _ in executions]
+    found = [Use(base, "base", "execution", eid) for eid, base, _, _ in executions]
     found += [Use(rec.base, "base", "pool", name) for name, rec in Catalog(store).pools(txn)]
-    return found + [Use(head, "head", "execution", eid) for eid, base, head in executions
-                    if head != base]
+    found += [Use(head, "head", "execution", eid) for eid, base, head, _ in executions
+              if head != base]
+    return found + [Use(lower, "lower snapshot", "execution", eid)
+                    for eid, base, head, lower in executions if lower not in (base, head)]
 
 
 def remove_snapshots(store: Store, refs: Iterable[str], force: bool,
-                     executions: Iterable[tuple[str, str, str]]) -> dict:
+                     executions: Executions) -> dict:
     """Forget the snapshots ``refs`` (ids, prefixes or names: Store.snapshot) in one
-    transaction, all or none; ``executions`` are ``(id, base id, head id)`` of every execution
-    of the caller's mode.  Returns the reply ``{"ok", "removed": [ids], "names": [names
-    deleted], "detached": [executions whose head went]}``.
+    transaction, all or none; ``executions`` as :func:`uses` takes them, every execution of
+    the caller's mode.  Returns the reply ``{"ok", "removed": [ids], "names": [names
+    deleted]}``.
 
     Raises NotFound (ENOENT) for a reference that names nothing, Busy (EBUSY) naming every use
-    that refuses it (names and heads only without ``force``).
+    that refuses it (names only without ``force``).
     """
     wanted = {store.snapshot(ref).id: ref for ref in refs}
     with store.write() as txn:
         names = {n: sid for n, sid in store.names(txn).items() if sid in wanted}
         used = [u for u in uses(store, txn, executions) if u.snapshot in wanted]
-        why = [(u.snapshot, f"it is the {u}", u.hard) for u in used if u.hard]
-        why += [(sid, f"name {name!r} points at it", False) for name, sid in names.items()]
-        why += [(u.snapshot, f"it is the {u}", False) for u in used if not u.hard]
+        why = [(u.snapshot, f"it is the {u}") for u in used]
+        if not force:
+            why += [(sid, f"name {name!r} points at it") for name, sid in names.items()]
         refused: dict[str, list[str]] = {}
-        for sid, text, hard in why:
-            if hard or not force:
-                refused.setdefault(sid, []).append(text)
+        for sid, text in why:
+            refused.setdefault(sid, []).append(text)
         if refused:
-            soft = not any(u.hard for u in used)
             raise Busy("rm: " + "; ".join(
                 f"snapshot {sid[:12]}{'' if wanted[sid] == sid else f' ({wanted[sid]})'}: "
                 f"{', '.join(whys)}" for sid, whys in refused.items())
-                + (": --force deletes the names and detaches the executions" if soft else
-                   ": release the execution, or drop the pool, first"))
+                + (": reset the execution onto another snapshot (reset --base or --to), "
+                   "release it, or drop the pool, first" if used else
+                   ": --force deletes the names"))
         _delete(store, txn, wanted, names)
-    return {"ok": True, "removed": sorted(wanted), "names": sorted(names),
-            "detached": sorted({u.owner for u in used if u.role == "head"})}
+    return {"ok": True, "removed": sorted(wanted), "names": sorted(names)}
 
 
 def forget_snapshots(store: Store, policy: retention.Policy, dry_run: bool,
-                     executions: Iterable[tuple[str, str, str]],
+                     executions: Executions,
                      among: Callable[[Snapshot], bool] | None = None) -> dict:
     """Forget every snapshot (``among``: every one it is true of) that ``policy`` does not
     keep (rametfs.core.retention), with the names pointing at them, in one write
-    transaction; every snapshot an execution of ``executions`` (``(id, base id, head id)``)
+    transaction; every snapshot an execution of ``executions`` (as :func:`uses` takes them)
     or a pool uses is kept.  ``dry_run``: nothing changes.  Returns the reply ``{"ok",
     "dry_run", "kept": [{"snapshot", "reasons"}], "removed": [ids], "names": [names
     deleted]}``, kept and removed newest first."""
@@ -119,7 +119,7 @@ def forget_snapshots(store: Store, policy: retention.Policy, dry_run: bool,
 
 
 def trim_pool(store: Store, execution: str,
-              executions: Iterable[tuple[str, str, str]]) -> dict | None:
+              executions: Executions) -> dict | None:
     """After a promote of ``execution``: when it is a member of a pool with ``keep_last``
     N (``pool --keep-last``), forget the pool's promotes but the N newest and the named ones
     (a name is the harness's choice to keep one), as :func:`forget_snapshots` does with

@@ -31,6 +31,7 @@ from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
 from ..core import lifecycle, retention
+from ..core.heads import reset_target
 from ..core.pools import verification_json
 from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
@@ -252,9 +253,10 @@ class Fallback:
                             progress)
         return {"ok": True, "gc": report.to_json()}
 
-    def _execution_uses(self) -> list[tuple[str, str, str]]:
-        """``(id, base id, head id)`` of every execution: what rm and forget keep."""
-        return [(m.id, m.base, m.head) for m in self._metas()]
+    def _execution_uses(self) -> list[tuple[str, str, str, str]]:
+        """``(id, base id, head id, lower id)`` of every execution: what rm and forget keep
+        (lifecycle.uses; a fallback execution's tree is synced to its head: its lower)."""
+        return [(m.id, m.base, m.head, m.head) for m in self._metas()]
 
     def _metas(self, records: bool = False) -> Iterator[manifest.Meta]:
         """Every execution's record (``records``: with its manifest), by id."""
@@ -301,36 +303,42 @@ class Fallback:
             if pol is not None:
                 if pol.patterns[_policy.SHARED]:
                     now = scan.scan(self.store, root, meta.records)
-                    base = self.store.snapshot(meta.base)
+                    head = self.store.snapshot(meta.head)
                     problems += _policy.shared_problems(pol, diff_trees(
-                        base.root, now.root, lambda tid: now.tree(self.store, tid)))
+                        head.root, now.root, lambda tid: now.tree(self.store, tid)))
                 problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
         return _policy.preview_report(pol, classified, problems)
 
-    def reset(self, eid: str) -> dict:
-        """Put back the paths that differ from the base and remove the added ones."""
+    def reset(self, eid: str, to: str | None = None, base: str | None = None) -> dict:
+        """Make the tree equal its head again (``to``: the snapshot with that id or prefix;
+        ``base`` ``"yes"``: its base), which becomes its head (rametfs.core.heads): put back
+        the paths that differ and remove the added ones.  Raises InvalidArgument (EINVAL)
+        for both or a bad ``base``, NotFound (ENOENT) for an unknown snapshot."""
         with self._locked(eid):
             meta = self._load(eid)
+            target = self.store.snapshot(reset_target(
+                {key: value for key, value in (("to", to), ("base", base)) if value is not None},
+                meta.base, meta.head))
             started = time.monotonic_ns()
-            meta.records, stats = sync.sync(self.store, os.fsencode(self.path(eid)),
-                                            self.store.snapshot(meta.base), meta.records,
-                                            self.copy_method)
-            meta.last = {"ok": True, "snapshot": meta.base, "reset_ms": _ms_since(started),
+            meta.records, stats = sync.sync(self.store, os.fsencode(self.path(eid)), target,
+                                            meta.records, self.copy_method)
+            meta.head = target.id
+            meta.last = {"ok": True, "snapshot": target.id, "reset_ms": _ms_since(started),
                          "stats": stats.as_dict()}
             manifest.save(self._meta_path(eid), meta)
             return meta.last
 
     def diff(self, eid: str) -> list[tuple[str, bytes]]:
-        """``[(letter, path)]`` against the base, as FUSE's ``.ramet/diff`` has them; reads
+        """``[(letter, path)]`` against the head, as FUSE's ``.ramet/diff`` has them; reads
         only the files the manifest cannot vouch for, and stores nothing."""
         with self._locked(eid):
             meta = self._load(eid)
             now = scan.scan(self.store, os.fsencode(self.path(eid)), meta.records)
-        base = self.store.snapshot(meta.base)
-        return diff_trees(base.root, now.root, lambda tid: now.tree(self.store, tid))
+        head = self.store.snapshot(meta.head)
+        return diff_trees(head.root, now.root, lambda tid: now.tree(self.store, tid))
 
     def verify(self, eid: str, deep: bool = False) -> list[tuple[str, bytes]]:
-        """How the tree differs from the base; empty when it equals the base (after a reset).
+        """How the tree differs from the head; empty when it equals the head (after a reset).
 
         Quick: as far as the manifest tells, reading no file (a path it does not vouch for
         counts as different).  ``deep``: reads and hashes every file, as ``diff`` reports.  A
@@ -345,11 +353,12 @@ class Fallback:
         :meth:`verify`): the verification as replies carry it
         (rametfs.core.pools.verification_json).  Its ``root`` is the tree id the execution
         holds: the base's when quick mode finds no difference, else that of a scan (reading
-        what the manifest does not vouch for; every file in deep mode)."""
+        what the manifest does not vouch for; every file in deep mode).  It compares with the
+        head (rametfs.core.heads)."""
         started = time.monotonic_ns()
         with self._locked(eid):
             meta = self._load(eid)
-            base = self.store.snapshot(meta.base)
+            base = self.store.snapshot(meta.head)
             root = os.fsencode(self.path(eid))
             if mode == "deep":
                 now = scan.scan(self.store, root, meta.records, hash_all=True)
@@ -424,8 +433,8 @@ class Fallback:
     def _apply(self, pol: _policy.Policy, classified: _policy.Classified,
                meta: manifest.Meta, root: bytes, now: scan.Scan) -> Entry:
         """Check the scanned tree against the policy (InvalidArgument naming every problem)
-        and return its root entry with the shared paths taken from the base."""
-        base = self.store.snapshot(meta.base)
+        and return its root entry with the shared paths taken from the head."""
+        base = self.store.snapshot(meta.head)
         problems = []
         if pol.patterns[_policy.SHARED]:
             problems += _policy.shared_problems(pol, diff_trees(

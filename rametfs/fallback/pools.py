@@ -120,9 +120,10 @@ class Pools:
     # -- mechanics -----------------------------------------------------------------------
 
     def _reset_and_verify(self, eid: str, mode: str) -> tuple[float, dict | None, str]:
-        """Reset execution ``eid`` and verify it in ``mode``: ``(reset_ms, verification,
-        quarantine reason)``, the reason empty when it equals its base."""
-        reset_ms = self.engine.reset(eid)["reset_ms"]
+        """Reset execution ``eid`` to its base (the pool's snapshot) and verify it in
+        ``mode``: ``(reset_ms, verification, quarantine reason)``, the reason empty when it
+        equals its base."""
+        reset_ms = self.engine.reset(eid, base=protocol.YES)["reset_ms"]  # the pool's snapshot
         try:
             verification = self.engine.verification(eid, mode)
         except core.VERIFICATION_FAILURES as exc:

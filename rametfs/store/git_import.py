@@ -69,7 +69,8 @@ def _pygit2():
     try:
         import pygit2
     except ImportError:
-        raise RametError("git import needs pygit2: pip install 'rametfs[git]'",
+        raise RametError("git import needs pygit2: pip install 'rametfs[git]' (in a clone: "
+                         "tools/setup git)",
                          errno.EOPNOTSUPP) from None
     return pygit2
 
