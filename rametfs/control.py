@@ -17,7 +17,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -55,7 +55,8 @@ esac
 exec 3<>"$0" && printf '%s\n%s' "$2" "$prefix" >&3 && exec cat /proc/self/fd/3
 """
 
-Invalidate = Callable[[list[tuple[int, bytes]]], Awaitable[None]]
+# (dentries as (parent ino, name), or (ino, b"") for an inode; more inode numbers)
+Invalidate = Callable[[list[tuple[int, bytes]], Sequence[int]], Awaitable[None]]
 ENDS_COMMANDS = ("reset", "release", "return")  # cancel a command running on the execution
 CAPTURES = ("promote", "checkpoint")  # a running one shows the state "promoting"
 LOG_INTERVAL_S = 1.0  # a scope (an execution, the root) logs one failed command per interval
@@ -391,7 +392,7 @@ class Control:
         ex = self.overlay.execution(args["execution"])
         async with self._alone(ex, "release"):
             self.pools.forget(ex.id, time.time_ns())
-            await self.invalidate(self.overlay.release(ex))
+            await self.invalidate(*self.overlay.release(ex))
         self._forget_replies(ex.id)
         return {"ok": True, "execution": ex.id}
 
@@ -465,7 +466,7 @@ class Control:
                 stale += [(view.root_ino, b"")]
             if self.snapshots_dir_ino is not None:
                 stale.append((self.snapshots_dir_ino, sid.encode()))
-        await self.invalidate(stale)
+        await self.invalidate(stale, ())
 
     async def _gc(self, args: dict) -> dict:
         dry_run = protocol.yes_no("gc", "dry-run", args.get("dry-run"))
@@ -521,7 +522,7 @@ class Control:
         """Drop ``ex``'s changes and what the kernel caches of them, giving it a fresh layer
         over ``to``, its head from now on; milliseconds taken."""
         started = time.monotonic_ns()
-        await self.invalidate(self.overlay.reset(ex, to))
+        await self.invalidate(*self.overlay.reset(ex, to))
         return round((time.monotonic_ns() - started) / 1e6, 3)
 
     def _forget_replies(self, eid: str) -> None:

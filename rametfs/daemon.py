@@ -48,6 +48,16 @@ def _lock_data_dir(data_dir: str, mountpoint: str) -> int:
     return fd
 
 
+# A full collection once every FULL_EVERY young (generation 1) ones, not CPython's 10: the
+# permanent generation keeps what survived the last one, so a full collection traverses
+# only what was made since, and its pause is in proportion to how often it runs (the total
+# work is the same: each object is traversed by one full collection, then frozen).  With
+# the default, a daemon creating 30,000 files paused 46-57 ms per full collection (57,000
+# objects, every 6 s; a 2-core host at a load average of 7); with 1, at most 17 ms (10,000
+# objects), and the worst of a bystander's rounds went from 109 ms to 27 ms.
+FULL_EVERY = 1
+
+
 def _freeze_survivors(phase: str, info: dict) -> None:
     """A ``gc.callbacks`` hook: after a full collection, move what survived it to the
     permanent generation (``gc.freeze``), so the next full collection traverses only objects
@@ -312,11 +322,14 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
         log.info("%s", PLAIN_MODE_NOTE.format(reason=reason))
     clean = False
     gc.callbacks.append(_freeze_survivors)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], FULL_EVERY)
     try:
         trio.run(_serve, overlay, ops.control)
         clean = True
     finally:
         gc.callbacks.remove(_freeze_survivors)
+        gc.set_threshold(*thresholds)
         if clean:
             _flush_each(overlay)
         pyfuse3.close(unmount=clean)

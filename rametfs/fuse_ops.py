@@ -41,13 +41,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import logging
 import os
 import re
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -58,7 +59,8 @@ from .authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
-from .overlay import Attrs, Execution, Node, Overlay, close_all, unlink_upper_files
+from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all,
+                      unlink_upper_files)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,9 @@ GENERATIONS = 64  # inodes kept per control file and caller: older ones read as 
 # Bytes of content a caller's control file inodes keep, all files together, in answer limits
 # (Control.max_answer_bytes): past them its oldest go (ESTALE).
 GENERATION_ANSWERS = 2
+# Entries of one readdir reply made between two checkpoints: a reply holds up to ~1,000 (the
+# kernel's buffer, attributes included), 44-69 ms of the trio thread at once on a loaded host.
+READDIR_STEP = 128
 RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (Operations._reclaim)
 # The root .ramet/ files: ctl and error are the harness's; status is the harness's whole, and
 # as much as the caller may see for another uid (Control.root_status).
@@ -225,19 +230,21 @@ class Operations(pyfuse3.Operations):
                 found[ex.id] = ex
         return list(found.values())
 
-    async def _invalidate(self, entries: list[tuple[int, bytes]]) -> None:
+    async def _invalidate(self, entries: list[tuple[int, bytes]],
+                          inodes: Sequence[int] = ()) -> None:
         # The kernel calls block until related requests finish: run them in a thread while
         # the loop goes on serving, and reply to the command only when they are done.
         # The kept listings of the inodes named go now: those of a dropped layer would stay
         # until 64 others pushed them out (a reset kept a 20,000-name listing, 2 MB).
-        for ino, name in entries:
-            if not name and (listing := self.listings.pop(ino, None)) is not None:
+        named = [ino for ino, name in entries if not name] + list(self.listings.keys() & inodes)
+        for ino in named:
+            if (listing := self.listings.pop(ino, None)) is not None:
                 self.listing_entries -= len(listing)
-        await trio.to_thread.run_sync(self._invalidate_now, entries)
+        await trio.to_thread.run_sync(self._invalidate_now, entries, inodes)
 
     @staticmethod
-    def _invalidate_now(entries: list[tuple[int, bytes]]) -> None:
-        for ino, name in entries:
+    def _invalidate_now(entries: list[tuple[int, bytes]], inodes: Sequence[int]) -> None:
+        for ino, name in itertools.chain(entries, zip(inodes, itertools.repeat(b""))):
             try:
                 if name:  # parent 0 is an execution root's entry in executions/
                     pyfuse3.invalidate_entry(ino or EXECUTIONS, name)
@@ -690,6 +697,8 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._entry_in(fh, ino), i + 1):
                 break
             self._looked_up(ino)
+            if (i - start_id) % READDIR_STEP == READDIR_STEP - 1:
+                await trio.sleep(0)
 
     # -- files ---------------------------------------------------------------------------
 
@@ -840,7 +849,8 @@ class Operations(pyfuse3.Operations):
 
     async def _reclaim(self) -> None:
         """Delete forgotten unlinked inodes: their upper data files in a worker thread, then
-        their records in one transaction, in batches: what the kernel forgets in the
+        their records in transactions of ``COLLECT_BATCH`` inodes (50,000 in one held the
+        trio thread 50 ms), in batches: what the kernel forgets in the
         :data:`RECLAIM_DELAY_S` after the first, then what it forgets while a batch goes.  An
         ``rm -rf`` then waits for neither, and the loop hands a thread a job per batch, not per
         file.  A failed or cancelled batch stays marked orphan and goes at the next start
@@ -851,7 +861,9 @@ class Operations(pyfuse3.Operations):
                 try:
                     FAULTS.check("task:reclaim")
                     await trio.to_thread.run_sync(unlink_upper_files, items)
-                    self.overlay.reclaimed(items)
+                    for start in range(0, len(items), COLLECT_BATCH):  # a bounded step each
+                        self.overlay.reclaimed(items[start:start + COLLECT_BATCH])
+                        await trio.sleep(0)
                 except (RametError, OSError) as exc:  # the next start deletes them
                     log.warning("reclaiming %d forgotten inodes failed: %s", len(items), exc)
                 except Exception as exc:  # a system task: an exception here would end the daemon
