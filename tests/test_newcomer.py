@@ -411,6 +411,24 @@ def test_snapshot_prefixes_are_symlinks_to_the_one_view_of_the_id(d, snap, tmp_p
     assert sorted(os.listdir(snapshots)) == sorted(s["id"] for s in d.status()["snapshots"])
 
 
+def test_snapshot_names_are_symlinks_that_follow_the_name(d, snap, tmp_path):
+    """``snapshots/<name>`` is a symlink to the id the name gives now: moved, the same path
+    leads to the new snapshot (entry timeout 0); deleted, it is ENOENT."""
+    snapshots = d.mnt / protocol.SNAPSHOTS_DIR
+    other = d.snapshot(write_tree(tmp_path / "other", {"a.txt": "other\n"}))
+    d.ctl(f"name stable {snap}")
+    assert os.readlink(snapshots / "stable") == snap
+    assert (snapshots / "stable" / "a.txt").read_text() == "alpha\n"
+    assert os.stat(snapshots / "stable").st_ino == os.stat(snapshots / snap).st_ino
+    d.ctl(f"name stable {other}")
+    assert os.readlink(snapshots / "stable") == other
+    assert (snapshots / "stable" / "a.txt").read_text() == "other\n"
+    d.ctl("unname stable")
+    with pytest.raises(FileNotFoundError):
+        os.lstat(snapshots / "stable")
+    assert "stable" not in os.listdir(snapshots)  # names are found by lookup, never listed
+
+
 def test_the_cli_takes_the_ids_it_prints_and_says_the_minimum(d, snap):
     shown = next(line.split()[0] for line in cli("ls", "-m", d.mnt).stdout.splitlines()
                  if line.strip() and snap.startswith(line.split()[0]))
