@@ -36,10 +36,9 @@ import secrets
 import stat
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 
-import msgpack
 import trio
 
 from .authority import Access, ReadIndex
@@ -49,8 +48,8 @@ from .protocol import CONTROL_DIR
 
 RESERVED = CONTROL_DIR.encode()  # the name no entry may have at an execution's root
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
-from .store.format import (clamp_time_ns, dentry_key, from_u64, inode_key, link_key, page_key,
-                           page_of_key, u64)
+from .store.format import (ExecutionRecord, UpperInode, clamp_time_ns, dentry_key, from_u64,
+                           inode_key, link_key, page_key, page_of_key, u64)
 from .treewalk import Steps, preorder, run_steps
 
 R = TypeVar("R")
@@ -74,57 +73,6 @@ MAX_CHANGES = 1 << 18  # change-clock entries kept per execution (about 150 byte
 THREADS_PER_VIEW = 4  # worker threads one execution's (or snapshot's) requests may hold
 SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
 MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
-
-
-@dataclass(slots=True)
-class UpperInode:
-    """An inode record in an execution's upper layer (``inodes`` database).
-
-    Times in ns; ``size`` in bytes; ``base`` the origin base entry (None for a new inode);
-    ``base_limit`` the number of leading bytes of the base content still visible (bytes);
-    ``tree`` the base subtree id of a directory that came from the base (None: opaque);
-    ``content`` the content id a capture found the file's bytes to hold, until its bytes
-    change (None: not known), so a diff against the head that capture made needs no hash.
-    """
-
-    mode: int
-    uid: int
-    gid: int
-    atime_ns: int
-    mtime_ns: int
-    ctime_ns: int
-    size: int = 0
-    nlink: int = 1
-    rdev: int = 0
-    target: bytes = b""
-    xattrs: dict = field(default_factory=dict)
-    base: Entry | None = None
-    base_limit: int = 0
-    tree: bytes | None = None
-    content: bytes | None = None
-
-    def pack(self) -> bytes:
-        d = {name: getattr(self, name) for name in self.__slots__}
-        d["base"] = self.base.pack() if self.base else None
-        d["xattrs"] = sorted(self.xattrs.items())
-        if d["content"] is None:  # absent unless a capture set it: records stay as small
-            del d["content"]
-        return msgpack.packb(d, use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, value: bytes) -> "UpperInode":
-        d = msgpack.unpackb(value)
-        d["base"] = Entry.unpack(d["base"]) if d["base"] else None
-        d["xattrs"] = {k: v for k, v in d["xattrs"]}
-        return cls(**d)
-
-    @classmethod
-    def from_entry(cls, e: Entry) -> "UpperInode":
-        return cls(mode=e.mode, uid=e.uid, gid=e.gid, atime_ns=e.mtime_ns, mtime_ns=e.mtime_ns,
-                   ctime_ns=e.mtime_ns, size=e.size if e.is_reg else 0, nlink=e.nlink,
-                   rdev=0 if (e.is_reg or e.is_dir or e.is_symlink) else e.size,
-                   target=e.ref if e.is_symlink else b"", xattrs=dict(e.xattrs), base=e,
-                   base_limit=e.size if e.is_reg else 0, tree=e.ref if e.is_dir else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,13 +170,9 @@ class Execution(View):
         self.runtime: dict | None = None
 
     def record(self) -> bytes:
-        rec = {"base": self.base.id, "head": self.head.id, "lower": self.lower.id,
-               "layer": self.layer,
-               "root_ino": self.root_ino, "created_ns": self.created_ns,
-               **self.access.to_record()}
-        rec.update((key, value) for key, value in (("policy", self.policy),
-                                                   ("runtime", self.runtime)) if value)
-        return msgpack.packb(rec)
+        return ExecutionRecord(self.base.id, self.head.id, self.lower.id, self.layer,
+                               self.root_ino, self.created_ns, self.access.to_record(),
+                               self.policy, self.runtime).pack()
 
 
 NO_PAGES: frozenset[int] = frozenset()  # the empty page set of the nodes that have none
@@ -449,7 +393,7 @@ class Overlay:
             raw = txn.get(b"next_layer", db=meta)
             self.next_layer = from_u64(raw) if raw else 1
             for key, value in txn.cursor(db=store.db["executions"]):
-                self._load_execution(key.decode(), msgpack.unpackb(value))
+                self._load_execution(key.decode(), ExecutionRecord.unpack(value))
         self.stored_next_ino = self.next_ino
         self.upper_fds = OpenFiles()  # by Node
         # Descriptors of upper data files already unlinked: whoever drives the overlay closes
@@ -632,19 +576,17 @@ class Overlay:
 
     # -- executions ----------------------------------------------------------------------
 
-    def _load_execution(self, eid: str, rec: dict) -> Execution:
-        base = self.store.snapshot(rec["base"])
-        # A record from before "lower" was kept: its layer lies over its base.
-        lower = self.store.snapshot(rec["lower"]) if "lower" in rec else base
-        ex = Execution(eid, base, self.store.snapshot(rec["head"]), lower, rec["layer"],
-                       rec["root_ino"], rec["created_ns"], Access.from_record(rec))
-        ex.policy, ex.runtime = rec.get("policy"), rec.get("runtime")
+    def _load_execution(self, eid: str, rec: ExecutionRecord) -> Execution:
+        snapshot = self.store.snapshot
+        ex = Execution(eid, snapshot(rec.base), snapshot(rec.head), snapshot(rec.lower),
+                       rec.layer, rec.root_ino, rec.created_ns, Access.from_record(rec.access))
+        ex.policy, ex.runtime = rec.policy, rec.runtime
         with self.store.read() as txn:
             value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
-        upper = UpperInode.unpack(value) if value else UpperInode.from_entry(lower.root)
+        upper = UpperInode.unpack(value) if value else UpperInode.from_entry(ex.lower.root)
         self.executions[eid] = ex
         self.readers.add(eid, ex.access)
-        root = self._add_node(Node(ex.root_ino, ex, lower.root, upper, 0, eid.encode()))
+        root = self._add_node(Node(ex.root_ino, ex, ex.lower.root, upper, 0, eid.encode()))
         root.record_bytes = len(value) if value else 0
         return ex
 
