@@ -41,16 +41,16 @@ from typing import Callable, Hashable, Iterable, Iterator, TypeVar
 
 import trio
 
-from .authority import Access, ReadIndex
-from .errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
-from .precreate import Precreated
-from .protocol import CONTROL_DIR
+from ..authority import Access, ReadIndex
+from ..errors import InvalidArgument, NoSpace, NotFound, RametError, ReadOnly, fs_error
+from ..precreate import Precreated
+from ..protocol import CONTROL_DIR
 
 RESERVED = CONTROL_DIR.encode()  # the name no entry may have at an execution's root
-from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
-from .store.format import (ExecutionRecord, UpperInode, clamp_time_ns, dentry_key, from_u64,
+from ..store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, WHITEOUT, Entry, Snapshot, Store
+from ..store.format import (ExecutionRecord, UpperInode, clamp_time_ns, dentry_key, from_u64,
                            inode_key, link_key, page_key, page_of_key, u64)
-from .treewalk import Steps, preorder, run_steps
+from ..treewalk import Steps, preorder, run_steps
 
 R = TypeVar("R")
 NAME_MAX = 255
