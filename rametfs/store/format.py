@@ -77,7 +77,9 @@ bytes and is checked on every read (:class:`rametfs.errors.IntegrityError`, EIO)
 
 from __future__ import annotations
 
+import itertools
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import blake3
@@ -152,6 +154,13 @@ def dentry_key(layer: int, parent: int, name: bytes) -> bytes:
 def link_key(layer: int, link: int) -> bytes:
     """Key of ``links``: layer + link id (16 bytes)."""
     return _U64x2.pack(layer, link)
+
+
+def prefixed(cur, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+    """The ``(key, value)`` pairs of LMDB cursor ``cur`` whose keys start with ``prefix``,
+    from key ``start`` (default: the first such key) on."""
+    if cur.set_range(prefix if start is None else start):
+        yield from itertools.takewhile(lambda kv: kv[0].startswith(prefix), cur.iternext())
 
 
 def source_key(path: bytes) -> bytes:
