@@ -23,22 +23,23 @@ class _TooLong(Exception):
     """A path of an fsmonitor walk (ChangeClock._path_steps) past the walk's byte limit."""
 
 
+def changed(ex: Execution, key: int | tuple[int, bytes]) -> None:
+    """Stamp inode ``key`` (or dentry ``(parent ino, name)``) of ``ex`` as changed now."""
+    ex.clock += 1
+    if len(ex.changes) >= MAX_CHANGES and key not in ex.changes:
+        # Forget them: a token from before now answers "everything may differ", which
+        # git's fsmonitor protocol allows (a full scan), and memory stays bounded.
+        ex.changes, ex.changes_floor = {}, ex.clock
+    ex.changes[key] = ex.clock
+
+
 class ChangeClock:
-    """What changed in each execution of ``table``'s nodes, and when."""
+    """What changed in the executions of ``table``'s nodes since a token (:func:`changed`
+    stamps the changes)."""
 
     def __init__(self, table: InodeTable):
         self.table = table
         self.boot = secrets.token_hex(4)  # tells change clocks of two daemon runs apart
-
-    @staticmethod
-    def changed(ex: Execution, key: int | tuple[int, bytes]) -> None:
-        """Stamp inode ``key`` (or dentry ``(parent ino, name)``) of ``ex`` as changed now."""
-        ex.clock += 1
-        if len(ex.changes) >= MAX_CHANGES and key not in ex.changes:
-            # Forget them: a token from before now answers "everything may differ", which
-            # git's fsmonitor protocol allows (a full scan), and memory stays bounded.
-            ex.changes, ex.changes_floor = {}, ex.clock
-        ex.changes[key] = ex.clock
 
     def fsmonitor_token(self, ex: Execution) -> str:
         """An opaque token for "now" in ``ex``, for :meth:`changed_since_steps`."""

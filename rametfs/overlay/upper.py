@@ -18,7 +18,7 @@ from typing import Iterable
 from ..errors import RametError, ReadOnly, fs_error
 from ..store import Store
 from ..store.format import UpperInode, dentry_key, inode_key, link_key, page_key, prefixed, u64
-from .changes import ChangeClock
+from .changes import changed
 from .nodes import NO_PAGES, Execution, InodeTable, Node, View
 
 
@@ -29,14 +29,12 @@ def dentry_bytes(key: bytes) -> int:
 
 class Upper:
     """The upper records of the nodes of ``table`` in ``store``, for the ``executions`` (by
-    id) whose upper data files lie under ``upper_root``; every change is stamped on
-    ``changes``."""
+    id) whose upper data files lie under ``upper_root``."""
 
-    def __init__(self, store: Store, table: InodeTable, changes: ChangeClock,
-                 executions: dict[str, Execution], upper_root: str):
+    def __init__(self, store: Store, table: InodeTable, executions: dict[str, Execution],
+                 upper_root: str):
         self.store = store
         self.table = table
-        self.changes = changes
         self.executions = executions
         self.upper_root = upper_root
 
@@ -47,7 +45,7 @@ class Upper:
         if view.read_only:
             raise ReadOnly("snapshots are read-only")
         self.check_not_failed(view)
-        self.changes.changed(view, node.ino)
+        changed(view, node.ino)
         return view  # type: ignore[return-value]
 
     @staticmethod

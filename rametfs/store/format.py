@@ -43,9 +43,9 @@ Databases (one LMDB environment, ``<data>/meta``):
                Also ``b"git-blob:"`` + raw git blob id -> msgpack ``[size_bytes, content id]``,
                the blob cache that makes re-importing an unchanged git blob free
                (:mod:`rametfs.store.git_import`); such a key never starts with ``/``.
-``executions`` execution id (utf-8) -> msgpack map ``{base, head, lower, layer, root_ino, created_ns,
-               owner, group, share, control, max_bytes, max_inodes[, policy][, runtime]}``
-               (:class:`ExecutionRecord`).
+``executions`` execution id (utf-8) -> msgpack map ``{base, head, lower, layer, root_ino,
+               created_ns, owner, group, share, control, max_bytes, max_inodes[, policy]
+               [, runtime]}`` (:class:`ExecutionRecord`).
 ``inodes``     layer (u64) + ino (u64) -> msgpack map, an execution's upper inode record
                (:class:`UpperInode`).
 ``dentries``   layer (u64) + parent ino (u64) + name -> child ino (u64); ino 0 is a whiteout.
