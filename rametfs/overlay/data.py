@@ -141,7 +141,7 @@ class FileData:
     def upper_path(self, ex: Execution, ino: int) -> str:
         return f"{self.upper_root}/{ex.layer}/{ino}"  # a string: pathlib costs µs per call
 
-    def upper_fd(self, node: Node) -> int:
+    def _upper_fd(self, node: Node) -> int:
         """A descriptor of ``node``'s upper data file, made if missing
         (:meth:`_new_upper_file`)."""
         fd = self.upper_fds.get(node)
@@ -299,7 +299,7 @@ class FileData:
         def read_base(o: int, n: int) -> bytes:
             return os.pread(base_fd, n, o) if base_fd is not None else b""
 
-        fd = self.upper_fd(node)
+        fd = self._upper_fd(node)
 
         def read_upper(o: int, n: int) -> bytes:
             return os.pread(fd, n, o)
@@ -320,7 +320,7 @@ class FileData:
             data = data[:room]
         u = self.upper.copy_up(node)
         self._bytes_change(node, u)
-        fd = self.upper_fd(node)
+        fd = self._upper_fd(node)
         data = data[:self.upper.room(ex, len(data))]  # a short write up to the limit
         end = off + len(data)
         touched = range(off // PAGE_SIZE, (min(end, u.base_limit) - 1) // PAGE_SIZE + 1) \
@@ -397,7 +397,7 @@ class FileData:
                 self._unlink_upper(node)
             elif self.upper_fds.get(node) is not None or \
                     os.path.exists(self.upper_path(ex, node.ino)):
-                fd = self.upper_fd(node)
+                fd = self._upper_fd(node)
                 os.ftruncate(fd, size)
                 self._allocated(node, fd)
         u.size = size

@@ -208,7 +208,7 @@ class Executions:
         # Invalidating a directory's dentry drops everything cached below it that nothing
         # holds; the inodes a process still holds (its cwd, an open file) keep their cached
         # pages and listings until told, so every inode of the layer is told too, but those
-        # ``kept`` (a reset's unchanged ones: Overlay._unchanged) and the names of the root
+        # ``kept`` (a reset's unchanged ones: _unchanged) and the names of the root
         # that lead to them.  The inodes are a flat list of numbers: a (ino, b"") pair each
         # made 50,000 tracked tuples, and the young gc collections that traversed them held
         # the trio thread 50 ms more during a reset.

@@ -67,14 +67,14 @@ class Lookup:
                 ino = from_u64(raw)
                 if ino == WHITEOUT:
                     raise NotFound(f"{name!r} was deleted")
-                return self.load_upper(view, ino, parent_ino, name)
+                return self._load_upper(view, ino, parent_ino, name)
         tree = parent.tree
         entry = self.trees.tree(tree).get(name) if tree is not None else None
         if entry is None:
             raise NotFound(f"no {name!r}")
-        return self.base_child(parent, name, entry)
+        return self._base_child(parent, name, entry)
 
-    def base_child(self, parent: Node, name: bytes, entry: Entry) -> Node:
+    def _base_child(self, parent: Node, name: bytes, entry: Entry) -> Node:
         """The node of base entry ``entry`` named ``name`` in ``parent`` (no upper dentry).
 
         The names of one base hard-link group share one node (and inode number).
@@ -90,13 +90,13 @@ class Lookup:
                 with self.store.read() as txn:
                     raw = txn.get(link_key(view.layer, entry.link), db=self.store.db["links"])
                 if raw is not None:
-                    return self.load_upper(view, from_u64(raw), parent.ino, name)
+                    return self._load_upper(view, from_u64(raw), parent.ino, name)
         node = self.table.add(Node(self.table.alloc_ino(), view, entry, None, parent.ino, name))
         if entry.link:
             view.link_inos[entry.link] = node.ino
         return node
 
-    def load_upper(self, ex: Execution, ino: int, parent: int, name: bytes) -> Node:
+    def _load_upper(self, ex: Execution, ino: int, parent: int, name: bytes) -> Node:
         """The node of upper inode ``ino`` of ``ex``, named ``name`` in ``parent``, its
         record read from the layer when it has no node yet; EIO when it has none."""
         node = self.table.nodes.get(ino)
@@ -183,9 +183,9 @@ class Lookup:
             node = self.table.nodes.get(ino) if ino is not None else None
             if node is None:
                 if isinstance(item, int):
-                    node = self.load_upper(view, item, dir_ino, name)
+                    node = self._load_upper(view, item, dir_ino, name)
                 else:
-                    node = self.base_child(d, name, item)
+                    node = self._base_child(d, name, item)
             out.append((name, node))
         return out
 

@@ -186,7 +186,7 @@ class Names:
         goes down, in memory; the caller stores both with the dentry change.
 
         The inode is copied up first: one still open keeps its attributes (nlink 0) and
-        stays readable and writable until the kernel forgets it (:meth:`forgotten`).
+        stays readable and writable until the kernel forgets it (``Reclaimer.forgotten``).
         """
         u = self.upper.copy_up(node)
         if node.is_dir:
