@@ -11,7 +11,8 @@ msgpack (``use_bin_type``) lists or maps; names and symlink targets are raw byte
 
 Databases (one LMDB environment, ``<data>/meta``):
 
-``meta``       ``b"format"`` -> u32 version; ``b"next_ino"`` -> u64, above every stored inode number.
+``meta``       ``b"format"`` -> u32 version; ``b"next_ino"`` -> u64, above every stored inode number;
+               ``b"next_layer"`` -> u64, the number the next upper layer gets.
 ``chunks``     chunk id (32 B BLAKE3 of the raw bytes) -> chunk envelope (below).
 ``contents``   content id (32 B) -> msgpack ``[size_bytes, chunk_ids]`` (dense: ``chunk_ids`` 32 B
                each, concatenated; chunk i holds bytes ``[i*page_size, (i+1)*page_size)``), or
