@@ -974,7 +974,7 @@ async def test_a_big_base_tree_is_decoded_off_the_trio_thread(tmp_path):
         await overlay.prefetch(d.ino)
         during = turns - before
         nursery.cancel_scope.cancel()
-    assert during > 10 and big.ref in overlay.base_trees.trees  # the other task ran while it decoded
+    assert during > 10 and big.ref in overlay.base_trees.trees  # the other task ran meanwhile
     assert overlay.lookup(d.ino, b"file-0123456").name == b"file-0123456"
     store.close()
 
