@@ -59,9 +59,9 @@ from .authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
-from .overlay import (COLLECT_BATCH, SNAPSHOT_ID_RE, Attrs, Execution, Node, Overlay,
-                      close_all, unlink_upper_files)
-from .store.names import HEX_REF
+from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all,
+                      unlink_upper_files)
+from .store.names import HEX_REF, SNAPSHOT_ID_RE
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ and a background task deletes the dead layer's records (:meth:`Executions.collec
 from __future__ import annotations
 
 import errno
-import re
 import time
 
 import trio
@@ -19,10 +18,10 @@ from ..authority import Access, ReadIndex
 from ..errors import NotFound, RametError
 from ..store import FLAG_HAS_LINKS, Snapshot, Store
 from ..store.format import ExecutionRecord, UpperInode, from_u64, inode_key, u64
+from ..store.names import SNAPSHOT_ID_RE
 from .nodes import COLLECT_BATCH, RELEASED, Execution, InodeTable, Node, SnapshotView, View
 from .trees import BaseTrees
 
-SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")
 
 
 class Executions:
