@@ -255,7 +255,7 @@ class Capture:
         Raises InvalidArgument (EINVAL) for a malformed policy, or one this state breaks (a
         changed shared path, an input missing or not kept), naming every offending path.
         """
-        self.overlay.flush_view(self.ex)
+        yield from self.overlay.flush_steps(self.ex)
         self.descend_links = _has_upper_links(self.overlay, self.ex)
         self.policy = load_policy(self.overlay, self.ex, chosen)
         if self.policy is not None:

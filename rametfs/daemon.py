@@ -25,10 +25,11 @@ from .errors import RametError
 from .faults import FAULTS
 from .fuse_ops import OPEN_LESS, Operations
 from .mounts import bind_snapshots_read_only, check_mountpoint, take_data_lock
-from .overlay import MAX_FILE_SIZE, Overlay
+from .overlay import MAX_FILE_SIZE, Overlay, in_slices
 from .precreate import Precreated, keep_filled
 from .store import Store
 from .store.cache import default_max_bytes
+from .treewalk import Steps, run_steps
 from .verify import ROOT
 
 log = logging.getLogger(__name__)
@@ -204,20 +205,20 @@ async def _store_dirty_records(overlay: Overlay) -> None:
     was never fsync'd."""
     while True:
         await trio.sleep(DIRTY_INTERVAL_S)
-        _flush_each(overlay)
+        await in_slices(_flush_each(overlay))
 
 
-def _flush_each(overlay: Overlay) -> None:
-    """Store the dirty records of every execution not marked failed, each in its own
-    transaction: a store error (a full disk) leaves that execution's records dirty for the
-    next round, and an unexpected exception marks that execution failed; either way the
-    others are stored."""
+def _flush_each(overlay: Overlay) -> Steps[None]:
+    """Store the dirty records of every execution not marked failed, as steps
+    (``Overlay.flush_steps``): a store error (a full disk) leaves that execution's records
+    dirty for the next round, and an unexpected exception marks that execution failed;
+    either way the others are stored."""
     for ex in list(overlay.executions.values()):
         if ex.failure is not None:
             continue
         try:
             FAULTS.check("task:flush", ex.id)
-            overlay.flush_view(ex)
+            yield from overlay.flush_steps(ex)
         except RametError as exc:
             log.warning("storing the records of execution %s failed, tried again in %g s: %s",
                         ex.id, DIRTY_INTERVAL_S, exc)
@@ -331,7 +332,7 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
         gc.callbacks.remove(_freeze_survivors)
         gc.set_threshold(*thresholds)
         if clean:
-            _flush_each(overlay)
+            run_steps(_flush_each(overlay))
         pyfuse3.close(unmount=clean)
         store.close()
         log.info("unmounted %s", mountpoint) if clean else log.error("crashed; mount left in place")

@@ -59,7 +59,7 @@ from .authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
-from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all,
+from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all, in_slices,
                       unlink_upper_files)
 from .store.names import HEX_REF, SNAPSHOT_ID_RE
 
@@ -555,9 +555,9 @@ class Operations(pyfuse3.Operations):
 
     def _snapshot_link(self, ref: str) -> int:
         """``snapshots/<ref>`` of a unique id prefix (as ``rametfs ls`` shows ids) or a
-        snapshot name: a symlink to the full id, never a second view of the snapshot (one view per id).  One inode
-        per snapshot, looked up at entry timeout 0: a new snapshot can make a prefix
-        ambiguous (then ENOENT, as for no match), a name can move."""
+        snapshot name: a symlink to the full id, never a second view of the snapshot (one
+        view per id).  One inode per snapshot, looked up at entry timeout 0: a new snapshot
+        can make a prefix ambiguous (then ENOENT, as for no match), a name can move."""
         snap = self.overlay.store.snapshot(ref)  # NotFound: none, or several
         ino = self.snapshot_links.get(snap.id)
         if ino is None:
@@ -789,7 +789,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def fsyncdir(self, fh, datasync):
-        self.overlay.flush_all()
+        await in_slices(self.overlay.flush_all_steps())
         await self.overlay.sync_store()
 
     @_errors

@@ -449,6 +449,55 @@ def test_no_room_for_a_new_upper_file_empties_the_pool_and_tries_again(model, mo
     assert list(pool.paths) == [] and os.listdir(pool.directory) == []
 
 
+async def test_dirty_records_are_stored_in_batches_with_other_tasks_between(model, monkeypatch):
+    """Upper.flush_steps: 5,000 dirty records are stored FLUSH_BATCH a transaction, other
+    tasks running between (50,000 in one step took the trio thread 250 ms, stalling every
+    execution); a record changed after its batch was stored stays dirty for the next flush,
+    one unlinked before its batch leaves the dirty set."""
+    from rametfs.overlay import slices, upper
+    from rametfs.store.format import UpperInode
+    store, overlay, ex = model
+    monkeypatch.setattr(slices, "SLICE_S", 0.0)  # a slice a step, however fast the host
+    d = overlay.mkdir(ex.root_ino, b"d", 0o755, 0, 0)
+    nodes = [overlay.create(d.ino, b"f%d" % i, 0o644, 0, 0) for i in range(5000)]
+    overlay.flush_view(ex)
+    for node in nodes:
+        overlay.setattr(node, mode=0o600)
+    assert ex.dirty == set(nodes)
+    changed, unlinked, ran = [], [], []
+
+    async def other() -> None:
+        while True:
+            stored = [n for n in nodes if not n.dirty]
+            if stored and not changed:  # between two batches
+                changed.append(stored[0])
+                overlay.setattr(stored[0], mode=0o640)  # after its batch: dirty again
+                unlinked.append(next(n for n in nodes if n.dirty and n is not stored[0]))
+                overlay.unlink(d.ino, unlinked[0].name)  # before its batch
+            ran.append(None)
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.sleep(0)
+        before = len(ran)
+        await slices.in_slices(overlay.flush_steps(ex))
+        between = len(ran) - before
+        nursery.cancel_scope.cancel()
+    assert between >= 5000 // upper.FLUSH_BATCH - 2  # in one step, at most one turn passed
+    [first], [last] = changed, unlinked
+    assert ex.dirty == {first}
+    with store.read() as txn:
+        stored = {n.ino: UpperInode.unpack(txn.get(inode_key(ex.layer, n.ino),
+                                                   db=store.db["inodes"])) for n in nodes}
+    assert stat.S_IMODE(stored[first.ino].mode) == 0o600 and first.upper.mode & 0o777 == 0o640
+    assert stored[last.ino].nlink == 0  # the unlink stored it as an orphan
+    assert [n.ino for n in nodes
+            if n is not first and stat.S_IMODE(stored[n.ino].mode) != 0o600] == []
+    overlay.flush_view(ex)
+    assert ex.dirty == set()
+
+
 async def test_a_move_between_deep_directories_is_checked_in_slices(model, monkeypatch):
     """Overlay.rename_in_slices: a directory moved between two chains 20,000 deep has the new
     parent's ancestors walked ANCESTOR_STEP at a time, other tasks running between slices (in

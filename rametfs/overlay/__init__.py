@@ -119,9 +119,11 @@ class Overlay:
         self.fsmonitor_token = clock.fsmonitor_token
         self.changed_since_in_slices = clock.changed_since_in_slices
         (self.check_not_failed, self.fail, self.copy_up, self.charge, self.save,
-         self.flush_view, self.flush_all, self.count_usage, self._mark_dirty) = (
+         self.flush_view, self.flush_steps, self.flush_all, self.flush_all_steps,
+         self.count_usage, self._mark_dirty) = (
             upper.check_not_failed, upper.fail, upper.copy_up, upper.charge, upper.save,
-            upper.flush_view, upper.flush_all, upper.count_usage, upper.mark_dirty)
+            upper.flush_view, upper.flush_steps, upper.flush_all, upper.flush_all_steps,
+            upper.count_usage, upper.mark_dirty)
         (self.read, self.write, self.truncate, self.sync_data, self.sync_store,
          self.base_only, self.take_unlinked_fds, self._pages, self._upper_path) = (
             data.read, data.write, data.truncate, data.sync_data, data.sync_store,
