@@ -312,6 +312,14 @@ def load_tool(name: str):
 containers = load_tool("containers")
 
 
+def require_container_engine(name: str) -> None:
+    """Skip unless root may run engine ``name`` (docker or podman): its program installed."""
+    program, package = {"docker": ("dockerd", "docker.io"), "podman": ("podman", "podman")}[name]
+    if os.geteuid() != 0 or not shutil.which(program):
+        pytest.skip(f"{name} tests need root and {program} (Debian package {package}, "
+                    "installed by tools/setup test)")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "allow_log(regex, ...): daemon log lines matching a regex may contain "
@@ -404,11 +412,7 @@ def container_engine(request, tmp_path_factory):
     root, without the program (Debian package docker.io or podman, which ``tools/setup
     test`` installs), or when the engine cannot start here; stopped at the end, which fails
     the session's last test if a container, process or mount was left."""
-    program, package = {"docker": ("dockerd", "docker.io"),
-                        "podman": ("podman", "podman")}[request.param]
-    if os.geteuid() != 0 or not shutil.which(program):
-        pytest.skip(f"{request.param} tests need root and {program} (Debian package "
-                    f"{package}, installed by tools/setup test)")
+    require_container_engine(request.param)
     base = tmp_path_factory.mktemp(request.param)
     engine = (containers.Dockerd if request.param == "docker" else containers.Podman)(base)
     try:
