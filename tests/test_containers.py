@@ -87,8 +87,8 @@ def test_sees_only_its_execution(container_engine, ramet, pair, tmp_path):
     writes = ["/etc/escape", "/escape", "/usr/escape", f"{sibling.path}/escape"]
     script += "; " + "; ".join(f"touch {path} 2>/dev/null; echo $?" for path in writes)
     result = sh(container_engine, ex, f"{script}; ls /; touch /tmp/scratch && echo tmp-ok; "
-                "awk '$5 == \"/workspace\" {for (i = 7; $i != \"-\"; i++); print $4, $5, $(i + 1)}' "
-                "/proc/self/mountinfo")
+                "awk '$5 == \"/workspace\" {for (i = 7; $i != \"-\"; i++); "
+                "print $4, $5, $(i + 1)}' /proc/self/mountinfo")
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[:len(absent) + len(writes)] == ["1"] * len(absent) + ["1"] * len(writes)

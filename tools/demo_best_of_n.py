@@ -228,7 +228,8 @@ def best_of_n(work: Path, sandbox: Runtime) -> dict:
         click.echo(f"base snapshot {base[:12]} of {src}: tests {before} before any attempt")
         start = time.perf_counter()
         with ThreadPoolExecutor(len(ATTEMPTS)) as threads:
-            futures = {name: threads.submit(attempt, sandbox, ex, name) for name, ex in executions.items()}
+            futures = {name: threads.submit(attempt, sandbox, ex, name)
+                       for name, ex in executions.items()}
             rows = [futures[name].result() for name in ATTEMPTS]
         click.echo(f"{len(rows)} attempts in parallel: {time.perf_counter() - start:.2f} s")
         found = {row.attempt: row.passed for row in rows}
