@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import containers
+from conftest import containers, wait_until
 from rametfs import Ramet
 from rametfs.sandbox import Docker, Result
 
@@ -144,3 +144,17 @@ def test_env_reaches_the_command_and_no_host_cmdline(container_engine, pair):
     assert (done[0].exit_code, done[0].stdout) == (0, f"{secret}\n")
     assert any(b"start\0--attach\0rametfs-" in cmdline for cmdline in seen)
     assert [cmdline for cmdline in seen if secret.encode() in cmdline] == []
+
+
+def test_a_reset_on_the_host_shows_at_once_in_the_running_container(container_engine, pair):
+    ex, _ = pair
+    done: list[Result] = []
+    script = "echo mine > mine; while [ ! -e go ]; do sleep 0.05; done; ls; cat README"
+    thread = threading.Thread(target=lambda: done.append(sh(container_engine, ex, script)))
+    thread.start()
+    wait_until(lambda: (ex.path / "mine").exists(), 60, "the container's first write")
+    assert ex.diff() == [("A", "mine")]
+    ex.reset()  # no remount: the container's bind is the same FUSE inode, its tree reset
+    (ex.path / "go").write_text("")
+    thread.join()
+    assert (done[0].exit_code, done[0].stdout) == (0, "README\ngo\npkg\nbase\n")

@@ -14,10 +14,11 @@ argument; ``CLIENT`` is the client and its global options, ``docker -H unix:///.
 The container's root file system is read-only; ``/workspace`` (the execution) is its only
 writable path that outlives it, ``/tmp`` a private tmpfs.  ``--mount`` refuses a source that
 does not exist (``-v`` would create it, as root, wherever the execution was: in fallback mode
-inside the data directory); ``--pull never`` refuses an image that is not there rather
-than fetching it from a registry.  ``-e KEY`` without a value makes the client pass the value from
+inside the data directory); ``--pull never`` refuses an image that is not there rather than
+fetching it from a registry.  ``-e KEY`` without a value makes the client pass the value from
 its own environment, so no ``env`` value is on any host command line.  Podman takes the same
-command lines (``Docker(image, docker="podman")``).  As with bubblewrap, a FUSE mount must be
+command lines (``Docker(image, docker="podman")``; where root lacks CAP_SYS_RESOURCE it needs
+``options=["--ulimit", ...]``, docs/integrations.md).  As with bubblewrap, a FUSE mount must be
 served with ``--allow-other`` for a non-root ``--user`` (the Docker daemon runs as root,
 like the rametfs daemon), and the files to change must be writable by that uid.
 
