@@ -130,7 +130,7 @@ def test_env_reaches_the_command_and_no_host_cmdline(container_engine, pair):
     secret = f"token-{os.urandom(8).hex()}"
     done: list[Result] = []
     thread = threading.Thread(target=lambda: done.append(sh(
-        container_engine, ex, 'echo "$TOKEN"; sleep 2', env={"TOKEN": secret})))
+        container_engine, ex, 'echo "$TOKEN"; sleep 1', env={"TOKEN": secret})))
     thread.start()
     seen = set()
     while thread.is_alive():  # every host process's command line, while the run lasts

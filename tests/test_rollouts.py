@@ -1,5 +1,5 @@
 """RL rollouts: 200 SkyRL-Gym episodes over a pool of 4 executions, each episode clean; and
-12 with the Docker runtime, in containers of the session's dockerd.
+8 with the Docker runtime, in containers of the session's dockerd.
 
 Each episode acquires an execution, verifies it equals the base, runs one shell action in a
 sandbox and a reward command, and hands the execution back (reset by the pool).
@@ -23,7 +23,7 @@ from rametfs import Ramet
 from rametfs.integrations.skyrl import ENV_ID, RametShellEnv
 from rametfs.sandbox import Docker
 
-EPISODES, CONTAINER_EPISODES, POOL, NOBODY = 200, 12, 4, 65534
+EPISODES, CONTAINER_EPISODES, POOL, NOBODY = 200, 8, 4, 65534
 PROMPT = [{"role": "user", "content": "write 42 to answer.txt"}]
 
 

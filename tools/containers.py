@@ -56,9 +56,9 @@ class EngineError(RuntimeError):
     """dockerd did not start or stop as it should; the message says what and shows its log."""
 
 
-def image_tar(out: io.RawIOBase, packages: Sequence[str] = PACKAGES) -> int:
+def image_tar(out: io.RawIOBase, packages: Sequence[str] = PACKAGES) -> None:
     """Write to ``out`` an uncompressed tar of a root file system made of the installed
-    Debian ``packages`` (they must include busybox-static); returns the bytes of the files.
+    Debian ``packages`` (they must include busybox-static).
 
     Every path is put where a merged ``/usr`` has it (``/bin/busybox`` at
     ``usr/bin/busybox``, with ``bin -> usr/bin`` and the like); busybox's applets that no
@@ -70,7 +70,6 @@ def image_tar(out: io.RawIOBase, packages: Sequence[str] = PACKAGES) -> int:
     files = _package_files(packages)
     applets = subprocess.run([BUSYBOX, "--list-full"], capture_output=True, text=True,
                              check=True).stdout.split()
-    size = 0
     with tarfile.open(fileobj=out, mode="w|") as tar:
         for name in ("usr", "usr/bin", "usr/sbin", "usr/lib", "usr/lib64", "etc", "tmp",
                      "workspace", "proc", "sys", "dev"):
@@ -88,7 +87,6 @@ def image_tar(out: io.RawIOBase, packages: Sequence[str] = PACKAGES) -> int:
             info.uid = info.gid = 0
             info.uname = info.gname = "root"
             if info.isreg():
-                size += info.size
                 with open(source, "rb") as f:
                     tar.addfile(info, f)
             else:
@@ -105,7 +103,6 @@ def image_tar(out: io.RawIOBase, packages: Sequence[str] = PACKAGES) -> int:
             info = _member(name, tarfile.REGTYPE, 0o644)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    return size
 
 
 def _package_files(packages: Sequence[str]) -> list[tuple[str, str]]:
