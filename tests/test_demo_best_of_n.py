@@ -38,7 +38,8 @@ def test_best_of_n_promotes_the_right_fix_and_restores_it(tmp_path, runtime):
         ("right-fix", "5/5"), ("wrong-fix", "4/5"), ("breaks-mean", "3/5"), ("timeout", None)]
     winner = rows[0]["snapshot"]
     assert ID.fullmatch(winner) and [r["snapshot"] for r in rows[1:]] == [None] * 3
-    assert 2.0 <= rows[3]["seconds"] < 5  # killed at its 2 s timeout
+    # killed at its 2 s timeout; a container's creation and removal count too
+    assert 2.0 <= rows[3]["seconds"] < (5 if runtime == "bubblewrap" else 15)
     assert outcome["ok"] and outcome["restored"] == {"files": outcome["restored"]["files"],
                                                      "identical": True, "tests": "5/5"}
     assert outcome["restored"]["files"] > 10  # stats.py, test_stats.py and .git
