@@ -1,11 +1,12 @@
 """A private Docker engine and a container image built from Debian packages, no registry.
 
 Used by the tests (tests/conftest.py), ``tools/demo-best-of-n --runtime docker|podman`` and
-``benchmarks.episodes``; by hand (as root, from the checkout)::
+``tools/bench-episodes``; by hand (as root, from the checkout)::
 
     .venv/bin/python tools/containers.py start DIR    # prints the engine's -H address
     .venv/bin/python tools/containers.py image DIR [NAME]
     .venv/bin/python tools/containers.py stop DIR
+    .venv/bin/python tools/containers.py tar [--busybox] > rootfs.tar
 
 :class:`Dockerd` runs ``dockerd`` (Debian package ``docker.io``) as root with everything of
 its own under one directory: ``--data-root DIR/data``, ``--exec-root`` a short directory under
@@ -18,8 +19,8 @@ containerd by pid and checks that no mount of theirs is left.
 :func:`image_tar` writes a root file system as a tar stream: the files of installed Debian
 packages (``dpkg -L``; docs, man pages, locales and gconv left out) on a merged ``/usr``, and
 busybox's applets as symlinks: with :data:`PACKAGES` about 40 MB holding ``sh``, the
-coreutils and ``python3`` with its standard library; with ``python=False`` (busybox-static
-alone) about 2 MB.  :func:`build_image` pipes it into ``CLIENT import - NAME``; so does
+coreutils and ``python3`` with its standard library; with busybox-static alone
+(``tar --busybox``) 2 MB.  :func:`build_image` pipes it into ``CLIENT import - NAME``; so does
 ``podman import``.
 """
 
@@ -40,7 +41,7 @@ from pathlib import Path
 
 IMAGE = "rametfs-sandbox:debian"
 BUSYBOX = "/bin/busybox"  # busybox-static's, a static binary: needs no library
-PYTHON = "python3.11"
+PYTHON = os.path.basename(os.path.realpath("/usr/bin/python3"))  # Debian's: python3.11 on 12
 PACKAGES = ("busybox-static", "libc6", "zlib1g", "libexpat1", f"{PYTHON}-minimal",
             f"lib{PYTHON}-minimal", f"lib{PYTHON}-stdlib", "python3-minimal", "libsqlite3-0")
 SKIPPED = ("usr/share/doc/", "usr/share/man/", "usr/share/lintian/", "usr/share/locale/",
