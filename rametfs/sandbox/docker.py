@@ -55,8 +55,9 @@ class Docker:
     ``"none"``: loopback only).  ``memory``: a ``--memory`` value (``"2g"``), ``cpus``: a
     ``--cpus`` value, ``pids_limit``: at most this many processes; None omits the option.
     ``env``: environment variables.  ``options``: more ``create`` options, put before the
-    image (``["--ulimit", "nofile=1024:1024"]``).  ``docker``: the client, a program (``"podman"``
-    works) or a program and its global options (``["docker", "-H", "unix:///run/x.sock"]``).
+    image (``["--ulimit", "nofile=1024:1024"]``).  ``docker``: the client, a program
+    (``"podman"`` works) or a program and its global options (``["docker", "-H",
+    "unix:///run/x.sock"]``).
     """
 
     def __init__(self, image: str, uid: int = NOBODY, gid: int = NOBODY, *,
@@ -100,8 +101,8 @@ class Docker:
         execution's FUSE mount lacks ``allow_other``, ValueError as :meth:`command` does.
         A container that cannot be created (an image that is not there: none is pulled; an
         execution path that does not exist) reports exit status 125 (as ``docker run``
-        does) and the client's message in ``stderr``; one
-        whose command cannot start, 126 or 127.  Returns once the container has exited;
+        does) and the client's message in ``stderr``; one whose command cannot start, 126 or
+        127.  Returns once the container has exited;
         after a timeout, once it is removed too.
         """
         require_allow_other(execution.ramet, self.uid)
