@@ -83,15 +83,18 @@ def test_sees_only_its_execution(container_engine, ramet, pair, tmp_path):
     data = ramet.status()["data"]
     absent = [str(ramet.mount), data, f"{sibling.path}/secret", f"{ramet.mount}/.ramet/ctl",
               "/dev/fuse", str(tmp_path)]
-    script = "; ".join(f"ls -d {path} >/dev/null 2>&1; echo $?" for path in absent)
-    writes = ["/etc/escape", "/escape", "/usr/escape", f"{sibling.path}/escape"]
-    script += "; " + "; ".join(f"touch {path} 2>/dev/null; echo $?" for path in writes)
+    writes = ["/etc/escape", "/escape", "/usr/escape", f"{sibling.path}/escape",
+              f"{tmp_path}/escape"]
+    why = "2>&1 | sed 's/.*: //'"  # the error alone: busybox says "ls: PATH: ERROR"
+    script = "; ".join([*(f"ls -d {path} {why}" for path in absent),
+                        *(f"touch {path} {why}" for path in writes)])
     result = sh(container_engine, ex, f"{script}; ls /; touch /tmp/scratch && echo tmp-ok; "
                 "awk '$5 == \"/workspace\" {for (i = 7; $i != \"-\"; i++); "
                 "print $4, $5, $(i + 1)}' /proc/self/mountinfo")
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[:len(absent) + len(writes)] == ["1"] * len(absent) + ["1"] * len(writes)
+    enoent, erofs = "No such file or directory", "Read-only file system"
+    assert lines[:len(absent) + len(writes)] == [enoent] * len(absent) + [erofs] * 3 + [enoent] * 2
     # Podman's --read-only keeps tmpfs on /run and /var/tmp (--read-only-tmpfs)
     podman_adds = ["run", "var"] if "podman" in container_engine.client else []
     assert lines[len(absent) + len(writes):] == [
