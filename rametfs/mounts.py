@@ -248,6 +248,10 @@ def copies_elsewhere(dev: str | None = None, point: str | None = None) -> list[C
             commands = tuple(_comm(pid) for pid in pids[:SHOWN_PIDS])
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
+        except OSError as exc:  # a process that exited since: its mountinfo is EINVAL
+            if exc.errno != errno.EINVAL:
+                raise
+            continue
         if found:
             copies.append(Copy(tuple(pids), commands, found))
     return copies

@@ -14,6 +14,11 @@ Fixtures:
 - ``ramet``: a :class:`rametfs.Ramet` in each mode (parametrized): on the shared daemon
   (FUSE), or fallback mode forced on a data directory of the test's own; ``cli_where(ramet)``
   gives the CLI options that reach it.
+- ``container_engine``: a private container engine for the whole session, parametrized:
+  ``docker`` (a ``dockerd`` of its own) and ``podman`` (rootful, storage of its own), each
+  with the image ``tools/containers.py`` builds from Debian packages (``sh``, coreutils,
+  ``python3``); nothing is pulled from a registry.  Removed, its processes ended and its
+  mounts gone, at the end of the session.
 - a session janitor that lazily unmounts whatever is still mounted under pytest's basetemp.
 
 After a test, the log of its daemon must have no line containing ``Traceback``, `` ERROR ``
@@ -28,6 +33,7 @@ mounted tests are skipped, with the reason, only when it is absent.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -45,6 +51,7 @@ import pytest
 from rametfs import Ramet, protocol
 from rametfs.mounts import mount_table
 
+ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 600
 START_TIMEOUT_S = 60
 STOP_TIMEOUT_S = 30
@@ -294,6 +301,25 @@ def require_bwrap() -> None:
         pytest.skip("bubblewrap sandboxes need root and bwrap (Debian package bubblewrap)")
 
 
+def load_tool(name: str):
+    """The module ``tools/<name>.py`` (tools/ is not a package, nor on the import path)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+containers = load_tool("containers")
+
+
+def require_container_engine(name: str) -> None:
+    """Skip unless root may run engine ``name`` (docker or podman): its program installed."""
+    program, package = {"docker": ("dockerd", "docker.io"), "podman": ("podman", "podman")}[name]
+    if os.geteuid() != 0 or not shutil.which(program):
+        pytest.skip(f"{name} tests need root and {program} (Debian package {package}, "
+                    "installed by tools/setup test)")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "allow_log(regex, ...): daemon log lines matching a regex may contain "
@@ -376,6 +402,28 @@ def allow_other_daemon(tmp_path_factory):
     another uid (a sandbox's 65534) may enter its executions; its log is checked at the end."""
     with serving(tmp_path_factory.mktemp("allow-other"), ("--allow-other",)) as d:
         yield d
+
+
+@pytest.fixture(scope="session", params=["docker", "podman"])
+def container_engine(request, tmp_path_factory):
+    """A running engine (``containers.Dockerd`` or ``containers.Podman``: ``client``, the
+    client and its global options; ``options``, the create options this machine needs;
+    ``containers()``) holding :data:`containers.IMAGE`.  Skipped, with the reason, without
+    root, without the program (Debian package docker.io or podman, which ``tools/setup
+    test`` installs), or when the engine cannot start here; stopped at the end, which fails
+    the session's last test if a container, process or mount was left."""
+    require_container_engine(request.param)
+    base = tmp_path_factory.mktemp(request.param)
+    engine = (containers.Dockerd if request.param == "docker" else containers.Podman)(base)
+    try:
+        engine.start()
+    except containers.EngineError as exc:
+        pytest.skip(f"{request.param} cannot run on this machine: {exc}")
+    try:
+        containers.build_image(engine.client)
+        yield engine
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(params=["fuse", "fallback"])

@@ -1,8 +1,13 @@
-"""Best-of-N: four scripted attempts at one bug, in parallel, each in a bubblewrap sandbox.
+"""Best-of-N: four scripted attempts at one bug, in parallel, each in a sandbox of its own.
 
 Run it through ``tools/demo-best-of-n`` (which prepares .venv and bubblewrap first)::
 
-    tools/demo-best-of-n [--json FILE] [--workdir DIR]
+    tools/demo-best-of-n [--runtime bubblewrap|docker|podman] [--json FILE] [--workdir DIR]
+
+The sandbox is bubblewrap by default; with ``--runtime docker`` each attempt runs in a
+container of a private ``dockerd`` the demo starts in its work directory, with ``podman``
+in a rootful Podman container, both of the image ``tools/containers.py`` builds from the
+installed Debian packages (no registry); the engine is stopped at the end.
 
 1. build a small git repository: ``stats.py`` whose ``median`` is wrong for an even number
    of values, and five unittest tests of which that one fails; own it by uid 65534;
@@ -37,16 +42,18 @@ from pathlib import Path
 
 import click
 
+import containers
 from demo import (GIT, CheckFailed, expect, mounted, rametfs, run, stop_daemon,
                   work_directory)
 from rametfs import Execution, Ramet
-from rametfs.sandbox import Bubblewrap
+from rametfs.sandbox import Bubblewrap, Docker, Runtime
 
 UID = 65534  # the sandboxes' uid, and the owner of the repository
 ATTEMPT_TIMEOUT_S = 2.0
 TESTS_TIMEOUT_S = 60.0
 TESTS = ["python3", "-m", "unittest", "-v"]
-SANDBOX = Bubblewrap(UID, UID, env={"PYTHONDONTWRITEBYTECODE": "1"})
+ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
+ENGINES = {"docker": containers.Dockerd, "podman": containers.Podman}
 
 STATS = '''\
 """Small statistics helpers."""
@@ -145,9 +152,9 @@ def build_repository(src: Path) -> None:
             os.lchown(name, UID, UID)
 
 
-def run_tests(execution: Execution) -> tuple[str, float]:
-    """Run the tests in a sandbox on ``execution``: ``("passed/ran", seconds)``."""
-    tests = SANDBOX.run(execution, TESTS, timeout=TESTS_TIMEOUT_S)
+def run_tests(sandbox: Runtime, execution: Execution) -> tuple[str, float]:
+    """Run the tests in ``sandbox`` on ``execution``: ``("passed/ran", seconds)``."""
+    tests = sandbox.run(execution, TESTS, timeout=TESTS_TIMEOUT_S)
     return tests_passed(tests.stderr), tests.seconds
 
 
@@ -159,14 +166,14 @@ def tests_passed(stderr: str) -> str:
     return f"{passed}/{ran.group(1)}"
 
 
-def attempt(execution: Execution, name: str) -> Row:
-    """Run attempt ``name``'s script in a sandbox on ``execution``, then the tests."""
-    tried = SANDBOX.run(execution, ["python3", "-c", PATCH + ATTEMPTS[name]],
+def attempt(sandbox: Runtime, execution: Execution, name: str) -> Row:
+    """Run attempt ``name``'s script in ``sandbox`` on ``execution``, then the tests."""
+    tried = sandbox.run(execution, ["python3", "-c", PATCH + ATTEMPTS[name]],
                         timeout=ATTEMPT_TIMEOUT_S)
     if tried.timed_out:
         return Row(name, None, tried.seconds)
     expect(tried.exit_code == 0, f"attempt {name} exited {tried.exit_code}: {tried.stderr}")
-    passed, seconds = run_tests(execution)
+    passed, seconds = run_tests(sandbox, execution)
     return Row(name, passed, tried.seconds + seconds)
 
 
@@ -204,9 +211,10 @@ def serve(data: Path, mnt: Path) -> Ramet:
     return Ramet(mnt)
 
 
-def best_of_n(work: Path) -> dict:
-    """Steps 1-5 in ``work``; returns the outcome (JSON-ready: ``rows`` and ``restored``).
-    Raises CheckFailed at the first outcome that is not the expected one."""
+def best_of_n(work: Path, sandbox: Runtime) -> dict:
+    """Steps 1-5 in ``work``, the attempts in ``sandbox``; returns the outcome (JSON-ready:
+    ``rows`` and ``restored``).  Raises CheckFailed at the first outcome that is not the
+    expected one."""
     src, data, mnt = work / "src", work / "data", work / "mnt"
     build_repository(src)
     mnt.mkdir()
@@ -215,12 +223,13 @@ def best_of_n(work: Path) -> dict:
     with ramet.execution_pool(base, concurrency=len(ATTEMPTS)) as pool, \
             contextlib.ExitStack() as held:
         executions = {name: held.enter_context(pool.acquire(timeout=10)) for name in ATTEMPTS}
-        before, _ = run_tests(executions["right-fix"])
+        before, _ = run_tests(sandbox, executions["right-fix"])
         expect(before == "4/5", f"tests passed before any attempt: {before}, expected 4/5")
         click.echo(f"base snapshot {base[:12]} of {src}: tests {before} before any attempt")
         start = time.perf_counter()
         with ThreadPoolExecutor(len(ATTEMPTS)) as threads:
-            futures = {name: threads.submit(attempt, ex, name) for name, ex in executions.items()}
+            futures = {name: threads.submit(attempt, sandbox, ex, name)
+                       for name, ex in executions.items()}
             rows = [futures[name].result() for name in ATTEMPTS]
         click.echo(f"{len(rows)} attempts in parallel: {time.perf_counter() - start:.2f} s")
         found = {row.attempt: row.passed for row in rows}
@@ -249,7 +258,7 @@ def best_of_n(work: Path) -> dict:
         restored = tree_bytes(fresh.path)
         expect(restored == kept, "the fresh execution's files differ from the winner's: "
                f"{sorted(set(restored.items()) ^ set(kept.items()))[:3]}")
-        passed, _ = run_tests(fresh)
+        passed, _ = run_tests(sandbox, fresh)
         expect(passed == "5/5", f"tests in the restored execution: {passed}")
     finally:
         ramet.release(fresh)
@@ -264,17 +273,34 @@ def best_of_n(work: Path) -> dict:
               help="Work in DIR (new or empty; kept) instead of a temporary directory.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the outcome to this file, as JSON.")
-def main(workdir: Path | None, json_file: Path | None) -> None:
+@click.option("--runtime", type=click.Choice(["bubblewrap", *ENGINES]), default="bubblewrap",
+              show_default=True, help="The sandbox: docker starts a dockerd of its own in the "
+              "work directory, podman runs rootful with storage there (Debian packages "
+              "docker.io, podman; tools/setup test installs them).")
+def main(workdir: Path | None, json_file: Path | None, runtime: str) -> None:
     """Four scripted attempts at one bug in parallel sandboxes; promote the one that passes
     the tests, reset the others, restart the daemon and restore the winner."""
     work = work_directory(workdir, "rametfs-best-of-n-")
     outcome: dict = {"ok": False}
+    engine = None
     try:
-        outcome = {"ok": True, **best_of_n(work)}
-    except CheckFailed as exc:
+        if runtime == "bubblewrap":
+            sandbox: Runtime = Bubblewrap(UID, UID, env=ENV)
+        else:
+            engine = ENGINES[runtime](work / runtime)
+            engine.start()
+            containers.build_image(engine.client)
+            sandbox = Docker(containers.IMAGE, UID, UID, env=ENV, options=engine.options,
+                             docker=engine.client)
+            click.echo(f"{runtime}: engine of its own in {work / runtime}, image "
+                       f"{containers.IMAGE} built from Debian packages")
+        outcome = {"ok": True, "runtime": runtime, **best_of_n(work, sandbox)}
+    except (CheckFailed, containers.EngineError) as exc:
         click.echo(f"FAIL: {exc}", err=True)
     finally:
         stop_daemon(work / "mnt")
+        if engine is not None:
+            engine.stop()
         if json_file:
             json_file.write_text(json.dumps(outcome, indent=2) + "\n")
         if mounted(work / "mnt"):

@@ -2,10 +2,10 @@
 
 A runtime has one method, ``run(execution, argv, timeout) -> Result`` (:class:`Runtime`).
 Two adapters: :class:`Bubblewrap` (``bwrap``: only ``/usr`` and ``/etc`` of the host,
-read-only, no network, a non-root uid) and :class:`Docker` (``docker run -v
-<execution>:/workspace``; Podman takes the same command line); and :class:`Host`, no sandbox
-at all, for commands the caller trusts.  None imports anything outside the standard library
-and the client wrapper::
+read-only, no network, a non-root uid) and :class:`Docker` (a container per command, the
+execution bind-mounted at ``/workspace``; Podman takes the same command lines); and
+:class:`Host`, no sandbox at all, for commands the caller trusts.  None imports anything
+outside the standard library and the client wrapper::
 
     from rametfs.sandbox import Bubblewrap
 
