@@ -1,0 +1,216 @@
+"""Publishing snapshots to a remote (S3: Ceph's RADOS Gateway; catalog: PostgreSQL 15, both
+started by tools/services once per run, on 127.0.0.1) and reading them on another worker
+(docs/remote.md).
+
+Each test has its own bucket and catalog schema.  The services are skipped, with the reason,
+where their Debian packages are missing (tools/services install, or tools/setup as root).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import Daemon, check_log, require_fuse, run
+
+SERVICES = Path(__file__).resolve().parents[1] / "tools" / "services"
+START_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="session")
+def services():
+    """The environment of the running services (``AWS_*``, ``RAMET_CATALOG``)."""
+    missing = [cmd for cmd in ("ceph-mon", "ceph-osd", "radosgw", "monmaptool")
+               if shutil.which(cmd) is None]
+    if missing or not os.path.exists("/usr/lib/postgresql/15/bin/initdb"):
+        pytest.skip(f"Ceph or PostgreSQL 15 is not installed ({' '.join(missing) or 'initdb'} "
+                    "missing): run tools/services install (or tools/setup) as root")
+    if os.geteuid() != 0:
+        pytest.skip("the Ceph daemons and PostgreSQL's cluster are started as root")
+    root = tempfile.mkdtemp(prefix="rametfs-services-")
+    try:
+        proc = subprocess.run([sys.executable, str(SERVICES), "start", root], text=True,
+                              capture_output=True, timeout=START_TIMEOUT_S)
+        assert proc.returncode == 0, f"tools/services start failed:\n{proc.stderr}"
+        with open(os.path.join(root, "env.json")) as f:
+            env = json.load(f)
+        yield env
+    finally:
+        subprocess.run([sys.executable, str(SERVICES), "stop", root], timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def remote(services):
+    """An environment naming a fresh bucket and catalog schema of the test's own:
+    ``RAMET_REMOTE``, ``RAMET_CATALOG`` and the AWS variables."""
+    import boto3
+    import psycopg
+    name = f"t{uuid.uuid4().hex[:12]}"
+    s3 = boto3.client("s3", endpoint_url=services["AWS_ENDPOINT_URL"],
+                      aws_access_key_id=services["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=services["AWS_SECRET_ACCESS_KEY"],
+                      region_name=services["AWS_DEFAULT_REGION"])
+    s3.create_bucket(Bucket=name)
+    with psycopg.connect(services["RAMET_CATALOG"], autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {name}")
+    env = {**services, "RAMET_REMOTE": f"s3://{name}/pfx",
+           "RAMET_CATALOG": f"{services['RAMET_CATALOG']} options=-csearch_path={name}"}
+    env["s3"] = s3
+    yield env
+    with psycopg.connect(services["RAMET_CATALOG"], autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {name} CASCADE")
+
+
+def environ(remote: dict, **changes: str) -> dict[str, str]:
+    env = {**os.environ, **{k: v for k, v in remote.items() if isinstance(v, str)}}
+    env.update(changes)
+    return env
+
+
+def rametfs(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+    return run(sys.executable, "-m", "rametfs", *args, env=env, check=check)
+
+
+def make_tree(root: Path) -> None:
+    """Files of every kind the store keeps: small and many-page files, an empty one, a sparse
+    one, a symlink, a hard link, nested and empty directories, odd modes."""
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "empty-dir").mkdir()
+    for i in range(120):
+        (root / "src" / "pkg" / f"mod{i}.py").write_text(f"value = {i}\n" * (i + 1))
+    (root / "big.bin").write_bytes(os.urandom(3 * 65536 + 123))
+    (root / "empty").write_bytes(b"")
+    with open(root / "sparse", "wb") as f:
+        f.truncate(1 << 20)
+        f.seek(300000)
+        f.write(b"island")
+    (root / "link").symlink_to("src/pkg/mod1.py")
+    os.link(root / "big.bin", root / "big-hardlink")
+    (root / "script.sh").write_text("#!/bin/sh\necho hi\n")
+    os.chmod(root / "script.sh", 0o750)
+
+
+def tar_of(path: Path) -> bytes:
+    """The tar stream of the tree at ``path`` (names sorted): equal streams mean equal names,
+    bytes, modes, owners, times, links."""
+    return subprocess.run(["tar", "-C", str(path), "--sort=name", "--numeric-owner", "-cf",
+                           "-", "."], check=True, capture_output=True, timeout=120).stdout
+
+
+def test_a_published_snapshot_outlives_its_worker(tmp_path, remote, request):
+    """Worker 1 publishes two snapshots (the second a small change of the first), its data
+    directory is deleted, and worker 2 (its own data directory and mount, the same remote and
+    catalog) lists them, creates an execution of each and reads every byte equal to the
+    source (cmp, tar)."""
+    require_fuse()
+    src = tmp_path / "src"
+    make_tree(src)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        first = one.snapshot(src, label="base")
+        copy = tmp_path / "src-v2"
+        shutil.copytree(src, copy, symlinks=True)
+        (copy / "src" / "pkg" / "mod7.py").write_text("changed\n")
+        (copy / "new.txt").write_text("new\n")
+        second = one.snapshot(copy, label="changed")
+        env = environ(remote)
+        out = json.loads(rametfs("publish", "--data", str(one.data_dir), first, "--json",
+                                 env=env).stdout)
+        assert out["snapshot"] == first and not out["already"]
+        # 120 small files, a big one and the rest: one pack, one PUT, not one per object.
+        assert (out["packs"], out["requests"]) == (1, 1)
+        # The root, src/, src/pkg/, empty-dir/; the modules, big.bin (twice linked), sparse
+        # and script.sh (the empty file has no record); 120 + 4 + 1 chunks (sparse: 1).
+        assert (out["trees"], out["contents"], out["chunks"]) == (4, 123, 126)
+        again = json.loads(rametfs("publish", "--data", str(one.data_dir), first, "--json",
+                                   env=env).stdout)
+        assert again["already"] and again["packs"] == 0
+        delta = json.loads(rametfs("publish", "--data", str(one.data_dir), second, "--json",
+                                   env=env).stdout)
+        # Only what changed goes up: the root and src/pkg's trees (src/ too, holding it) and
+        # the two new contents and their chunks.
+        assert (delta["trees"], delta["contents"], delta["chunks"]) == (3, 2, 2)
+    finally:
+        one.stop()
+    check_log(one.log_text(), [], repr(one))
+    shutil.rmtree(one.data_dir)
+
+    listed = json.loads(rametfs("ls", "--remote", "--json", env=environ(remote)).stdout)
+    assert listed["remote"] == remote["RAMET_REMOTE"]
+    assert [(s["id"], s["label"]) for s in listed["snapshots"]] == [(first, "base"),
+                                                                     (second, "changed")]
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=environ(remote))
+    two.start()
+    try:
+        for snap, source in ((first, src), (second, copy)):
+            ex = two.create(snap)
+            path = two.exec_path(ex)
+            assert tar_of(path) == tar_of(source)
+            files = [p for p in source.rglob("*") if p.is_file() and not p.is_symlink()]
+            for f in files:
+                run("cmp", f, path / f.relative_to(source))
+            assert two.exec_status(ex)["base"] == snap
+        assert first in os.listdir(two.mnt / "snapshots")
+    finally:
+        two.stop()
+    check_log(two.log_text(), [], repr(two))
+    # What worker 2 read is its own now: served again with no remote at all.
+    three = Daemon(tmp_path / "data2", tmp_path / "mnt3")
+    three.start()
+    try:
+        assert tar_of(three.exec_path(three.create(first))) == tar_of(src)
+    finally:
+        three.stop()
+
+
+def test_credentials_never_show(tmp_path, remote):
+    """A catalog password and the S3 secret key appear in no message, log or listing: a
+    publish to a catalog that refuses the connection, a worker serving the remote."""
+    require_fuse()
+    secret = "pw-" + uuid.uuid4().hex
+    dead_dsn = f"postgresql://postgres:{secret}@127.0.0.1:1/postgres"
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("x\n")
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snap = one.snapshot(tmp_path / "src")
+        proc = rametfs("publish", "--data", str(one.data_dir), snap,
+                       env=environ(remote, RAMET_CATALOG=dead_dsn), check=False)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.startswith(
+            "rametfs: publish: catalog user=postgres dbname=postgres host=127.0.0.1 port=1: "
+            f"find snapshot {snap}: connection failed: "), proc.stderr
+        assert secret not in proc.stderr + proc.stdout
+        proc = rametfs("ls", "--remote", env=environ(remote, RAMET_CATALOG=dead_dsn),
+                       check=False)
+        assert proc.returncode == 1 and secret not in proc.stderr + proc.stdout
+        rametfs("publish", "--data", str(one.data_dir), snap, env=environ(remote))
+    finally:
+        one.stop()
+    # The server trusts every local connection: the password is carried, never checked.
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=environ(
+        remote, RAMET_CATALOG=f"{remote['RAMET_CATALOG']} password={secret}"))
+    two.start()
+    try:
+        ex = two.create(snap)
+        assert (two.exec_path(ex) / "f").read_text() == "x\n"
+        shown = json.dumps(two.status()) + json.dumps(two.exec_status(ex))
+        with open(f"/proc/{two.pid}/cmdline", "rb") as f:
+            shown += f.read().decode(errors="replace")  # ps shows it to every user
+    finally:
+        two.stop()
+    assert "catalog user=postgres dbname=postgres host=127.0.0.1 port=" in two.log_text()
+    for text in (shown, two.log_text()):
+        assert remote["AWS_SECRET_ACCESS_KEY"] not in text
+        assert secret not in text
