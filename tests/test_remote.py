@@ -214,3 +214,109 @@ def test_credentials_never_show(tmp_path, remote):
     for text in (shown, two.log_text()):
         assert remote["AWS_SECRET_ACCESS_KEY"] not in text
         assert secret not in text
+
+
+def closed_port() -> int:
+    """A port of 127.0.0.1 nothing listens on (the OS's pick, closed again)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.allow_log(r"WARNING rametfs.store.remote: fetching 1 tree\(s\) from s3://")
+def test_without_the_object_store_reads_fail_eio_and_nothing_local_is_harmed(tmp_path, remote):
+    """A worker whose object store does not answer: a publish fails (EIO, naming the
+    object), and lists nothing; a published snapshot's execution is made (the catalog
+    answers) but a read of what is not local fails EIO after bounded retries, with the cause
+    in the daemon log, while its own snapshots serve as before; with the object store back,
+    the same execution reads."""
+    require_fuse()
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "a").write_text("a\n")
+    (src / "d" / "b").write_text("b\n")
+    dead = environ(remote, AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port()}")
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snap = one.snapshot(src)
+        proc = rametfs("publish", "--data", str(one.data_dir), snap, env=dead, check=False)
+        bucket = remote["RAMET_REMOTE"][5:].split("/")[0]
+        assert proc.returncode == 1
+        assert proc.stderr.startswith(f"rametfs: publish: s3://{bucket}/pfx/packs/"), proc.stderr
+        assert "Could not connect to the endpoint URL" in proc.stderr
+        assert json.loads(rametfs("ls", "--remote", "--json", env=dead).stdout)[
+            "snapshots"] == []
+        rametfs("publish", "--data", str(one.data_dir), snap, env=environ(remote))
+    finally:
+        one.stop()
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "mine").write_text("mine\n")
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=dead)
+    two.start()
+    try:
+        own = two.create(two.snapshot(local))
+        ex = two.create(snap)
+        for argv in (("cat", two.exec_path(ex) / "a"), ("ls", two.exec_path(ex))):
+            proc = run(*argv, check=False)
+            assert proc.returncode != 0 and "Input/output error" in proc.stderr, proc
+        assert (two.exec_path(own) / "mine").read_text() == "mine\n"
+    finally:
+        two.stop()
+    assert "Could not connect to the endpoint URL" in two.log_text()
+    two.env = environ(remote)
+    two.start()
+    try:
+        assert (two.exec_path(ex) / "a").read_text() == "a\n"
+        assert (two.exec_path(ex) / "d" / "b").read_text() == "b\n"
+    finally:
+        two.stop()
+
+
+def test_a_publish_cut_short_lists_nothing_and_resumes(tmp_path, remote):
+    """A publish killed after its first pack: the catalog lists no snapshot; the next publish
+    uploads only what the first did not, then lists it, and a worker reads it whole."""
+    require_fuse()
+    import psycopg
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):  # 40 MiB that does not compress: 3 packs of 16 MiB at most
+        (src / f"f{i}").write_bytes(os.urandom(10 << 20))
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snap = one.snapshot(src)
+        env = environ(remote)
+        proc = subprocess.Popen([sys.executable, "-m", "rametfs", "publish", "--data",
+                                 str(one.data_dir), snap], env=env, stderr=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, text=True)
+        try:
+            line = proc.stderr.readline()
+            assert line.startswith(f"rametfs: publish {snap[:12]}: 1 packs, "), line
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stderr.close()
+        assert json.loads(rametfs("ls", "--remote", "--json", env=env).stdout)[
+            "snapshots"] == []
+        with psycopg.connect(remote["RAMET_CATALOG"]) as conn:
+            (already,), = conn.execute("SELECT count(*) FROM rametfs_objects").fetchall()
+        assert already > 0
+        done = json.loads(rametfs("publish", "--data", str(one.data_dir), snap, "--json",
+                                  env=env).stdout)
+        # 4 files of 160 chunks each, their 4 content records and the root tree.
+        assert done["trees"] + done["contents"] + done["chunks"] == 645 - already
+        assert not done["already"]
+    finally:
+        one.stop()
+    shutil.rmtree(one.data_dir)
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=environ(remote))
+    two.start()
+    try:
+        ex = two.create(snap)
+        for i in range(4):
+            run("cmp", src / f"f{i}", two.exec_path(ex) / f"f{i}")
+    finally:
+        two.stop()

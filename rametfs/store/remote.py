@@ -219,13 +219,21 @@ class Remote:
             found.update(part)
         return found
 
-    def fill(self, store, kind: int, ids: Iterable[bytes]) -> None:
+    def fill(self, store, kind: int, ids: list[bytes]) -> None:
         """Fetch those of ``ids`` that ``store`` lacks as ``kind`` and store them; for trees,
         also what they name directly (subtrees and file contents: a lookup of a child, or a
         ``find``, then needs no round trip).  Ids not published stay missing (the store's
         read then fails as it would without a remote).  Raises RametError (EIO) when the
-        object store or the catalog fails, IntegrityError when an object does not match."""
-        ids = list(dict.fromkeys(ids))
+        object store or the catalog fails, IntegrityError when an object does not match;
+        either is logged (a warning)."""
+        try:
+            self._fill(store, kind, list(dict.fromkeys(ids)))
+        except RametError as exc:  # what fails a read says so here, for the daemon's log
+            log.warning("fetching %d %s(s) from %s failed: %s", len(ids), KIND_NAMES[kind],
+                        self.url, exc)
+            raise
+
+    def _fill(self, store, kind: int, ids: list[bytes]) -> None:
         for at in range(0, len(ids), FETCH_BATCH):
             got = self.fetch(kind, _lacking(store, kind, ids[at:at + FETCH_BATCH]))
             if not got:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 CATALOG_FORMAT = "1"
 BATCH = 5000  # ids per query of ANY(%s)
 RETRIES = 3  # connection attempts of one call before it fails (EIO)
+CONNECT_TIMEOUT_S = 2  # per attempt (libpq's connect_timeout)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rametfs_meta (key text PRIMARY KEY, value text NOT NULL);
@@ -102,7 +103,8 @@ class Catalog:
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
             return self._conn
         # autocommit: a read holds no transaction; writes open theirs (conn.transaction()).
-        self._conn = psycopg.connect(self.dsn, connect_timeout=5, autocommit=True)
+        self._conn = psycopg.connect(self.dsn, connect_timeout=CONNECT_TIMEOUT_S,
+                                     autocommit=True)
         if not self._schema_checked:
             self._check_schema(self._conn)
             self._schema_checked = True

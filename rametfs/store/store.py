@@ -45,6 +45,7 @@ MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is wr
 # new pages past its last one, and a write that finds no room fails the whole commit (EIO).
 METADATA_RESERVE = 4 << 20
 EMPTY_CONTENT = chunks.content_id(0, b"")
+REMOTE_TREE_BYTES = 1 << 62  # what Store.tree_bytes says a tree to fetch from the remote costs
 _EMPTY = Content(0, b"", ())
 
 
@@ -360,10 +361,14 @@ class Store:
         return (yield from decode_tree_steps(value))
 
     def tree_bytes(self, tid: bytes) -> int:
-        """Bytes of tree ``tid``'s stored value (what decoding it costs); 0 when missing."""
+        """Bytes of tree ``tid``'s stored value (what decoding it costs); 0 when missing, but
+        :data:`REMOTE_TREE_BYTES` with a remote: fetching it costs round trips, which a
+        caller that weighs this cost (``Overlay.prefetch``) makes in a worker thread."""
         with self.env.begin(db=self.db["trees"], buffers=True) as txn:
             value = txn.get(tid)
-            return 0 if value is None else len(value)
+            if value is None:
+                return 0 if self.remote is None else REMOTE_TREE_BYTES
+            return len(value)
 
     def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
