@@ -41,7 +41,9 @@ PACK_MAGIC = b"RMP\x01"
 PACK_TARGET_BYTES = 16 << 20  # a pack is closed once it holds this much
 MERGE_GAP_BYTES = 256 << 10  # objects of one pack this close are read in one GET
 MAX_GET_BYTES = 16 << 20  # nor is a GET longer than this
-FETCH_BATCH = 512  # ids fetched and stored per transaction
+FETCH_BATCH = 512  # chunks fetched and stored per transaction
+TREE_READ_AHEAD = 4096  # trees a tree's fetch brings along (breadth first below it)
+CHUNK_READ_AHEAD_BYTES = 1 << 20  # of the pack after a fetched chunk, read along with it
 GET_THREADS = 8  # ranged GETs in flight per fetch
 S3_ATTEMPTS = 4  # the first try and 3 retries (botocore standard mode: exponential backoff)
 S3_TIMEOUT_S = 10
@@ -186,14 +188,24 @@ class Remote:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def fetch(self, kind: int, ids: Iterable[bytes]) -> dict[bytes, bytes | tuple]:
+    def fetch(self, kind: int, ids: Iterable[bytes], ahead: int = 0
+              ) -> dict[bytes, bytes | tuple]:
         """The published objects among ``ids``, checked (:func:`check_object`), by id; ids
         not published are left out.  Ranges of one pack that lie close are read in one GET,
-        and the GETs run on :data:`GET_THREADS` threads."""
+        and the GETs run on :data:`GET_THREADS` threads.  ``ahead``: bytes of each pack
+        after the last object asked for whose objects of ``kind`` are read along and
+        returned too (read-ahead: a publish puts the files of a directory side by side)."""
         where = self.catalog.locate(kind, ids)
         by_pack: dict[str, list[tuple[int, int, bytes]]] = {}
         for oid, (pack, off, length) in where.items():
             by_pack.setdefault(pack, []).append((off, length, oid))
+        if ahead:
+            for pack, items in by_pack.items():
+                end = max(off + length for off, length, _ in items)
+                asked = {oid for _, _, oid in items}
+                items += [(off, length, oid) for oid, off, length
+                          in self.catalog.objects_in(kind, pack, end, end + ahead)
+                          if oid not in asked]
         reads = []  # (pack, start, length, [(off, length, oid)])
         for pack, items in by_pack.items():
             items.sort()
@@ -234,28 +246,37 @@ class Remote:
             raise
 
     def _fill(self, store, kind: int, ids: list[bytes]) -> None:
+        if kind == KIND_TREE:
+            return self._fill_trees(store, ids)
         for at in range(0, len(ids), FETCH_BATCH):
-            got = self.fetch(kind, _lacking(store, kind, ids[at:at + FETCH_BATCH]))
-            if not got:
-                continue
-            if kind == KIND_TREE:
-                subtrees, contents = [], []
-                for value, _ in got.values():
-                    for e in msgpack.unpackb(value, use_list=True):
-                        mode, ref = e[1], e[6]
-                        if mode & 0o170000 == 0o040000:
-                            subtrees.append(ref)
-                        elif mode & 0o170000 == 0o100000 and ref != _EMPTY_CONTENT:
-                            contents.append(ref)
-                more = {KIND_TREE: self.fetch(KIND_TREE, _lacking(store, KIND_TREE, subtrees)),
-                        KIND_CONTENT: self.fetch(KIND_CONTENT,
-                                                 _lacking(store, KIND_CONTENT, contents))}
-            else:
-                more = {}
+            lacking = _lacking(store, kind, ids[at:at + FETCH_BATCH])
+            got = self.fetch(kind, lacking, CHUNK_READ_AHEAD_BYTES * (kind == KIND_CHUNK))
+            if got:
+                with store.write() as txn:
+                    _put(store, txn, kind, got)
+
+    def _fill_trees(self, store, ids: list[bytes]) -> None:
+        """Trees ``ids``, then breadth first the trees below them, :data:`TREE_READ_AHEAD`
+        in all at most, with the content records of their files: one round trip per level
+        (a ``find`` or ``git status`` of a never-seen snapshot then asks no more), each
+        level stored in one transaction."""
+        level, budget = _lacking(store, KIND_TREE, ids), TREE_READ_AHEAD
+        while level:
+            got = self.fetch(KIND_TREE, level)
+            budget -= len(got)
+            subtrees, contents = [], []
+            for value, _ in got.values():
+                for e in msgpack.unpackb(value, use_list=True):
+                    mode, ref = e[1], e[6]
+                    if mode & 0o170000 == 0o040000:
+                        subtrees.append(ref)
+                    elif mode & 0o170000 == 0o100000 and ref != _EMPTY_CONTENT:
+                        contents.append(ref)
+            records = self.fetch(KIND_CONTENT, _lacking(store, KIND_CONTENT, contents))
             with store.write() as txn:
-                _put(store, txn, kind, got)
-                for k, objs in more.items():
-                    _put(store, txn, k, objs)
+                _put(store, txn, KIND_TREE, got)
+                _put(store, txn, KIND_CONTENT, records)
+            level = _lacking(store, KIND_TREE, subtrees)[:max(budget, 0)]
 
     def snapshot(self, ref: str) -> list[tuple[bytes, bytes]]:
         """``(id, record)`` of the published snapshots whose id starts with ``ref`` (at most

@@ -7,6 +7,7 @@ do not race; all in the connection's first ``search_path`` schema)::
     rametfs_meta       key text PRIMARY KEY, value text: format version, the remote's URL
     rametfs_packs      name text PRIMARY KEY, bytes, objects, created
     rametfs_objects    (kind, id) PRIMARY KEY, pack, off, len: where an object's bytes lie
+                       (indexed by (pack, off) too: read-ahead asks what follows)
     rametfs_snapshots  id PRIMARY KEY, record (the store's snapshot value), label, created_ns,
                        published
 
@@ -45,6 +46,7 @@ CREATE TABLE IF NOT EXISTS rametfs_packs (
 CREATE TABLE IF NOT EXISTS rametfs_objects (
     kind smallint NOT NULL, id bytea NOT NULL, pack text NOT NULL REFERENCES rametfs_packs,
     off bigint NOT NULL, len integer NOT NULL, PRIMARY KEY (kind, id));
+CREATE INDEX IF NOT EXISTS rametfs_objects_by_place ON rametfs_objects (pack, off);
 CREATE TABLE IF NOT EXISTS rametfs_snapshots (
     id bytea PRIMARY KEY, record bytea NOT NULL, label text NOT NULL,
     created_ns bigint NOT NULL, published timestamptz NOT NULL DEFAULT now());
@@ -167,6 +169,15 @@ class Catalog:
             for oid, pack, off, length in self._call("locate objects", query):
                 found[bytes(oid)] = (pack, off, length)
         return found
+
+    def objects_in(self, kind: int, pack: str, start: int, stop: int
+                   ) -> list[tuple[bytes, int, int]]:
+        """``(id, offset, length)`` of the objects of ``kind`` whose row places them in pack
+        ``pack`` at an offset in ``[start, stop)``, by offset."""
+        rows = self._call(f"list objects of pack {pack}", lambda conn: conn.execute(
+            "SELECT id, off, len FROM rametfs_objects WHERE pack = %s AND off >= %s AND "
+            "off < %s AND kind = %s ORDER BY off", (pack, start, stop, kind)).fetchall())
+        return [(bytes(i), off, length) for i, off, length in rows]
 
     def missing(self, kind: int, ids: Iterable[bytes]) -> list[bytes]:
         """Those of ``ids`` (distinct) not published as ``kind``, in their order."""
