@@ -645,15 +645,22 @@ def build_pyfuse3() -> None:
 # ----- snapshots and executions --------------------------------------------------------------
 
 @main.command()
-@click.option("--data", required=True, metavar="DIR",
+@click.option("--data", metavar="DIR",
               help="Data directory to check (a live daemon may be serving it).")
-def fsck(data: str) -> None:
+@remote_options
+def fsck(data: str | None, remote: str | None, catalog: str | None) -> None:
     """Verify every snapshot: trees, contents and each chunk's BLAKE3 id.  Exit 1 on damage.
 
     Reads only: nothing in DIR is made or changed.  A DIR that holds no store is refused
-    (exit 3, ENOENT; not a directory: exit 4, EINVAL).
+    (exit 3, ENOENT; not a directory: exit 4, EINVAL).  With --remote and --catalog instead:
+    every published snapshot has its trees and content records published and matching their
+    ids, its chunks published, in packs the object store holds (docs/remote.md).
     """
     from rametfs import errors
+    if remote is not None or catalog is not None:
+        return fsck_remote(remote, catalog)
+    if data is None:
+        raise click.UsageError("give --data DIR, or --remote and --catalog.")
     from rametfs.store import Store, fsck as check_store
     try:
         store = Store.open_read_only(data)
@@ -667,6 +674,25 @@ def fsck(data: str) -> None:
         click.echo(line)
     click.echo(f"{report.snapshots} snapshots, {report.trees} trees, {report.contents} contents, "
                f"{report.chunks} chunks checked; {len(report.problems)} problems", err=True)
+    if report.problems:
+        raise click.exceptions.Exit(EXIT_OTHER)
+
+
+def fsck_remote(remote: str | None, catalog: str | None) -> None:
+    from rametfs import errors
+    from rametfs.store.remote_fsck import check
+    where = open_remote(remote, catalog)
+    try:
+        report = check(where)
+    except errors.RametError as exc:
+        raise RametError(exc.errno, f"fsck: {exc}") from None
+    finally:
+        where.close()
+    for line in report.problems:
+        click.echo(line)
+    click.echo(f"{report.snapshots} published snapshots, {report.trees} trees, "
+               f"{report.contents} contents, {report.chunks} chunks, {report.packs} packs "
+               f"checked; {len(report.problems)} problems", err=True)
     if report.problems:
         raise click.exceptions.Exit(EXIT_OTHER)
 
@@ -781,16 +807,20 @@ def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, gro
 @label_option
 @message_option
 @policy_option("the policy stored with the execution at create, else none")
+@click.option("--publish", is_flag=True,
+              help="Then publish the snapshot to the daemon's remote (mount --remote; "
+                   "docs/remote.md).")
 @ramet_options
 def promote(ramet: Ramet, execution: str, label: str | None, message: str | None,
-            policy: str | None) -> None:
+            policy: str | None, publish: bool) -> None:
     """Snapshot EXECUTION and make it its head (reset returns to it); print the id.
 
     A policy (--policy, else the one stored at create) leaves out ephemeral paths, stores
     rebuildable ones as recipes and checks shared ones against the base.  The tree's own
     ramet.toml applies only with --policy tree.
     """
-    click.echo(target(ramet, execution).promote(label=label, message=message, policy=policy))
+    click.echo(target(ramet, execution).promote(label=label, message=message, policy=policy,
+                                                publish=publish))
 
 
 @main.command()

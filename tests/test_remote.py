@@ -320,3 +320,105 @@ def test_a_publish_cut_short_lists_nothing_and_resumes(tmp_path, remote):
             run("cmp", src / f"f{i}", two.exec_path(ex) / f"f{i}")
     finally:
         two.stop()
+
+
+def test_promote_publish_from_the_harness(tmp_path, remote):
+    """``rametfs promote --publish`` (the wrapper's ``promote(publish=True)``) on a daemon
+    served with the remote publishes the new snapshot, which another worker then reads; the
+    root command ``publish`` is idempotent; an execution may not publish (EACCES), and a
+    daemon with no remote says so (EINVAL)."""
+    require_fuse()
+    from rametfs import Ramet
+    from rametfs.client import RametError
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("base\n")
+    env = environ(remote)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1", env=env)
+    one.start()
+    try:
+        ex = one.create(one.snapshot(tmp_path / "src"))
+        (one.exec_path(ex) / "f").write_text("promoted\n")
+        snap = rametfs("promote", "--publish", ex, "-m", str(one.mnt), env=env).stdout.strip()
+        again = one.ctl(f"publish {snap}")
+        assert again["snapshot"] == snap and again["published"]["already"]
+        with pytest.raises(OSError) as refused:
+            from conftest import ctl_command
+            ctl_command(one.exec_path(ex) / ".ramet" / "ctl", "promote --publish yes")
+        assert refused.value.errno == 13
+        assert refused.value.reply["error"].startswith("promote --publish: what goes to the "
+                                                       "remote is the harness's")
+        (one.exec_path(ex) / "f").write_text("by the wrapper\n")
+        with Ramet(one.mnt) as ramet:
+            second = ramet.execution(ex).promote(publish=True)
+            assert ramet.publish(second)["already"]
+    finally:
+        one.stop()
+    listed = json.loads(rametfs("ls", "--remote", "--json", env=env).stdout)
+    assert [s["id"] for s in listed["snapshots"]] == [snap, second]
+    plain = Daemon(tmp_path / "data3", tmp_path / "mnt3")
+    plain.start()
+    try:
+        with Ramet(plain.mnt) as ramet, pytest.raises(RametError) as no_remote:
+            ramet.publish(ramet.snapshot(tmp_path / "src"))
+        assert no_remote.value.errno == 22
+        assert "this daemon serves no remote" in str(no_remote.value)
+    finally:
+        plain.stop()
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=env)
+    two.start()
+    try:
+        assert (two.exec_path(two.create(snap)) / "f").read_text() == "promoted\n"
+        assert (two.exec_path(two.create(second)) / "f").read_text() == "by the wrapper\n"
+    finally:
+        two.stop()
+
+
+def test_kills_during_publish_never_list_a_snapshot_with_missing_objects(tmp_path, remote,
+                                                                          monkeypatch):
+    """Publishes of three snapshots killed 20 times at moments spread over their run: after
+    each kill, ``fsck --remote``'s check finds every listed snapshot whole; then each
+    publish completes, and fsck counts all three."""
+    require_fuse()
+    import random
+    import time
+    from rametfs.store.remote import Remote
+    from rametfs.store.remote_fsck import check
+    for key, value in environ(remote).items():
+        monkeypatch.setenv(key, value)
+    src = tmp_path / "src"
+    (src / "small").mkdir(parents=True)
+    for i in range(300):
+        (src / "small" / f"f{i}").write_text(f"{i}\n" * i)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    snaps = []
+    try:
+        for n in range(3):  # each adds 12 MiB that does not compress
+            (src / f"big{n}").write_bytes(os.urandom(12 << 20))
+            snaps.append(one.snapshot(src))
+        where = Remote(remote["RAMET_REMOTE"], remote["RAMET_CATALOG"])
+        rng = random.Random(19)
+        try:
+            for kill in range(20):
+                snap = snaps[kill % 3]
+                proc = subprocess.Popen([sys.executable, "-m", "rametfs", "publish", "--data",
+                                         str(one.data_dir), snap], env=environ(remote),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(rng.uniform(0.5, 3.0))
+                proc.kill()
+                proc.wait()
+                report = check(where)
+                assert report.problems == [], (kill, report)
+            for snap in snaps:
+                rametfs("publish", "--data", str(one.data_dir), snap, env=environ(remote))
+            report = check(where)
+            assert (report.snapshots, report.problems) == (3, [])
+            assert report.contents == 300 - 1 + 3  # f0 is empty
+        finally:
+            where.close()
+    finally:
+        one.stop()
+    proc = rametfs("fsck", env=environ(remote))
+    # The three roots and small/ (shared); 299 small chunks and 3 x 192 of 64 KiB.
+    assert proc.stderr.startswith("3 published snapshots, 4 trees, 302 contents, 875 chunks, "
+                                  ), proc.stderr

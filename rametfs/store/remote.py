@@ -97,6 +97,23 @@ class ObjectStore:
             self.requests += 1
             self.bytes_sent += len(data)
 
+    def size(self, pack: str) -> int | None:
+        """Bytes of pack ``pack``, None when there is none (HEAD).  RametError (EIO) on
+        another failure."""
+        import botocore.exceptions
+        try:
+            reply = self.client.head_object(Bucket=self.bucket, Key=self.key(pack))
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._error(self.key(pack), exc) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            raise self._error(self.key(pack), exc) from None
+        finally:
+            with self._count:
+                self.requests += 1
+        return reply["ContentLength"]
+
     def get(self, pack: str, start: int, length: int) -> bytes:
         """Bytes ``[start, start + length)`` of pack ``pack``.  RametError (EIO) on failure
         or a short reply."""
