@@ -61,9 +61,8 @@ def publish(store: Store, remote: Remote, ref: str,
     if remote.catalog.has_snapshot(sid):
         done.already = True
         return done
-    trees = _missing_trees(store, remote, snap.root.ref)
-    contents = remote.catalog.missing(KIND_CONTENT, dict.fromkeys(
-        c for _, _, refs in trees for c in refs))
+    trees, in_path_order = _missing_trees(store, remote, snap.root.ref)
+    contents = remote.catalog.missing(KIND_CONTENT, dict.fromkeys(in_path_order))
     with store.read() as txn:
         records = {c: bytes(txn.get(c, db=store.db["contents"]) or _missing("content", c))
                    for c in contents}
@@ -105,7 +104,7 @@ def publish(store: Store, remote: Remote, ref: str,
                 else _missing("chunk", cid))
     for cid, value in records.items():
         add(KIND_CONTENT, cid, value)
-    for tid, _, _ in trees:  # children before parents
+    for tid in trees:  # children before parents
         with store.read() as txn:
             value, totals = txn.get(tid, db=store.db["trees"]), txn.get(
                 tid, db=store.db["tree_stats"])
@@ -126,9 +125,11 @@ def _missing(what: str, oid: bytes):
 
 
 def _missing_trees(store: Store, remote: Remote, root: bytes
-                   ) -> list[tuple[bytes, list[bytes], list[bytes]]]:
-    """``(tree id, subtree ids, content ids)`` of every tree below (and with) ``root`` that
-    the catalog lacks, children before parents; a published tree's subtrees are not read.
+                   ) -> tuple[list[bytes], list[bytes]]:
+    """The ids of every tree below (and with) ``root`` that the catalog lacks, children
+    before parents, and the content ids of their files in path order (a directory's files,
+    then its subdirectories by name: what a reader of the tree reads one after another,
+    which read-ahead then finds side by side); a published tree's subtrees are not read.
     The catalog is asked once per level of the tree (in batches), not once per tree."""
     found: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
     level = [root]
@@ -146,21 +147,23 @@ def _missing_trees(store: Store, remote: Remote, root: bytes
             found[tid] = (subtrees, contents)
             next_level.extend(t for t in subtrees if t not in found)
         level = list(dict.fromkeys(next_level))
-    # Post-order by an explicit stack: trees may be tens of thousands deep.
-    order, seen, stack = [], set(), [(root, False)]
+    # Depth first by an explicit stack (trees may be tens of thousands deep): files on the
+    # way down, trees on the way up.
+    order, contents, seen, stack = [], [], set(), [(root, False)]
     while stack:
         tid, expanded = stack.pop()
         if tid not in found:
             continue
         if expanded:
-            order.append((tid, *found[tid]))
+            order.append(tid)
             continue
         if tid in seen:
             continue
         seen.add(tid)
+        contents.extend(found[tid][1])
         stack.append((tid, True))
-        stack.extend((t, False) for t in found[tid][0] if t not in seen)
-    return order
+        stack.extend((t, False) for t in reversed(found[tid][0]) if t not in seen)
+    return order, contents
 
 
 def _tree_value(store: Store, tid: bytes) -> bytes:

@@ -22,7 +22,7 @@ import errno
 import logging
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import blake3
@@ -41,9 +41,11 @@ PACK_MAGIC = b"RMP\x01"
 PACK_TARGET_BYTES = 16 << 20  # a pack is closed once it holds this much
 MERGE_GAP_BYTES = 256 << 10  # objects of one pack this close are read in one GET
 MAX_GET_BYTES = 16 << 20  # nor is a GET longer than this
-FETCH_BATCH = 512  # chunks fetched and stored per transaction
-TREE_READ_AHEAD = 4096  # trees a tree's fetch brings along (breadth first below it)
-CHUNK_READ_AHEAD_BYTES = 1 << 20  # of the pack after a fetched chunk, read along with it
+FETCH_BATCH = 512  # chunks or content records fetched and stored per transaction
+TREE_READ_AHEAD = 32768  # trees a tree's fetch brings along (breadth first below it)
+# Of the pack after a fetched object, what is read along with it (objects of the same kind
+# the store lacks): content records are about 100 bytes, chunks up to 64 KiB.
+READ_AHEAD_BYTES = {KIND_CONTENT: 256 << 10, KIND_CHUNK: 1 << 20}
 GET_THREADS = 8  # ranged GETs in flight per fetch
 S3_ATTEMPTS = 4  # the first try and 3 retries (botocore standard mode: exponential backoff)
 S3_TIMEOUT_S = 10
@@ -205,13 +207,15 @@ class Remote:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def fetch(self, kind: int, ids: Iterable[bytes], ahead: int = 0
+    def fetch(self, kind: int, ids: Iterable[bytes], ahead: int = 0,
+              lacking: Callable[[list[bytes]], list[bytes]] | None = None
               ) -> dict[bytes, bytes | tuple]:
         """The published objects among ``ids``, checked (:func:`check_object`), by id; ids
         not published are left out.  Ranges of one pack that lie close are read in one GET,
         and the GETs run on :data:`GET_THREADS` threads.  ``ahead``: bytes of each pack
-        after the last object asked for whose objects of ``kind`` are read along and
-        returned too (read-ahead: a publish puts the files of a directory side by side)."""
+        after the last object asked for whose objects of ``kind`` that ``lacking`` keeps
+        (``lacking(ids)``: those the caller lacks) are read along and returned too
+        (read-ahead: a publish lays files out in path order, side by side)."""
         where = self.catalog.locate(kind, ids)
         by_pack: dict[str, list[tuple[int, int, bytes]]] = {}
         for oid, (pack, off, length) in where.items():
@@ -220,9 +224,10 @@ class Remote:
             for pack, items in by_pack.items():
                 end = max(off + length for off, length, _ in items)
                 asked = {oid for _, _, oid in items}
-                items += [(off, length, oid) for oid, off, length
-                          in self.catalog.objects_in(kind, pack, end, end + ahead)
-                          if oid not in asked]
+                near = {oid: (off, length) for oid, off, length
+                        in self.catalog.objects_in(kind, pack, end, end + ahead)
+                        if oid not in asked}
+                items += [(*near[oid], oid) for oid in (lacking or list)(list(near))]
         reads = []  # (pack, start, length, [(off, length, oid)])
         for pack, items in by_pack.items():
             items.sort()
@@ -249,9 +254,10 @@ class Remote:
         return found
 
     def fill(self, store, kind: int, ids: list[bytes]) -> None:
-        """Fetch those of ``ids`` that ``store`` lacks as ``kind`` and store them; for trees,
-        also what they name directly (subtrees and file contents: a lookup of a child, or a
-        ``find``, then needs no round trip).  Ids not published stay missing (the store's
+        """Fetch those of ``ids`` that ``store`` lacks as ``kind`` and store them, with
+        read-ahead: for trees the trees below them (:meth:`_fill_trees`), for content records
+        and chunks what the store lacks of the next :data:`READ_AHEAD_BYTES` of their packs.
+        Ids not published stay missing (the store's
         read then fails as it would without a remote).  Raises RametError (EIO) when the
         object store or the catalog fails, IntegrityError when an object does not match;
         either is logged (a warning)."""
@@ -266,33 +272,26 @@ class Remote:
         if kind == KIND_TREE:
             return self._fill_trees(store, ids)
         for at in range(0, len(ids), FETCH_BATCH):
-            lacking = _lacking(store, kind, ids[at:at + FETCH_BATCH])
-            got = self.fetch(kind, lacking, CHUNK_READ_AHEAD_BYTES * (kind == KIND_CHUNK))
+            got = self.fetch(kind, _lacking(store, kind, ids[at:at + FETCH_BATCH]),
+                             READ_AHEAD_BYTES[kind], lambda near: _lacking(store, kind, near))
             if got:
                 with store.write() as txn:
                     _put(store, txn, kind, got)
 
     def _fill_trees(self, store, ids: list[bytes]) -> None:
         """Trees ``ids``, then breadth first the trees below them, :data:`TREE_READ_AHEAD`
-        in all at most, with the content records of their files: one round trip per level
-        (a ``find`` or ``git status`` of a never-seen snapshot then asks no more), each
-        level stored in one transaction."""
+        in all at most: one round trip per level (a ``find`` of a never-seen snapshot then
+        asks no more), each level stored in one transaction.  Content records wait for a
+        read, which brings its neighbours (:data:`READ_AHEAD_BYTES`)."""
         level, budget = _lacking(store, KIND_TREE, ids), TREE_READ_AHEAD
         while level:
             got = self.fetch(KIND_TREE, level)
             budget -= len(got)
-            subtrees, contents = [], []
-            for value, _ in got.values():
-                for e in msgpack.unpackb(value, use_list=True):
-                    mode, ref = e[1], e[6]
-                    if mode & 0o170000 == 0o040000:
-                        subtrees.append(ref)
-                    elif mode & 0o170000 == 0o100000 and ref != _EMPTY_CONTENT:
-                        contents.append(ref)
-            records = self.fetch(KIND_CONTENT, _lacking(store, KIND_CONTENT, contents))
+            subtrees = [e[6] for value, _ in got.values()
+                        for e in msgpack.unpackb(value, use_list=True)
+                        if e[1] & 0o170000 == 0o040000]
             with store.write() as txn:
                 _put(store, txn, KIND_TREE, got)
-                _put(store, txn, KIND_CONTENT, records)
             level = _lacking(store, KIND_TREE, subtrees)[:max(budget, 0)]
 
     def snapshot(self, ref: str) -> list[tuple[bytes, bytes]]:
@@ -301,7 +300,6 @@ class Remote:
         return self.catalog.snapshot(ref)
 
 
-_EMPTY_CONTENT = chunks.content_id(0, b"")
 _DB = {KIND_CHUNK: "chunks", KIND_CONTENT: "contents", KIND_TREE: "trees"}
 
 
