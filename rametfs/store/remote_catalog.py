@@ -230,9 +230,14 @@ class Catalog:
     def snapshot(self, ref: str) -> list[tuple[bytes, bytes]]:
         """``(id, record)`` of the published snapshots whose hex id starts with ``ref`` (at
         most two: enough to tell one from several)."""
+        # A range of the primary key (the whole bytes of the prefix), then the odd digit.
+        low = bytes.fromhex(ref[:len(ref) // 2 * 2])
+        end = int.from_bytes(low, "big") + 1
+        high = end.to_bytes(len(low), "big") if low and end < 1 << 8 * len(low) else None
         rows = self._call(f"find snapshot {ref}", lambda conn: conn.execute(
-            "SELECT id, record FROM rametfs_snapshots WHERE encode(id, 'hex') LIKE %s "
-            "ORDER BY id LIMIT 2", (ref.lower() + "%",)).fetchall())
+            "SELECT id, record FROM rametfs_snapshots WHERE id >= %s AND (%s::bytea IS NULL "
+            "OR id < %s) AND encode(id, 'hex') LIKE %s ORDER BY id LIMIT 2",
+            (low, high, high, ref.lower() + "%")).fetchall())
         return [(bytes(i), bytes(r)) for i, r in rows]
 
     def has_snapshot(self, sid: bytes) -> bool:
