@@ -118,7 +118,7 @@ def test_acquire_renew_ebusy_timeout_and_ls(daemon, source):
             row, = [line for line in listing.splitlines() if line.startswith(ex.id)]
             assert row.split()[5:9] == [f"{os.getuid()}:{os.getgid()}/0700/full", "leased",
                                         "agents", pool.holder]
-            assert f"(pid {os.getpid()}@{socket.gethostname()})" in row
+            assert f"(pid {os.getpid()} on {socket.gethostname()})" in row
             assert row.split()[-2] == "in"
             assert [line.split() for line in listing.splitlines()[-2:]] == [
                 ["POOL", "BASE", "SIZE", "READY", "LEASED", "QUARANTINED"],
