@@ -196,6 +196,12 @@ def test_credentials_never_show(tmp_path, remote):
                        check=False)
         assert proc.returncode == 1 and secret not in proc.stderr + proc.stdout
         rametfs("publish", "--data", str(one.data_dir), snap, env=environ(remote))
+        # The catalog belongs to the remote it first served: another is refused (EINVAL).
+        proc = rametfs("publish", "--data", str(one.data_dir), snap, check=False,
+                       env=environ(remote, RAMET_REMOTE="s3://another-bucket/pfx"))
+        assert proc.returncode == 4
+        assert proc.stderr.endswith(f"belongs to the remote {remote['RAMET_REMOTE']}, not "
+                                    "s3://another-bucket/pfx\n"), proc.stderr
     finally:
         one.stop()
     # The server trusts every local connection: the password is carried, never checked.

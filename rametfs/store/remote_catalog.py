@@ -79,8 +79,9 @@ class Catalog:
     """One PostgreSQL connection to the catalog, shared by the threads that call it (psycopg
     serialises them); reconnected on the next call after the server went away.
 
-    ``remote_url`` is the remote whose catalog it must be (recorded by the first use), or
-    None to read any (``rametfs ls --remote``).  Every method raises RametError (EIO) naming the catalog (:func:`safe_dsn`) when the
+    ``remote_url`` is the remote whose catalog it must be (recorded by the first use;
+    another is InvalidArgument, EINVAL), or None to read any (``rametfs ls --remote``).
+    Every method raises RametError (EIO) naming the catalog (:func:`safe_dsn`) when the
     server cannot be reached after :data:`RETRIES` attempts or fails a statement.
     """
 
