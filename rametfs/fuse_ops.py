@@ -18,7 +18,7 @@ opendir answer ENOSYS, so the kernel stops sending open, release, opendir and re
 keeps every file's pages and every directory's listing cached, and the handlers get the inode
 number where a file handle was.  Without the patch the same handlers run with the inode number
 as the file handle.  Either way there is no per-open state: a file's upper data descriptor is
-cached (``Overlay.upper_fds``), dirty inode records are stored by the daemon every second
+cached (``FileData.upper_fds``), dirty inode records are stored by the daemon every second
 (``daemon._store_dirty_records``) and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
 
 Who may do what (rametfs.authority; docs/architecture.md, "Authority"): ``snapshots/`` and
@@ -59,9 +59,9 @@ from .authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
 from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
-from .overlay import (COLLECT_BATCH, SNAPSHOT_ID_RE, Attrs, Execution, Node, Overlay,
-                      close_all, unlink_upper_files)
-from .store.names import HEX_REF
+from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all,
+                      unlink_upper_files)
+from .store.names import HEX_REF, SNAPSHOT_ID_RE
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,8 @@ from conftest import run, wait_until
 from rametfs import Ramet, RametError
 from rametfs.client import PoolTimeout
 from rametfs.errors import Busy
-from rametfs.overlay import UpperInode
 from rametfs.store import Store
-from rametfs.store.format import dentry_key, inode_key, page_key, u64
+from rametfs.store.format import UpperInode, dentry_key, inode_key, page_key, u64
 from test_snapshots import write_tree
 
 QUARANTINE_LOG = r"WARNING rametfs\.control: execution \S+ quarantined"
