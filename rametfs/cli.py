@@ -202,6 +202,116 @@ class ByteSize(click.ParamType):
         return size
 
 
+# ----- the remote (docs/remote.md) -------------------------------------------------------------
+
+REMOTE_ENV, CATALOG_ENV = "RAMET_REMOTE", "RAMET_CATALOG"
+
+
+def remote_options(command):
+    """Give ``command`` --remote and --catalog (``remote``, ``catalog``: None when not
+    given)."""
+    command = click.option(
+        "--catalog", envvar=CATALOG_ENV, show_envvar=True, metavar="DSN",
+        help="The PostgreSQL catalog of the remote: a libpq DSN (postgresql://... or "
+             "key=value; empty: libpq's PG* variables and .pgpass).")(command)
+    return click.option(
+        "--remote", envvar=REMOTE_ENV, show_envvar=True, metavar="s3://BUCKET/PREFIX",
+        help="S3-compatible object storage for published snapshots; the endpoint, region "
+             "and keys come from the AWS chain (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID ...).")(
+        command)
+
+
+def remote_pair(remote: str | None, catalog: str | None) -> None:
+    """A usage error (exit 2) unless both or neither of --remote and --catalog are given."""
+    if (remote is None) != (catalog is None):
+        raise click.UsageError("--remote and --catalog go together (or $RAMET_REMOTE and "
+                               "$RAMET_CATALOG).")
+
+
+def open_remote(remote: str | None, catalog: str | None):
+    """The :class:`rametfs.store.remote.Remote` both name; a usage error without them."""
+    remote_pair(remote, catalog)
+    if remote is None:
+        raise click.UsageError("give --remote and --catalog (or $RAMET_REMOTE and "
+                               "$RAMET_CATALOG).")
+    from rametfs import errors
+    from rametfs.store.remote import Remote
+    try:
+        return Remote(remote, catalog)
+    except errors.RametError as exc:
+        raise RametError(exc.errno, str(exc)) from None
+
+
+@main.command()
+@click.argument("snapshot")
+@click.option("--data", required=True, type=click.Path(file_okay=False),
+              help="The data directory holding the snapshot (a daemon may serve it).")
+@remote_options
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def publish(snapshot: str, data: str, remote: str | None, catalog: str | None,
+            as_json: bool) -> None:
+    """Publish SNAPSHOT of the store in --data to the remote: upload what the remote lacks in
+    pack objects, then list it in the catalog (once every object it needs is stored).
+
+    Idempotent, and resumable: run it again after a failure and it uploads only the rest.
+    Progress on stderr, one line per pack.
+    """
+    from rametfs import errors
+    from rametfs.store import Store
+    from rametfs.store.publish import publish as publish_snapshot
+    where = open_remote(remote, catalog)
+
+    def progress(p) -> None:
+        click.echo(f"rametfs: publish {p.snapshot[:12]}: {p.packs} packs, "
+                   f"{human_bytes(p.bytes)}, {p.seconds:.1f} s", err=True)
+    try:
+        store = Store.open_read_only(data)
+        try:
+            done = publish_snapshot(store, where, snapshot, progress)
+        finally:
+            store.close()
+    except errors.RametError as exc:
+        raise RametError(exc.errno, f"publish: {exc}") from None
+    finally:
+        where.close()
+    if as_json:
+        click.echo(json.dumps(done.to_json(), indent=2, sort_keys=True))
+    elif done.already:
+        click.echo(f"{done.snapshot} was published already")
+    else:
+        click.echo(f"{done.snapshot} published: {done.packs} packs, {done.trees} trees, "
+                   f"{done.contents} contents, {done.chunks} chunks, {human_bytes(done.bytes)}, "
+                   f"{done.requests} requests, {done.seconds:.1f} s")
+
+
+def list_remote(catalog: str | None, as_json: bool) -> None:
+    """``rametfs ls --remote``: the snapshots the catalog lists."""
+    from rametfs import errors
+    from rametfs.store import Store
+    from rametfs.store.remote_catalog import Catalog
+    if catalog is None:
+        raise click.UsageError("ls --remote needs --catalog (or $RAMET_CATALOG).")
+    cat = Catalog(catalog, None)
+    try:
+        snaps = [Store._snapshot(sid, value).to_json() for sid, value in cat.snapshots()]
+    except errors.RametError as exc:
+        raise RametError(exc.errno, str(exc)) from None
+    finally:
+        cat.close()
+    if as_json:
+        click.echo(json.dumps({"remote": cat.recorded_remote, "snapshots": snaps}, indent=2,
+                              sort_keys=True))
+        return
+    now = time.time_ns()
+    click.echo(f"remote: {cat.recorded_remote or '-'}  catalog: {cat.where}")
+    click.echo()
+    click.echo(format_table(
+        ("SNAPSHOT", "TREE", "LABEL", "FILES", "BYTES", "AGE"),
+        [(s["id"][:12], s["tree"][:12], printable(s["label"] or ""), str(s.get("files", "-")),
+          human_bytes(s["bytes"]) if "bytes" in s else "-", human_age(now - s["created_ns"]))
+         for s in snaps]))
+
+
 # ----- daemon lifecycle -----------------------------------------------------------------------
 
 @main.command(name="mount")
@@ -226,16 +336,20 @@ class ByteSize(click.ParamType):
                    "is EFBIG, an fsmonitor answer says \"everything\" (default: 64 MiB).")
 @click.option("--faults", is_flag=True, hidden=True,
               help="Take the fault command (fault injection, for the test suite).")
+@remote_options
 def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
           log_file: str | None, max_file_size: int | None,
-          cache_max_bytes: int | None, max_answer_bytes: int | None, faults: bool) -> None:
+          cache_max_bytes: int | None, max_answer_bytes: int | None, faults: bool,
+          remote: str | None, catalog: str | None) -> None:
     """Mount rametfs at MOUNTPOINT (made if missing) and serve it until unmounted.
 
     Stop it with `rametfs umount MOUNTPOINT`.  Without the patched pyfuse3 it runs in plain
-    mode, and says so on stderr (rametfs build-pyfuse3).
+    mode, and says so on stderr (rametfs build-pyfuse3).  With --remote and --catalog, a
+    published snapshot is found there and fetched as it is read (docs/remote.md).
     """
     from rametfs import errors
     data = os.path.abspath(data)
+    remote_pair(remote, catalog)
     with contextlib.suppress(OSError):  # a file there, or a dead mount: the check says so
         os.makedirs(mountpoint, exist_ok=True)  # as mkdir -p
     mountpoint = os.path.realpath(mountpoint)
@@ -252,6 +366,8 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
                                 ("--cache-max-bytes", cache_max_bytes),
                                 ("--max-answer-bytes", max_answer_bytes)):
                 argv += [flag, str(value)] if value is not None else []
+            if remote is not None:  # by the environment: a DSN may hold a password
+                os.environ.update({REMOTE_ENV: remote, CATALOG_ENV: catalog})
             if not _start_detached(argv, mountpoint, log_file)["open_less"]:
                 _say_plain_mode()
             return
@@ -264,7 +380,8 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         run_daemon(data, mountpoint, allow_other=allow_other, debug=debug,
                    max_file_size=max_file_size, cache_max_bytes=cache_max_bytes,
-                   max_answer_bytes=max_answer_bytes, faults=faults)
+                   max_answer_bytes=max_answer_bytes, faults=faults, remote=remote,
+                   catalog=catalog)
     except errors.RametError as exc:
         raise RametError(exc.errno, str(exc)) from None
 
@@ -559,15 +676,22 @@ def build_pyfuse3() -> None:
 # ----- snapshots and executions --------------------------------------------------------------
 
 @main.command()
-@click.option("--data", required=True, metavar="DIR",
+@click.option("--data", metavar="DIR",
               help="Data directory to check (a live daemon may be serving it).")
-def fsck(data: str) -> None:
+@remote_options
+def fsck(data: str | None, remote: str | None, catalog: str | None) -> None:
     """Verify every snapshot: trees, contents and each chunk's BLAKE3 id.  Exit 1 on damage.
 
     Reads only: nothing in DIR is made or changed.  A DIR that holds no store is refused
-    (exit 3, ENOENT; not a directory: exit 4, EINVAL).
+    (exit 3, ENOENT; not a directory: exit 4, EINVAL).  With --remote and --catalog instead:
+    every published snapshot has its trees and content records published and matching their
+    ids, its chunks published, in packs the object store holds (docs/remote.md).
     """
     from rametfs import errors
+    if remote is not None or catalog is not None:
+        return fsck_remote(remote, catalog)
+    if data is None:
+        raise click.UsageError("give --data DIR, or --remote and --catalog.")
     from rametfs.store import Store, fsck as check_store
     try:
         store = Store.open_read_only(data)
@@ -581,6 +705,25 @@ def fsck(data: str) -> None:
         click.echo(line)
     click.echo(f"{report.snapshots} snapshots, {report.trees} trees, {report.contents} contents, "
                f"{report.chunks} chunks checked; {len(report.problems)} problems", err=True)
+    if report.problems:
+        raise click.exceptions.Exit(EXIT_OTHER)
+
+
+def fsck_remote(remote: str | None, catalog: str | None) -> None:
+    from rametfs import errors
+    from rametfs.store.remote_fsck import check
+    where = open_remote(remote, catalog)
+    try:
+        report = check(where)
+    except errors.RametError as exc:
+        raise RametError(exc.errno, f"fsck: {exc}") from None
+    finally:
+        where.close()
+    for line in report.problems:
+        click.echo(line)
+    click.echo(f"{report.snapshots} published snapshots, {report.trees} trees, "
+               f"{report.contents} contents, {report.chunks} chunks, {report.packs} packs "
+               f"checked; {len(report.problems)} problems", err=True)
     if report.problems:
         raise click.exceptions.Exit(EXIT_OTHER)
 
@@ -696,16 +839,20 @@ def create(ramet: Ramet, snapshot: str, name: str | None, owner: int | None, gro
 @label_option
 @message_option
 @policy_option("the policy stored with the execution at create, else none")
+@click.option("--publish", is_flag=True,
+              help="Then publish the snapshot to the daemon's remote (mount --remote; "
+                   "docs/remote.md).")
 @ramet_options
 def promote(ramet: Ramet, execution: str, label: str | None, message: str | None,
-            policy: str | None) -> None:
+            policy: str | None, publish: bool) -> None:
     """Snapshot EXECUTION and make it its head (reset returns to it); print the id.
 
     A policy (--policy, else the one stored at create) leaves out ephemeral paths, stores
     rebuildable ones as recipes and checks shared ones against the base.  The tree's own
     ramet.toml applies only with --policy tree.
     """
-    click.echo(target(ramet, execution).promote(label=label, message=message, policy=policy))
+    click.echo(target(ramet, execution).promote(label=label, message=message, policy=policy,
+                                                publish=publish))
 
 
 @main.command()
@@ -980,10 +1127,17 @@ def status(ramet: Ramet, execution: str | None) -> None:
 
 @main.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@ramet_options
-def list_(ramet: Ramet, as_json: bool) -> None:
+@click.option("--remote", "remote", is_flag=True,
+              help="List the snapshots published in the catalog --catalog names instead.")
+@click.option("--catalog", envvar=CATALOG_ENV, show_envvar=True, metavar="DSN",
+              help="With --remote: the catalog (a libpq DSN).")
+@_RAMET_OPTIONS[0]
+@_RAMET_OPTIONS[1]
+@_RAMET_OPTIONS[2]
+def list_(as_json: bool, remote: bool, catalog: str | None, **where) -> None:
     """List snapshots, executions and pools, after a line naming the mount and its mode
-    (open-less or plain; fallback mode: the copy method and data directory).
+    (open-less or plain; fallback mode: the copy method and data directory); with --remote,
+    the snapshots published in the catalog.
 
     TREE is 12 hex digits of a snapshot's root tree id: snapshots of the same directory
     tree (the same names, contents, modes, owners, times) have the same TREE.
@@ -991,6 +1145,14 @@ def list_(ramet: Ramet, as_json: bool) -> None:
     --max-inodes (shown when one has some); pool members also show their state, pool,
     lease holder and lease expiry.
     """
+    if remote:
+        return list_remote(catalog, as_json)
+    return _list_local(as_json=as_json, **where)
+
+
+@ramet_options
+def _list_local(ramet: Ramet, as_json: bool) -> None:
+    """``rametfs ls`` of a mount or a fallback data directory."""
     state = ramet.status()
     fallback = ramet.mode == "fallback"
     if as_json:

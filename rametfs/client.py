@@ -230,6 +230,16 @@ class Ramet:
         digits, or name) names.  Errors: ENOENT none, or several."""
         return self._backend.root_command("resolve", snapshot)["snapshot"]
 
+    def publish(self, snapshot: str) -> dict:
+        """Publish ``snapshot`` to the daemon's remote (docs/remote.md); what it did:
+        ``{"snapshot", "already", "packs", "trees", "contents", "chunks", "bytes",
+        "requests", "seconds"}``.  EINVAL in fallback mode or without a remote, EIO when the
+        remote fails (the next publish resumes)."""
+        if self.mode == "fallback":
+            raise RametError(errno.EINVAL, "publish: fallback mode has no remote (use "
+                                           "rametfs publish --data DIR)")
+        return self._backend.root_command("publish", snapshot)["published"]
+
     def rm(self, snapshot: str, force: bool = False) -> dict:
         """Forget the snapshot ``snapshot`` (its record; gc frees its data):
         ``{"removed": [id], "names": [names deleted]}``.  Errors: ENOENT unknown snapshot;
@@ -480,16 +490,24 @@ class Execution:
         return self.ramet._backend.execution_path(self.id)
 
     def promote(self, label: str | None = None, message: str | None = None,
-                policy: str | os.PathLike | None = None) -> str:
+                policy: str | os.PathLike | None = None, publish: bool = False) -> str:
         """Save the current tree as a new snapshot and carry on from it; return its id.
 
         The persistence policy applied is ``policy`` (a TOML file, ``"tree"``: the tree's
         own ``ramet.toml``, or ``"none"``), else the one stored with the execution at
-        create (docs/policy.md).  Errors: EINVAL for a malformed policy (the message names
-        the line) or one the tree breaks (every offending path named).
+        create (docs/policy.md).  ``publish``: then publish it to the daemon's remote
+        (docs/remote.md; FUSE mode, from the harness's root ``ctl``).  Errors: EINVAL for a
+        malformed policy (the message names the line) or one the tree breaks (every
+        offending path named), and for ``publish`` without a remote; EIO when the remote
+        fails (the snapshot is made and is the head; publish it again with
+        :meth:`Ramet.publish`).
         """
+        if publish and self.ramet.mode == "fallback":
+            raise RametError(errno.EINVAL, "promote: fallback mode has no remote to publish "
+                                           "to (docs/remote.md)")
         reply = self.ramet._backend.command(self.id, "promote", label=label, message=message,
-                                            policy=_policy_text(policy))
+                                            policy=_policy_text(policy),
+                                            publish=protocol.YES if publish else None)
         return reply["snapshot"]
 
     def checkpoint(self, label: str | None = None, message: str | None = None,

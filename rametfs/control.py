@@ -34,6 +34,7 @@ from .overlay import Execution, Overlay, in_slices
 from .treewalk import Steps
 from .store import Snapshot, gc, import_git, import_tree
 from .store.catalog import Lease
+from .store.publish import publish
 from .verify import ROOT, verify
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class Control:
             "renew": self._renew, "return": self._return, "drop": self._drop,
             "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel,
             "name": self._name, "unname": self._unname, "resolve": self._resolve,
+            "publish": self._publish,
             "rm": self._rm, "gc": self._gc, "forget": self._forget}
         self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
             "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
@@ -184,6 +186,10 @@ class Control:
                     raise RametError(f"{name}: the policy is the harness's (create --policy, "
                                      f"or the root ctl); an execution cannot give its own",
                                      errno.EACCES)
+                if "publish" in args:
+                    raise RametError("promote --publish: what goes to the remote is the "
+                                     "harness's (the root ctl: promote <execution-id> "
+                                     "--publish yes)", errno.EACCES)
                 if "to" in args:
                     raise RametError("reset --to: which snapshot an execution stands on is "
                                      "the harness's (the root ctl: reset <execution-id> --to "
@@ -497,7 +503,26 @@ class Control:
         self.overlay.set_head(ex, snap)
         self.promoted[ex.id] = snap.id
         await self._trim_pool(ex)
-        return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+        reply = {"ok": True, "snapshot": snap.id, "stats": snap.stats}
+        if protocol.yes_no("promote", "publish", args.get("publish")):
+            reply["published"] = await self._published(snap.id)
+        return reply
+
+    async def _publish(self, args: dict) -> dict:
+        snap = self.overlay.store.snapshot(args["snapshot"])
+        return {"ok": True, "snapshot": snap.id, "published": await self._published(snap.id)}
+
+    async def _published(self, sid: str) -> dict:
+        """Publish snapshot ``sid`` to the daemon's remote, in a worker thread; what it did
+        (rametfs.store.publish.Published).  InvalidArgument (EINVAL) without a remote."""
+        store = self.overlay.store
+        if store.remote is None:
+            raise InvalidArgument("this daemon serves no remote: mount it with --remote "
+                                  "s3://BUCKET/PREFIX --catalog DSN (docs/remote.md)")
+        done = await trio.to_thread.run_sync(publish, store, store.remote, sid)
+        log.info("published %s to %s: %d packs, %d bytes, %.1f s%s", sid, store.remote.url,
+                 done.packs, done.bytes, done.seconds, " (listed already)" * done.already)
+        return done.to_json()
 
     async def _trim_pool(self, ex: Execution) -> None:
         """After a promote of ``ex``: its pool's ``--keep-last`` (lifecycle.trim_pool).  Not

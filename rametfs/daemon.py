@@ -29,6 +29,7 @@ from .overlay import MAX_FILE_SIZE, Overlay, in_slices
 from .precreate import Precreated, keep_filled
 from .store import Store
 from .store.cache import default_max_bytes
+from .store.remote import Remote
 from .treewalk import Steps, run_steps
 from .verify import ROOT
 
@@ -268,13 +269,16 @@ async def _serve(overlay: Overlay, control: Control) -> None:
 def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
                debug: bool = False, max_file_size: int | None = None,
                cache_max_bytes: int | None = None, max_answer_bytes: int | None = None,
-               faults: bool = False) -> None:
+               faults: bool = False, remote: str | None = None,
+               catalog: str | None = None) -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
 
     ``max_file_size``: the size in bytes past which a file may not grow (EFBIG; None:
     ``overlay.MAX_FILE_SIZE``); ``cache_max_bytes``: the hydration cache's limit on disk
     (None: a quarter of the data directory's file system, rametfs.store.cache);
-    ``max_answer_bytes``: of one control file answer (None: protocol.MAX_ANSWER_BYTES).
+    ``max_answer_bytes``: of one control file answer (None: protocol.MAX_ANSWER_BYTES);
+    ``remote`` and ``catalog``: the remote published snapshots are read from (s3:// URL, libpq
+    DSN; rametfs.store.remote).
 
     Returns after a clean unmount (SIGINT, SIGTERM, ``rametfs umount`` or
     ``fusermount3 -u -z``).  ``faults`` enables the ``fault`` command (rametfs.faults).  Raises
@@ -293,15 +297,19 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
         _serve_store(data_dir, mountpoint, allow_other, debug,
                      MAX_FILE_SIZE if max_file_size is None else max_file_size,
                      default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes,
-                     max_answer_bytes or protocol.MAX_ANSWER_BYTES, faults)
+                     max_answer_bytes or protocol.MAX_ANSWER_BYTES, faults, remote, catalog)
     finally:
         os.close(lock)
 
 
 def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
                  max_file_size: int, cache_max_bytes: int, max_answer_bytes: int,
-                 faults: bool) -> None:
+                 faults: bool, remote: str | None, catalog: str | None) -> None:
     store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
+    if remote is not None:
+        store.remote = Remote(remote, catalog)
+        log.info("reading published snapshots from %s (catalog %s)", remote,
+                 store.remote.catalog.where)
     overlay = Overlay(store)
     overlay.max_file_size = max_file_size
     overlay.remove_orphans()
@@ -335,4 +343,6 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
             run_steps(_flush_each(overlay))
         pyfuse3.close(unmount=clean)
         store.close()
+        if store.remote is not None:
+            store.remote.close()
         log.info("unmounted %s", mountpoint) if clean else log.error("crashed; mount left in place")

@@ -161,13 +161,21 @@ quarantined.
 The root ``ctl`` takes each of these with the execution's id first, and two more, so the
 harness acts on an execution whatever its ``--control``::
 
-    promote <execution-id> [--label L] [--message M] [--policy TOML]
+    promote <execution-id> [--label L] [--message M] [--policy TOML] [--publish yes]
     checkpoint <execution-id> [--label L] [--message M] [--policy TOML]
     reset <execution-id> [--base yes | --to SNAPSHOT]
     verify <execution-id> [--mode root|deep]
     preview <execution-id> [--policy TOML]
     diff <execution-id>                 -> {"ok", "execution", "diff": [[letter, path], ...]}
     status <execution-id>               -> {"ok", "status": {...}} (the root status's record)
+
+``promote <execution-id> --publish yes`` (root ``ctl`` only: EACCES from the execution's own)
+then publishes the new snapshot to the daemon's remote (docs/remote.md), and the reply adds
+``"published"`` (``{"snapshot", "already", "packs", "trees", "contents", "chunks", "bytes",
+"requests", "seconds"}``); so does the root command ``publish <snapshot>`` ->
+``{"ok", "snapshot", "published"}``.  Both are EINVAL when the daemon serves no remote
+(``mount --remote --catalog``), EIO when the remote fails (what was uploaded stays; the next
+publish resumes).
 
 Their replies are those above, with the store-wide figures an execution's own files leave out
 (below).  ``diff`` paths are the names' bytes decoded as UTF-8 with surrogate escapes.
@@ -290,11 +298,12 @@ ROOT_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "rm": (("snapshot",), frozenset({"force"})),
     "gc": ((), frozenset({"dry-run", "compact"})),
     "forget": ((), frozenset({"keep-last", "keep-within", "keep-name", "dry-run"})),
+    "publish": (("snapshot",), frozenset()),
 }
 YES, NO = "yes", "no"  # values of a yes/no option such as ``--gitdir``
 ON_CHANGE = ("fail", "skip")  # values of snapshot's ``--on-change`` (the first the default)
 EXECUTION_COMMANDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "promote": ((), frozenset({"label", "message", "policy"})),
+    "promote": ((), frozenset({"label", "message", "policy", "publish"})),
     "checkpoint": ((), frozenset({"label", "message", "policy"})),
     "reset": ((), frozenset({"to", "base"})),
     "verify": ((), frozenset({"mode"})),

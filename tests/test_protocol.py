@@ -56,7 +56,8 @@ def test_format_then_parse_round_trips(name, positional, options, line, args):
     ("  \n", EXECUTION_COMMANDS, "empty command"),
     ("frobnicate x", ROOT_COMMANDS,
      "unknown command 'frobnicate'; expected one of acquire, cancel, checkpoint, create, diff, "
-     "drop, fault, forget, gc, name, pool, preview, promote, release, renew, reset, resolve, return, "
+     "drop, fault, forget, gc, name, pool, preview, promote, publish, release, renew, reset, "
+     "resolve, return, "
      "rm, runtime, snapshot, snapshot-git, status, unname, verify"),
     ("promote", ROOT_COMMANDS, "promote: expected <execution>, got 0 argument(s)"),
     ("status", EXECUTION_COMMANDS,

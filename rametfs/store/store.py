@@ -36,6 +36,7 @@ from .gc_guard import GcGuard
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
 from ..treewalk import Steps, run_steps
 from .names import HEX_REF, MIN_ID_PREFIX, check_name
+from .remote import KIND_CHUNK, KIND_CONTENT, KIND_TREE
 from .trees import TREE_STEP, Entry, decode_tree_steps, encode_tree
 
 MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is written
@@ -44,6 +45,7 @@ MAP_SIZE = 1 << 40  # bytes of address space; LMDB files grow only as data is wr
 # new pages past its last one, and a write that finds no room fails the whole commit (EIO).
 METADATA_RESERVE = 4 << 20
 EMPTY_CONTENT = chunks.content_id(0, b"")
+REMOTE_TREE_BYTES = 1 << 62  # what Store.tree_bytes says a tree to fetch from the remote costs
 _EMPTY = Content(0, b"", ())
 
 
@@ -81,6 +83,9 @@ class Store:
     """
 
     read_only = False  # opened by open_read_only
+    # A rametfs.store.remote.Remote: what a read finds missing here (a published snapshot's
+    # record, a tree, a content record, a chunk) is fetched from it and kept (docs/remote.md).
+    remote = None
 
     def __init__(self, data_dir: str | os.PathLike, cache_max_bytes: int | None = None):
         self.root = Path(data_dir).absolute()
@@ -216,9 +221,11 @@ class Store:
         """Raw bytes of chunk ``cid``; IntegrityError (EIO) when missing or corrupt."""
         with self.env.begin(db=self.db["chunks"], buffers=True) as txn:
             envelope = txn.get(cid)
-            if envelope is None:
-                raise IntegrityError(f"chunk {cid.hex()} is missing")
-            return chunks.decode_chunk(cid, envelope)
+            if envelope is not None:
+                return chunks.decode_chunk(cid, envelope)
+        if self._fetched(KIND_CHUNK, [cid]):
+            return self.chunk(cid)
+        raise IntegrityError(f"chunk {cid.hex()} is missing")
 
     def content(self, cid: bytes) -> Content:
         """The content record ``cid``; IntegrityError (EIO) when missing or malformed."""
@@ -227,8 +234,20 @@ class Store:
         with self.env.begin(db=self.db["contents"]) as txn:
             value = txn.get(cid)
         if value is None:
+            if self._fetched(KIND_CONTENT, [cid]):
+                return self.content(cid)
             raise IntegrityError(f"content {cid.hex()} is missing")
         return Content.unpack(cid, value)
+
+    def _fetched(self, kind: int, ids: list[bytes]) -> bool:
+        """Fetch ``ids`` of ``kind`` from the remote, if one is attached and has them; whether
+        the first is stored now.  Blocking; RametError (EIO) when the remote fails."""
+        if self.remote is None:
+            return False
+        self.remote.fill(self, kind, ids)
+        db = {KIND_CHUNK: "chunks", KIND_CONTENT: "contents", KIND_TREE: "trees"}[kind]
+        with self.env.begin(db=self.db[db]) as txn:
+            return txn.get(ids[0]) is not None
 
     def put_content(self, txn: lmdb.Transaction, content: Content) -> bytes:
         """Record ``content`` (its chunks already stored) in ``txn``; returns its id."""
@@ -257,6 +276,8 @@ class Store:
         if got is not False:
             return got
         content = self.content(cid)
+        if self.remote is not None:  # every chunk it lacks in a few GETs, not one per page
+            self.remote.fill(self, KIND_CHUNK, [c for _, c in content.pages()])
         self.cache.make_room(content.stored_pages * self.page_size)
         try:
             self._write_cache_file(cid, content)
@@ -333,14 +354,21 @@ class Store:
         with self.env.begin(db=self.db["trees"]) as txn:
             value = txn.get(tid)
         if value is None:
-            raise IntegrityError(f"tree {tid.hex()} is missing")
+            if not self._fetched(KIND_TREE, [tid]):
+                raise IntegrityError(f"tree {tid.hex()} is missing")
+            with self.env.begin(db=self.db["trees"]) as txn:
+                value = txn.get(tid)
         return (yield from decode_tree_steps(value))
 
     def tree_bytes(self, tid: bytes) -> int:
-        """Bytes of tree ``tid``'s stored value (what decoding it costs); 0 when missing."""
+        """Bytes of tree ``tid``'s stored value (what decoding it costs); 0 when missing, but
+        :data:`REMOTE_TREE_BYTES` with a remote: fetching it costs round trips, which a
+        caller that weighs this cost (``Overlay.prefetch``) makes in a worker thread."""
         with self.env.begin(db=self.db["trees"], buffers=True) as txn:
             value = txn.get(tid)
-            return 0 if value is None else len(value)
+            if value is None:
+                return 0 if self.remote is None else REMOTE_TREE_BYTES
+            return len(value)
 
     def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
@@ -426,8 +454,29 @@ class Store:
         snapshot name (:mod:`rametfs.store.names`).  The one resolver of snapshot
         references: every command that takes a snapshot comes here.
 
-        Raises NotFound (ENOENT) when none or several match.
+        With a remote, an id or prefix found nowhere here is looked up among the published
+        snapshots, and the record of the one found is kept here.
+
+        Raises NotFound (ENOENT) when none or several match; RametError (EIO) when the remote
+        is asked and fails.
         """
+        try:
+            return self._local_snapshot(ref)
+        except NotFound:
+            if self.remote is None or not HEX_REF.fullmatch(ref):
+                raise
+            found = self.remote.snapshot(ref)
+            if len(found) != 1:
+                raise NotFound(f"no snapshot {ref!r} here nor published" if not found
+                               else f"snapshot prefix {ref!r} is ambiguous") from None
+            sid, value = found[0]
+            if chunks.chunk_id(value) != sid:
+                raise IntegrityError(f"published snapshot {sid.hex()} does not match its id")
+            with self.write() as txn:
+                txn.put(sid, value, db=self.db["snapshots"], overwrite=False)
+            return self._snapshot(sid, value)
+
+    def _local_snapshot(self, ref: str) -> Snapshot:
         if not HEX_REF.fullmatch(ref):
             return self._named(ref)
         prefix = bytes.fromhex(ref[: len(ref) // 2 * 2])

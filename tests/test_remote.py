@@ -1,0 +1,430 @@
+"""Publishing snapshots to a remote (S3: Ceph's RADOS Gateway; catalog: PostgreSQL 15, both
+started by tools/services once per run, on 127.0.0.1) and reading them on another worker
+(docs/remote.md).
+
+Each test has its own bucket and catalog schema.  The services are skipped, with the reason,
+where their Debian packages are missing (tools/services install, or tools/setup as root).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import Daemon, check_log, require_fuse, run
+
+SERVICES = Path(__file__).resolve().parents[1] / "tools" / "services"
+START_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="session")
+def services():
+    """The environment of the running services (``AWS_*``, ``RAMET_CATALOG``)."""
+    missing = [cmd for cmd in ("ceph-mon", "ceph-osd", "radosgw", "monmaptool")
+               if shutil.which(cmd) is None]
+    if missing or not os.path.exists("/usr/lib/postgresql/15/bin/initdb"):
+        pytest.skip(f"Ceph or PostgreSQL 15 is not installed ({' '.join(missing) or 'initdb'} "
+                    "missing): run tools/services install (or tools/setup) as root")
+    if os.geteuid() != 0:
+        pytest.skip("the Ceph daemons and PostgreSQL's cluster are started as root")
+    root = tempfile.mkdtemp(prefix="rametfs-services-")
+    try:
+        proc = subprocess.run([sys.executable, str(SERVICES), "start", root], text=True,
+                              capture_output=True, timeout=START_TIMEOUT_S)
+        assert proc.returncode == 0, f"tools/services start failed:\n{proc.stderr}"
+        with open(os.path.join(root, "env.json")) as f:
+            env = json.load(f)
+        yield env
+    finally:
+        subprocess.run([sys.executable, str(SERVICES), "stop", root], timeout=120)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def remote(services):
+    """An environment naming a fresh bucket and catalog schema of the test's own:
+    ``RAMET_REMOTE``, ``RAMET_CATALOG`` and the AWS variables."""
+    import boto3
+    import psycopg
+    name = f"t{uuid.uuid4().hex[:12]}"
+    s3 = boto3.client("s3", endpoint_url=services["AWS_ENDPOINT_URL"],
+                      aws_access_key_id=services["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=services["AWS_SECRET_ACCESS_KEY"],
+                      region_name=services["AWS_DEFAULT_REGION"])
+    s3.create_bucket(Bucket=name)
+    with psycopg.connect(services["RAMET_CATALOG"], autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {name}")
+    env = {**services, "RAMET_REMOTE": f"s3://{name}/pfx",
+           "RAMET_CATALOG": f"{services['RAMET_CATALOG']} options=-csearch_path={name}"}
+    env["s3"] = s3
+    yield env
+    with psycopg.connect(services["RAMET_CATALOG"], autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {name} CASCADE")
+
+
+def environ(remote: dict, **changes: str) -> dict[str, str]:
+    env = {**os.environ, **{k: v for k, v in remote.items() if isinstance(v, str)}}
+    env.update(changes)
+    return env
+
+
+def rametfs(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+    return run(sys.executable, "-m", "rametfs", *args, env=env, check=check)
+
+
+def make_tree(root: Path) -> None:
+    """Files of every kind the store keeps: small and many-page files, an empty one, a sparse
+    one, a symlink, a hard link, nested and empty directories, odd modes."""
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "empty-dir").mkdir()
+    for i in range(120):
+        (root / "src" / "pkg" / f"mod{i}.py").write_text(f"value = {i}\n" * (i + 1))
+    (root / "big.bin").write_bytes(os.urandom(3 * 65536 + 123))
+    (root / "empty").write_bytes(b"")
+    with open(root / "sparse", "wb") as f:
+        f.truncate(1 << 20)
+        f.seek(300000)
+        f.write(b"island")
+    (root / "link").symlink_to("src/pkg/mod1.py")
+    os.link(root / "big.bin", root / "big-hardlink")
+    (root / "script.sh").write_text("#!/bin/sh\necho hi\n")
+    os.chmod(root / "script.sh", 0o750)
+
+
+def tar_of(path: Path) -> bytes:
+    """The tar stream of the tree at ``path`` (names sorted): equal streams mean equal names,
+    bytes, modes, owners, times, links."""
+    return subprocess.run(["tar", "-C", str(path), "--sort=name", "--numeric-owner", "-cf",
+                           "-", "."], check=True, capture_output=True, timeout=120).stdout
+
+
+def test_a_published_snapshot_outlives_its_worker(tmp_path, remote, request):
+    """Worker 1 publishes two snapshots (the second a small change of the first), its data
+    directory is deleted, and worker 2 (its own data directory and mount, the same remote and
+    catalog) lists them, creates an execution of each and reads every byte equal to the
+    source (cmp, tar)."""
+    require_fuse()
+    src = tmp_path / "src"
+    make_tree(src)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        first = one.snapshot(src, label="base")
+        copy = tmp_path / "src-v2"
+        shutil.copytree(src, copy, symlinks=True)
+        (copy / "src" / "pkg" / "mod7.py").write_text("changed\n")
+        (copy / "new.txt").write_text("new\n")
+        second = one.snapshot(copy, label="changed")
+        env = environ(remote)
+        out = json.loads(rametfs("publish", "--data", str(one.data_dir), first, "--json",
+                                 env=env).stdout)
+        assert out["snapshot"] == first and not out["already"]
+        # 120 small files, a big one and the rest: one pack, one PUT, not one per object.
+        assert (out["packs"], out["requests"]) == (1, 1)
+        # The root, src/, src/pkg/, empty-dir/; the modules, big.bin (twice linked), sparse
+        # and script.sh (the empty file has no record); 120 + 4 + 1 chunks (sparse: 1).
+        assert (out["trees"], out["contents"], out["chunks"]) == (4, 123, 126)
+        again = json.loads(rametfs("publish", "--data", str(one.data_dir), first, "--json",
+                                   env=env).stdout)
+        assert again["already"] and again["packs"] == 0
+        delta = json.loads(rametfs("publish", "--data", str(one.data_dir), second, "--json",
+                                   env=env).stdout)
+        # Only what changed goes up: the root and src/pkg's trees (src/ too, holding it) and
+        # the two new contents and their chunks.
+        assert (delta["trees"], delta["contents"], delta["chunks"]) == (3, 2, 2)
+    finally:
+        one.stop()
+    check_log(one.log_text(), [], repr(one))
+    shutil.rmtree(one.data_dir)
+
+    listed = json.loads(rametfs("ls", "--remote", "--json", env=environ(remote)).stdout)
+    assert listed["remote"] == remote["RAMET_REMOTE"]
+    assert [(s["id"], s["label"]) for s in listed["snapshots"]] == [(first, "base"),
+                                                                     (second, "changed")]
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=environ(remote))
+    two.start()
+    try:
+        for snap, source in ((first, src), (second, copy)):
+            ex = two.create(snap[:11])  # a prefix, of an odd length, found in the catalog
+            path = two.exec_path(ex)
+            assert tar_of(path) == tar_of(source)
+            files = [p for p in source.rglob("*") if p.is_file() and not p.is_symlink()]
+            for f in files:
+                run("cmp", f, path / f.relative_to(source))
+            assert two.exec_status(ex)["base"] == snap
+        assert first in os.listdir(two.mnt / "snapshots")
+    finally:
+        two.stop()
+    check_log(two.log_text(), [], repr(two))
+    # What worker 2 read is its own now: served again with no remote at all.
+    three = Daemon(tmp_path / "data2", tmp_path / "mnt3")
+    three.start()
+    try:
+        assert tar_of(three.exec_path(three.create(first))) == tar_of(src)
+    finally:
+        three.stop()
+
+
+def test_credentials_never_show(tmp_path, remote):
+    """A catalog password and the S3 secret key appear in no message, log or listing: a
+    publish to a catalog that refuses the connection, a worker serving the remote."""
+    require_fuse()
+    secret = "pw-" + uuid.uuid4().hex
+    dead_dsn = f"postgresql://postgres:{secret}@127.0.0.1:1/postgres"
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("x\n")
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snap = one.snapshot(tmp_path / "src")
+        proc = rametfs("publish", "--data", str(one.data_dir), snap,
+                       env=environ(remote, RAMET_CATALOG=dead_dsn), check=False)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.startswith(
+            "rametfs: publish: catalog user=postgres dbname=postgres host=127.0.0.1 port=1: "
+            f"find snapshot {snap}: connection failed: "), proc.stderr
+        assert secret not in proc.stderr + proc.stdout
+        proc = rametfs("ls", "--remote", env=environ(remote, RAMET_CATALOG=dead_dsn),
+                       check=False)
+        assert proc.returncode == 1 and secret not in proc.stderr + proc.stdout
+        rametfs("publish", "--data", str(one.data_dir), snap, env=environ(remote))
+        # The catalog belongs to the remote it first served: another is refused (EINVAL).
+        proc = rametfs("publish", "--data", str(one.data_dir), snap, check=False,
+                       env=environ(remote, RAMET_REMOTE="s3://another-bucket/pfx"))
+        assert proc.returncode == 4
+        assert proc.stderr.endswith(f"belongs to the remote {remote['RAMET_REMOTE']}, not "
+                                    "s3://another-bucket/pfx\n"), proc.stderr
+    finally:
+        one.stop()
+    # The server trusts every local connection: the password is carried, never checked.
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=environ(
+        remote, RAMET_CATALOG=f"{remote['RAMET_CATALOG']} password={secret}"))
+    two.start()
+    try:
+        ex = two.create(snap)
+        assert (two.exec_path(ex) / "f").read_text() == "x\n"
+        shown = json.dumps(two.status()) + json.dumps(two.exec_status(ex))
+        with open(f"/proc/{two.pid}/cmdline", "rb") as f:
+            shown += f.read().decode(errors="replace")  # ps shows it to every user
+    finally:
+        two.stop()
+    assert "catalog user=postgres dbname=postgres host=127.0.0.1 port=" in two.log_text()
+    for text in (shown, two.log_text()):
+        assert remote["AWS_SECRET_ACCESS_KEY"] not in text
+        assert secret not in text
+
+
+def closed_port() -> int:
+    """A port of 127.0.0.1 nothing listens on (the OS's pick, closed again)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.allow_log(r"WARNING rametfs.store.remote: fetching 1 tree\(s\) from s3://")
+def test_without_the_object_store_reads_fail_eio_and_nothing_local_is_harmed(tmp_path, remote):
+    """A worker whose object store does not answer: a publish fails (EIO, naming the
+    object), and lists nothing; a published snapshot's execution is made (the catalog
+    answers) but a read of what is not local fails EIO after bounded retries, with the cause
+    in the daemon log, while its own snapshots serve as before; with the object store back,
+    the same execution reads."""
+    require_fuse()
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "a").write_text("a\n")
+    (src / "d" / "b").write_text("b\n")
+    dead = environ(remote, AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port()}")
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snap = one.snapshot(src)
+        proc = rametfs("publish", "--data", str(one.data_dir), snap, env=dead, check=False)
+        bucket = remote["RAMET_REMOTE"][5:].split("/")[0]
+        assert proc.returncode == 1
+        assert proc.stderr.startswith(f"rametfs: publish: s3://{bucket}/pfx/packs/"), proc.stderr
+        assert "Could not connect to the endpoint URL" in proc.stderr
+        assert json.loads(rametfs("ls", "--remote", "--json", env=dead).stdout)[
+            "snapshots"] == []
+        rametfs("publish", "--data", str(one.data_dir), snap, env=environ(remote))
+    finally:
+        one.stop()
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "mine").write_text("mine\n")
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=dead)
+    two.start()
+    try:
+        own = two.create(two.snapshot(local))
+        ex = two.create(snap)
+        for argv in (("cat", two.exec_path(ex) / "a"), ("ls", two.exec_path(ex))):
+            proc = run(*argv, check=False)
+            assert proc.returncode != 0 and "Input/output error" in proc.stderr, proc
+        assert (two.exec_path(own) / "mine").read_text() == "mine\n"
+    finally:
+        two.stop()
+    assert "Could not connect to the endpoint URL" in two.log_text()
+    two.env = environ(remote)
+    two.start()
+    try:
+        assert (two.exec_path(ex) / "a").read_text() == "a\n"
+        assert (two.exec_path(ex) / "d" / "b").read_text() == "b\n"
+    finally:
+        two.stop()
+
+
+def test_a_publish_cut_short_lists_nothing_and_resumes(tmp_path, remote):
+    """A publish killed after its first pack: the catalog lists no snapshot; the next publish
+    uploads only what the first did not, then lists it, and a worker reads it whole."""
+    require_fuse()
+    import psycopg
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):  # 40 MiB that does not compress: 3 packs of 16 MiB at most
+        (src / f"f{i}").write_bytes(os.urandom(10 << 20))
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snap = one.snapshot(src)
+        env = environ(remote)
+        proc = subprocess.Popen([sys.executable, "-m", "rametfs", "publish", "--data",
+                                 str(one.data_dir), snap], env=env, stderr=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, text=True)
+        try:
+            line = proc.stderr.readline()
+            assert line.startswith(f"rametfs: publish {snap[:12]}: 1 packs, "), line
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stderr.close()
+        assert json.loads(rametfs("ls", "--remote", "--json", env=env).stdout)[
+            "snapshots"] == []
+        with psycopg.connect(remote["RAMET_CATALOG"]) as conn:
+            (already,), = conn.execute("SELECT count(*) FROM rametfs_objects").fetchall()
+        assert already > 0
+        done = json.loads(rametfs("publish", "--data", str(one.data_dir), snap, "--json",
+                                  env=env).stdout)
+        # 4 files of 160 chunks each, their 4 content records and the root tree.
+        assert done["trees"] + done["contents"] + done["chunks"] == 645 - already
+        assert not done["already"]
+    finally:
+        one.stop()
+    shutil.rmtree(one.data_dir)
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=environ(remote))
+    two.start()
+    try:
+        ex = two.create(snap)
+        for i in range(4):
+            run("cmp", src / f"f{i}", two.exec_path(ex) / f"f{i}")
+    finally:
+        two.stop()
+
+
+def test_promote_publish_from_the_harness(tmp_path, remote):
+    """``rametfs promote --publish`` (the wrapper's ``promote(publish=True)``) on a daemon
+    served with the remote publishes the new snapshot, which another worker then reads; the
+    root command ``publish`` is idempotent; an execution may not publish (EACCES), and a
+    daemon with no remote says so (EINVAL)."""
+    require_fuse()
+    from rametfs import Ramet
+    from rametfs.client import RametError
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("base\n")
+    env = environ(remote)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1", env=env)
+    one.start()
+    try:
+        ex = one.create(one.snapshot(tmp_path / "src"))
+        (one.exec_path(ex) / "f").write_text("promoted\n")
+        snap = rametfs("promote", "--publish", ex, "-m", str(one.mnt), env=env).stdout.strip()
+        again = one.ctl(f"publish {snap}")
+        assert again["snapshot"] == snap and again["published"]["already"]
+        with pytest.raises(OSError) as refused:
+            from conftest import ctl_command
+            ctl_command(one.exec_path(ex) / ".ramet" / "ctl", "promote --publish yes")
+        assert refused.value.errno == 13
+        assert refused.value.reply["error"].startswith("promote --publish: what goes to the "
+                                                       "remote is the harness's")
+        (one.exec_path(ex) / "f").write_text("by the wrapper\n")
+        with Ramet(one.mnt) as ramet:
+            second = ramet.execution(ex).promote(publish=True)
+            assert ramet.publish(second)["already"]
+    finally:
+        one.stop()
+    listed = json.loads(rametfs("ls", "--remote", "--json", env=env).stdout)
+    assert [s["id"] for s in listed["snapshots"]] == [snap, second]
+    plain = Daemon(tmp_path / "data3", tmp_path / "mnt3")
+    plain.start()
+    try:
+        with Ramet(plain.mnt) as ramet, pytest.raises(RametError) as no_remote:
+            ramet.publish(ramet.snapshot(tmp_path / "src"))
+        assert no_remote.value.errno == 22
+        assert "this daemon serves no remote" in str(no_remote.value)
+    finally:
+        plain.stop()
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=env)
+    two.start()
+    try:
+        assert (two.exec_path(two.create(snap)) / "f").read_text() == "promoted\n"
+        assert (two.exec_path(two.create(second)) / "f").read_text() == "by the wrapper\n"
+    finally:
+        two.stop()
+
+
+def test_kills_during_publish_never_list_a_snapshot_with_missing_objects(tmp_path, remote,
+                                                                          monkeypatch):
+    """Publishes of three snapshots killed 20 times at moments spread over their run: after
+    each kill, ``fsck --remote``'s check finds every listed snapshot whole; then each
+    publish completes, and fsck counts all three."""
+    require_fuse()
+    import random
+    import time
+    from rametfs.store.remote import Remote
+    from rametfs.store.remote_fsck import check
+    for key, value in environ(remote).items():
+        monkeypatch.setenv(key, value)
+    src = tmp_path / "src"
+    (src / "small").mkdir(parents=True)
+    for i in range(300):
+        (src / "small" / f"f{i}").write_text(f"{i}\n" * i)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    snaps = []
+    try:
+        for n in range(3):  # each adds 12 MiB that does not compress
+            (src / f"big{n}").write_bytes(os.urandom(12 << 20))
+            snaps.append(one.snapshot(src))
+        where = Remote(remote["RAMET_REMOTE"], remote["RAMET_CATALOG"])
+        rng = random.Random(19)
+        try:
+            for kill in range(20):
+                snap = snaps[kill % 3]
+                proc = subprocess.Popen([sys.executable, "-m", "rametfs", "publish", "--data",
+                                         str(one.data_dir), snap], env=environ(remote),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(rng.uniform(0.5, 3.0))
+                proc.kill()
+                proc.wait()
+                report = check(where)
+                assert report.problems == [], (kill, report)
+            for snap in snaps:
+                rametfs("publish", "--data", str(one.data_dir), snap, env=environ(remote))
+            report = check(where)
+            assert (report.snapshots, report.problems) == (3, [])
+            assert report.contents == 300 - 1 + 3  # f0 is empty
+        finally:
+            where.close()
+    finally:
+        one.stop()
+    proc = rametfs("fsck", env=environ(remote))
+    # The three roots and small/ (shared); 299 small chunks and 3 x 192 of 64 KiB.
+    assert proc.stderr.startswith("3 published snapshots, 4 trees, 302 contents, 875 chunks, "
+                                  ), proc.stderr
