@@ -660,7 +660,7 @@ class Operations(pyfuse3.Operations):
         await self._parent(parent_inode_old)
         await self._parent(parent_inode_new)
         await self.overlay.rename_in_slices(parent_inode_old, name_old, parent_inode_new,
-                                            name_new, flags)
+                                            name_new, flags, owner=(ctx.uid, ctx.gid))
 
     # -- directories ---------------------------------------------------------------------
 
