@@ -173,6 +173,13 @@ message_option = click.option("--message", help="A longer description of the sna
 
 # ----- daemon lifecycle -----------------------------------------------------------------------
 
+def _fsname_value(value: str) -> str:
+    """``--fsname``: one mount option's value, so no comma, blank or backslash."""
+    if not value or set(value) & set(", \t\n\\"):
+        raise click.BadParameter(f"{value!r}: a name without commas, blanks or backslashes")
+    return value
+
+
 @main.command(name="mount")
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--data", required=True, type=click.Path(file_okay=False),
@@ -187,6 +194,10 @@ message_option = click.option("--message", help="A longer description of the sna
 @click.option("--allow-suid", is_flag=True,
               help="Mount without nosuid: set-user-ID and set-group-ID files run with their "
                    "owner's ids (root only; a risk for sandboxes: docs/security.md).")
+@click.option("--fsname", default="rametfs", show_default=True, metavar="NAME",
+              callback=lambda ctx, param, value: _fsname_value(value),
+              help="The mount's source in the mount table (df, findmnt): a suite that finds "
+                   "its mount by device name (fstests) names it.")
 @click.option("--debug", is_flag=True, help="Debug logging, and FUSE debug output.")
 @click.option("--log", "log_file", type=click.Path(dir_okay=False),
               help="Log to this file (default: stderr; with --background <DATA>/daemon.log).")
@@ -202,7 +213,8 @@ message_option = click.option("--message", help="A longer description of the sna
 @click.option("--faults", is_flag=True, hidden=True,
               help="Take the fault command (fault injection, for the test suite).")
 def mount(mountpoint: str, data: str, background: bool, allow_other: bool,
-          allow_devices: bool, allow_suid: bool, debug: bool, log_file: str | None,
+          allow_devices: bool, allow_suid: bool, fsname: str, debug: bool,
+          log_file: str | None,
           max_file_size: int | None, cache_max_bytes: int | None,
           max_answer_bytes: int | None, faults: bool) -> None:
     """Mount rametfs at MOUNTPOINT (made if missing) and serve it until unmounted.
@@ -224,7 +236,8 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool,
             argv = [sys.executable, "-m", "rametfs", "mount", "--data", data, mountpoint,
                     "--log", log_file]
             argv += ["--allow-other"] * allow_other + ["--allow-devices"] * allow_devices \
-                + ["--allow-suid"] * allow_suid + ["--debug"] * debug + ["--faults"] * faults
+                + ["--allow-suid"] * allow_suid + ["--debug"] * debug + ["--faults"] * faults \
+                + ["--fsname", fsname]
             for flag, value in (("--max-file-size", max_file_size),
                                 ("--cache-max-bytes", cache_max_bytes),
                                 ("--max-answer-bytes", max_answer_bytes)):
@@ -242,7 +255,7 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool,
         run_daemon(data, mountpoint, allow_other=allow_other, debug=debug,
                    max_file_size=max_file_size, cache_max_bytes=cache_max_bytes,
                    max_answer_bytes=max_answer_bytes, faults=faults,
-                   allow_devices=allow_devices, allow_suid=allow_suid)
+                   allow_devices=allow_devices, allow_suid=allow_suid, fsname=fsname)
     except errors.RametError as exc:
         raise RametError(exc.errno, str(exc)) from None
 

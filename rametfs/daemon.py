@@ -269,13 +269,14 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
                debug: bool = False, max_file_size: int | None = None,
                cache_max_bytes: int | None = None, max_answer_bytes: int | None = None,
                faults: bool = False, allow_devices: bool = False,
-               allow_suid: bool = False) -> None:
+               allow_suid: bool = False, fsname: str = "rametfs") -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
 
     The mount is ``nodev,nosuid`` unless ``allow_devices`` (``dev``: device nodes in
     executions open their devices) or ``allow_suid`` (``suid``: set-user-ID and
     set-group-ID files run with their owner's or group's ids); both need root (EPERM,
     :func:`rametfs.mounts.check_mount_options`); docs/security.md says what they risk.
+    ``fsname``: the mount's source in the mount table (its type stays ``fuse.rametfs``).
 
     ``max_file_size``: the size in bytes past which a file may not grow (EFBIG; None:
     ``overlay.MAX_FILE_SIZE``); ``cache_max_bytes``: the hydration cache's limit on disk
@@ -300,6 +301,7 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
         options = {option for option, on in (("allow_other", allow_other),
                                              ("dev", allow_devices), ("suid", allow_suid),
                                              ("debug", debug)) if on}
+        options.add(f"fsname={fsname}")
         _serve_store(data_dir, mountpoint, options,
                      MAX_FILE_SIZE if max_file_size is None else max_file_size,
                      default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes,
@@ -312,7 +314,7 @@ def _serve_store(data_dir: str, mountpoint: str, options: set[str],
                  max_file_size: int, cache_max_bytes: int, max_answer_bytes: int,
                  faults: bool) -> None:
     """Serve until unmounted; ``options``: the FUSE mount options added to rametfs's own
-    (``allow_other``, ``dev``, ``suid``, ``debug``)."""
+    (``fsname=``, ``allow_other``, ``dev``, ``suid``, ``debug``)."""
     store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
     overlay = Overlay(store)
     overlay.max_file_size = max_file_size
@@ -321,7 +323,7 @@ def _serve_store(data_dir: str, mountpoint: str, options: set[str],
     overlay.precreated = Precreated(overlay.upper_root)
     ops = Operations(overlay, mountpoint, faults=faults, max_answer_bytes=max_answer_bytes)
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options |
-                 {"fsname=rametfs", "subtype=rametfs"})
+                 {"subtype=rametfs"})
     reason = plain_mode_reason()
     log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
              "of %d bytes", store.root, mountpoint, os.getpid(),

@@ -101,3 +101,22 @@ def test_the_flags_are_refused_to_other_users(tmp_path, monkeypatch, flags):
     with pytest.raises(RametError) as exc:
         mounts.check_mount_options(True, False)
     assert exc.value.errno == errno.EPERM
+
+
+def test_fsname_names_the_mount_in_the_mount_table(tmp_path):
+    """``--fsname`` is the source findmnt and df show (fstests finds its TEST_DEV so); the
+    type stays fuse.rametfs, which rametfs's own commands look for.  A comma, which would
+    split the mount options, is a usage error."""
+    require_fuse()
+    d = Daemon(tmp_path / "data", tmp_path / "mnt", serve_args=("--fsname", "/srv/src-1"))
+    d.start()
+    try:
+        found = subprocess.run(["findmnt", "-rnv", "-o", "SOURCE,FSTYPE", d.mnt],
+                               capture_output=True, text=True, check=True).stdout
+    finally:
+        d.stop()
+    assert found.splitlines()[0] == "/srv/src-1 fuse.rametfs"
+    result = CliRunner().invoke(main, ["mount", "--data", str(tmp_path / "data"),
+                                       str(tmp_path / "mnt"), "--fsname", "a,b"])
+    assert result.exit_code == 2
+    assert "'a,b': a name without commas, blanks or backslashes" in result.output
