@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import functools
 import heapq
 import itertools
 import os
@@ -61,6 +62,7 @@ DIR_SIZE = 4096
 TREE_ENTRIES = 1 << 20  # entries of the decoded base trees kept in memory (~300 bytes each)
 BIG_TREE_BYTES = 1 << 20  # a stored tree this large is decoded in a worker thread (prefetch)
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
+CONTENTS_KEPT = 1 << 16  # contents whose stored bytes are kept (Overlay.content_bytes)
 XATTR_BYTES = 64 * 1024  # names and values of one inode's extended attributes
 LIST_STEP = 1024  # names a listing makes per step (listdir_steps)
 # Nodes freed, or keys of a dead layer deleted, per step of the background collection: 10,000
@@ -142,10 +144,11 @@ class Attrs:
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
+    stored: int | None = None  # bytes a regular file's data takes where kept (None: its size)
 
     @property
     def blocks(self) -> int:
-        return (self.size + 511) // 512
+        return ((self.size if self.stored is None else self.stored) + 511) // 512
 
 
 class View:
@@ -443,6 +446,9 @@ class Overlay:
         self.readers = ReadIndex()  # who may read which execution (its r bit)
         self.trees: OrderedDict[bytes, dict[bytes, Entry]] = OrderedDict()  # least used first
         self.tree_entries = 0  # of the trees kept
+        # content id -> bytes its pages holding data take (st_blocks of unchanged files)
+        self.content_bytes = functools.lru_cache(maxsize=CONTENTS_KEPT)(
+            lambda cid: (c := store.content(cid)).data_bytes(c.size))
         with store.read() as txn:
             meta = store.db["meta"]
             raw = txn.get(b"next_ino", db=meta)
@@ -975,11 +981,12 @@ class Overlay:
 
     def attrs(self, node: Node) -> Attrs:
         u = node.upper
+        stored = self._stored_bytes(node) if stat.S_ISREG(node.mode) else None
         if u is not None:
             return Attrs(node.ino, u.mode, u.nlink, u.uid, u.gid, u.rdev,
                          DIR_SIZE if stat.S_ISDIR(u.mode) else
                          (len(u.target) if stat.S_ISLNK(u.mode) else u.size),
-                         u.atime_ns, u.mtime_ns, u.ctime_ns)
+                         u.atime_ns, u.mtime_ns, u.ctime_ns, stored)
         e = node.entry
         if e.is_dir:
             size, rdev = DIR_SIZE, 0
@@ -990,7 +997,26 @@ class Overlay:
         else:
             size, rdev = 0, e.size
         return Attrs(node.ino, e.mode, e.nlink, e.uid, e.gid, rdev, size,
-                     e.mtime_ns, e.mtime_ns, e.mtime_ns)
+                     e.mtime_ns, e.mtime_ns, e.mtime_ns, stored)
+
+    def _stored_bytes(self, node: Node) -> int:
+        """Bytes regular file ``node``'s data takes where it is kept, for ``st_blocks``: its
+        base pages that hold data and still show (a hole, at page granularity, takes
+        none) and what its upper data file takes on disk (a sparse file, as the kernel
+        stores it)."""
+        u, cid = node.upper, node.base_content
+        if u is None:
+            return self.content_bytes(cid) if cid else 0
+        stored = self.store.content(cid).data_bytes(u.base_limit, self._pages(node)) \
+            if cid and u.base_limit else 0
+        if u is not None and u.size:
+            if not node.allocated:  # its data file not opened since the start
+                try:
+                    node.allocated = os.stat(self._upper_path(node.view, node.ino)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+            stored += node.allocated
+        return stored
 
     def readlink(self, node: Node) -> bytes:
         if not stat.S_ISLNK(node.mode):
