@@ -63,7 +63,9 @@ TREE_ENTRIES = 1 << 20  # entries of the decoded base trees kept in memory (~300
 BIG_TREE_BYTES = 1 << 20  # a stored tree this large is decoded in a worker thread (prefetch)
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
 CONTENTS_KEPT = 1 << 16  # contents whose stored bytes are kept (Overlay.content_bytes)
-XATTR_BYTES = 64 * 1024  # names and values of one inode's extended attributes
+# Names and values of one inode's extended attributes: room for a value as long as the kernel
+# allows (XATTR_SIZE_MAX, 64 KiB; fstests generic/020 sets one on FUSE) beside others.
+XATTR_BYTES = 128 * 1024
 LIST_STEP = 1024  # names a listing makes per step (listdir_steps)
 # Nodes freed, or keys of a dead layer deleted, per step of the background collection: 10,000
 # held the trio thread 30-60 ms a step after a reset of 50,000 files (loaded 2-core host).
