@@ -14,7 +14,9 @@
   after a remount), whose mount cycles are daemon restarts for rametfs.  A rametfs mount
   cycle is otherwise a new mount of the same execution, the daemon serving on.
 
-Nothing is fetched: the suites are the checkouts named.  The mount helpers go in /sbin for the
+Nothing is fetched: the suites are the checkouts named.  fstests runs in a mount namespace of
+its own holding only the host's mounts it needs, as fstests finds TEST_DEV by its source and
+aborts when another mount has it (every fuse-overlayfs mount is named fuse-overlayfs).  The mount helpers go in /sbin for the
 run and are removed after (one already there that is not this run's stops the run).  fstests
 finds its TEST_DEV by source (findmnt) and compares the type ``df -T`` shows with FSTYP: the
 run gives it a ``df`` that shows every ``fuse.<subtype>`` as ``fuse``, libfuse's type for a
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+STATE_ENV = "RAMETFS_CONFORMANCE_STATE"  # tools/conformance_mount.py's state directory
 HELPER_DIR = Path("/sbin")
 SYSTEMS = ("rametfs", "overlay", "fuse-overlayfs")
 LOOP_IMAGE_BYTES = 4 << 30  # the ext4 image kernel overlayfs runs over (sparse)
@@ -87,19 +90,20 @@ def helpers(scripts: dict[str, str]):
 
 
 def fstests_results(log: str) -> dict:
-    """Counts and names from fstests's summary lines (``Ran:``, ``Not run:``,
-    ``Failures:``, ``Failed N of M tests``)."""
+    """Counts and names from fstests's summary lines: ``Ran:`` (every test tried, those not
+    run included), ``Not run:``, ``Failures:``."""
     def names(label: str) -> list[str]:
         found = re.findall(rf"^{label}:(.*)$", log, re.M)
         return sorted(set(" ".join(found).split()))
-    ran, failed, not_run = names("Ran"), names("Failures"), names("Not run")
-    return {"ran": len(ran), "passed": len(ran) - len(failed), "failed": len(failed),
-            "not_run": len(not_run), "failures": failed, "not_run_tests": not_run}
+    tried, failed, not_run = names("Ran"), names("Failures"), names("Not run")
+    return {"ran": len(tried) - len(not_run), "passed": len(tried) - len(not_run) - len(failed),
+            "failed": len(failed), "not_run": len(not_run), "failures": failed,
+            "not_run_tests": not_run}
 
 
 def run_logged(argv: list[str], log: Path, cwd: Path, env: dict) -> tuple[int, str]:
     """Run ``argv`` with its output to ``log``; its exit status and the log's text."""
-    say(f"{' '.join(argv)} (in {cwd}), log {log}")
+    say(f"{' '.join(map(str, argv))} (in {cwd}), log {log}")
     start = time.monotonic()
     with open(log, "w", buffering=1) as out:  # line by line: a long run can be followed
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -114,7 +118,7 @@ def run_logged(argv: list[str], log: Path, cwd: Path, env: dict) -> tuple[int, s
 def stop_daemons(work: Path) -> None:
     """End the daemons the rametfs mount helper started (each in its namespace)."""
     subprocess.run([sys.executable, REPO / "tools" / "conformance_mount.py", "--stop"],
-                   env={**os.environ, "RAMETFS_CONFORMANCE_STATE": str(work / "state")},
+                   env={**os.environ, STATE_ENV: str(work / "state")},
                    check=True)
 
 
@@ -151,7 +155,9 @@ def fstests(system: str, tests: list[str], work: Path, out: Path) -> dict:
     results = out / f"fstests-{system}"
     env = {**os.environ, "HOST_OPTIONS": str(base / "local.config"),
            "RESULT_BASE": str(results)}
-    argv = ["./check"] + ["-overlay"] * (system == "overlay") + tests
+    argv = [sys.executable, REPO / "tools" / "conformance_mount.py", "--isolated", "./check"] \
+        + ["-overlay"] * (system == "overlay") + tests
+    env[STATE_ENV] = str(work / "state")
     try:
         _, log = run_logged(argv, out / f"fstests-{system}.log", src, env)
     finally:
@@ -182,12 +188,10 @@ def unionmount(system: str, recycle: bool, work: Path, out: Path) -> dict:
     mnt = base / "mnt"
     mnt.mkdir(parents=True)
     env = {**os.environ, "UNIONMOUNT_BASEDIR": str(base), "UNIONMOUNT_MNTPOINT": str(mnt),
-           "PYTHONDONTWRITEBYTECODE": "1"}
+           "PYTHONDONTWRITEBYTECODE": "1",  # --ov=0: every mount of rametfs restarts it
+           "RAMETFS_CONFORMANCE_CYCLE": "restart" if recycle else "rebind"}
     argv = ["./run", "--ov=0" if recycle else "--ov"]
     argv += [] if system == "overlay" else [f"--fuse={system}"]
-    cycle = work / "state" / "cycle"  # --ov=0: every mount of rametfs restarts its daemon
-    cycle.parent.mkdir(exist_ok=True)
-    cycle.write_text("restart\n" if recycle else "rebind\n")
     try:
         status, log = run_logged(argv, out / f"{name}.log", src, env)
     finally:  # the suite leaves a last union mounted "for further playing"

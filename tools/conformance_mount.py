@@ -7,9 +7,10 @@ and puts a copy of the execution's mount on DIR (open_tree(2) in the daemon's na
 move_mount(2) in the caller's: how mounts are given to another namespace).  DIR is then the
 only mount of the daemon the suite sees, its source SOURCE (``--fsname``), as fstests finds
 its TEST_DEV.  Unmounting DIR leaves the daemon serving; the next mount of the same source
-gets the same execution at once.  With ``restart`` in the state directory's ``cycle`` file,
-each mount restarts the daemon first, so every mount cycle of the suite is a daemon restart
-(its unmount stores every record, and the new daemon reads them back).
+gets the same execution at once.  With ``RAMETFS_CONFORMANCE_CYCLE=restart`` in the
+environment (mount(8) passes it on), each mount restarts the daemon first, so every mount
+cycle of the suite is a daemon restart (its unmount stores every record, and the new daemon
+reads them back).
 
 * fstests: the snapshot is of the directory in the ``source=`` option (else SOURCE, which is
   fstests's TEST_DEV), taken once.
@@ -21,7 +22,8 @@ each mount restarts the daemon first, so every mount cycle of the suite is a dae
 The daemon serves ``--allow-other``, and ``--allow-devices`` and ``--allow-suid`` unless the
 options say ``nodev`` or ``nosuid`` (mount(8) passes those, never their defaults ``dev`` and
 ``suid``), as a kernel file system is mounted; the others (``rw``, ``noatime``, ...) change
-nothing.  ``--stop`` stops every daemon of the state directory (the end of a run).
+nothing.  ``--stop`` stops every daemon of the state directory (the end of a run);
+``--isolated CMD...`` runs CMD in a mount namespace of its own (:func:`isolated`).
 
 Usage: ``RAMETFS_CONFORMANCE_STATE=DIR python tools/conformance_mount.py SOURCE DIR [-o
 OPTIONS]`` or ``... --stop`` (the installed helper sets the variable).
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 
 STATE_ENV = "RAMETFS_CONFORMANCE_STATE"
+CYCLE_ENV = "RAMETFS_CONFORMANCE_CYCLE"  # "restart": each mount restarts the daemon first
 WAIT_S = 60.0  # for a stopped daemon to exit
 CLONE_NEWNS = 0x00020000
 SYS_OPEN_TREE, SYS_MOVE_MOUNT = 428, 429  # asm-generic numbers, every architecture
@@ -179,7 +182,21 @@ def give(pid: int, path: Path, mountpoint: str) -> None:
         os.close(theirs)
 
 
+def isolated(argv: list[str]) -> None:
+    """Run ``argv`` in a private mount namespace holding only the host's mounts of the
+    paths it needs (its working directory, the state directory's parent, this Python):
+    fstests finds TEST_DEV by its source, and another user's mount of the same source
+    (fuse-overlayfs names every mount so) would abort the run."""
+    checked(libc.unshare(CLONE_NEWNS), "unshare")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+    unmount_all_but([os.getcwd(), str(Path(os.environ[STATE_ENV]).parent), sys.executable,
+                     __file__])
+    os.execvp(argv[0], argv)
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--isolated"]:
+        return isolated(argv[1:])
     top = Path(os.environ[STATE_ENV])
     if argv == ["--stop"]:
         for state in sorted(top.iterdir()) if top.is_dir() else ():
@@ -196,7 +213,7 @@ def main(argv: list[str]) -> None:
     record = state / "execution.json"
     ident = identity(key_path)
     known = json.loads(record.read_text()) if record.exists() else None
-    restart = (top / "cycle").exists() and (top / "cycle").read_text().strip() == "restart"
+    restart = os.environ.get(CYCLE_ENV) == "restart"
     if known is None or known["identity"] != ident or restart:
         stop(state)
     if known is None or known["identity"] != ident:  # a new source (or upper layer): anew
