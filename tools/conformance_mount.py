@@ -67,15 +67,20 @@ def setns(fd: int) -> None:
     checked(libc.setns(fd, CLONE_NEWNS), "setns")
 
 
-def rametfs(*args: str, ns_pid: int | None = None) -> str:
+def rametfs(*args: str, ns_pid: int | None = None, check: bool = True) -> str | None:
     """Run the rametfs CLI of this Python (in daemon ``ns_pid``'s mount namespace when
-    given); its stdout.  Exits with its message on failure."""
+    given); its stdout.  On failure: exits with its message, or says it and returns None
+    when not ``check``."""
     argv = [sys.executable, "-m", "rametfs", *args]
     if ns_pid is not None:
         argv = ["nsenter", f"--mount=/proc/{ns_pid}/ns/mnt", "--", *argv]
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
-        fail(f"rametfs {' '.join(args)}: {proc.stderr.strip()}")
+        if check:
+            fail(f"rametfs {' '.join(args)}: {proc.stderr.strip()}")
+        print(f"mount.fuse.rametfs: rametfs {' '.join(args)}: {proc.stderr.strip()}",
+              file=sys.stderr)
+        return None
     return proc.stdout
 
 
@@ -113,12 +118,14 @@ def alive(state: Path) -> int | None:
     return pid
 
 
-def stop(state: Path) -> None:
-    """Unmount the daemon of ``state`` in its namespace and wait for it to exit."""
+def stop(state: Path, check: bool = True) -> None:
+    """Unmount the daemon of ``state`` in its namespace and wait for it to exit; one whose
+    execution is still mounted somewhere is left serving when not ``check``."""
     pid = alive(state)
     if pid is None:
         return
-    rametfs("umount", str(state / "root"), ns_pid=pid)
+    if rametfs("umount", str(state / "root"), ns_pid=pid, check=check) is None:
+        return
     deadline = time.monotonic() + WAIT_S
     while alive(state) == pid:
         if time.monotonic() > deadline:
@@ -201,7 +208,7 @@ def main(argv: list[str]) -> None:
     if argv == ["--stop"]:
         for state in sorted(top.iterdir()) if top.is_dir() else ():
             if state.is_dir():
-                stop(state)
+                stop(state, check=False)
         return
     source, mountpoint, options = parse(argv)
     union = "lowerdir" in options
