@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +51,8 @@ def main(size: str, repeat: int, out: Path, only: str | None, systems: str | Non
     """Benchmark rametfs against native ext4, overlayfs, fuse-overlayfs, cp -a and
     git worktree (issue 4), and against its own fallback mode (issue 7).  Needs root for
     overlayfs, the xfs image of fallback-reflink and the cold runs."""
+    # SIGTERM unwinds like an error, so every daemon and mount the run made is taken down.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         report = run(size, repeat, _names(only), _names(systems), workdir.resolve(),
                      scale_1m=scale_1m, profile_dir=profile_dir, many_files=many_files,

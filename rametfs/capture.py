@@ -20,7 +20,6 @@ from functools import partial
 import blake3
 import trio
 
-from . import overlay as ov
 from . import policy
 from .core import diff as core_diff
 from .errors import Cancelled, InvalidArgument, NotFound, RametError
@@ -30,7 +29,7 @@ from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, St
 from .store.chunks import ContentBuilder, page_count
 from .store.entries import directory_entry_steps, link_id
 from .store.extents import data_extents, pages_of
-from .store.format import link_key
+from .store.format import UpperInode, link_key
 from .store.trees import encode_tree_steps
 from .store.writer import ChunkWriter
 from .treewalk import Steps, nested_steps, postorder_steps, run_steps
@@ -393,8 +392,8 @@ class Capture:
         if isinstance(item, Entry):
             return item if item.name == name else item.renamed(name)
         if entries is not None:
-            u = (ov.UpperInode.from_entry(item.entry) if isinstance(item, _BaseDirPlan)
-                 else item.node.upper or ov.UpperInode.from_entry(item.node.entry))
+            u = (UpperInode.from_entry(item.entry) if isinstance(item, _BaseDirPlan)
+                 else item.node.upper or UpperInode.from_entry(item.node.entry))
             tid, value = yield from encode_tree_steps(entries)
             if trees is not None:
                 yield from trees.add(tid, value, entries)

@@ -16,12 +16,14 @@ Exit codes (:data:`EXIT_HELP`): 0 ok, 2 usage, and for a failed operation the co
 from __future__ import annotations
 
 import contextlib
+import decimal
 import errno
 import functools
 import itertools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -171,6 +173,35 @@ message_option = click.option("--message", help="A longer description of the sna
                               f"(at most {protocol.MAX_MESSAGE_BYTES} bytes).")
 
 
+class ByteSize(click.ParamType):
+    """A size in bytes written as ``truncate -s`` takes it: digits, optionally with a unit
+    (``K``, ``M``, ``G``, ``T``, ``P``, ``E`` or ``KiB``...: powers of 1024; ``KB``, ``MB``...:
+    powers of 1000), so ``1G``, ``1.5G`` and ``1073741824`` are one GiB (GNU coreutils'
+    convention, which ``rametfs ls`` prints back), between ``minimum`` and ``maximum``."""
+
+    name = "bytes"
+    _FORM = re.compile(r"(\d+(?:\.\d+)?)(?:([KMGTPE])(iB|B)?)?", re.IGNORECASE)
+
+    def __init__(self, minimum: int = 0, maximum: int = 2**63 - 1) -> None:
+        self.minimum, self.maximum = minimum, maximum
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            size = value
+        else:
+            form = self._FORM.fullmatch(value.strip())
+            if form is None:
+                self.fail(f"{value!r} is not a size such as 1073741824, 512M or 1.5G", param, ctx)
+            digits, unit, suffix = form.groups()
+            base = 1000 if suffix and suffix.upper() == "B" else 1024
+            scale = base ** ("KMGTPE".index(unit.upper()) + 1) if unit else 1
+            size = int(decimal.Decimal(digits) * scale)
+        if not self.minimum <= size <= self.maximum:
+            self.fail(f"{value} is {size} bytes, not in {self.minimum}..{self.maximum}",
+                      param, ctx)
+        return size
+
+
 # ----- daemon lifecycle -----------------------------------------------------------------------
 
 def _fsname_value(value: str) -> str:
@@ -201,13 +232,13 @@ def _fsname_value(value: str) -> str:
 @click.option("--debug", is_flag=True, help="Debug logging, and FUSE debug output.")
 @click.option("--log", "log_file", type=click.Path(dir_okay=False),
               help="Log to this file (default: stderr; with --background <DATA>/daemon.log).")
-@click.option("--max-file-size", type=click.IntRange(1, 2**63 - 1), metavar="BYTES",
+@click.option("--max-file-size", type=ByteSize(1), metavar="BYTES",
               help="A file may not grow past this size: EFBIG (default: ext4's limit, "
                    "16 TiB - 4 KiB).")
-@click.option("--cache-max-bytes", type=click.IntRange(0), metavar="BYTES",
+@click.option("--cache-max-bytes", type=ByteSize(0), metavar="BYTES",
               help="Disk the hydration cache may take; unused content goes first (default: "
                    "a quarter of the data directory's file system).")
-@click.option("--max-answer-bytes", type=click.IntRange(4096), metavar="BYTES",
+@click.option("--max-answer-bytes", type=ByteSize(4096), metavar="BYTES",
               help="The longest answer of a control file: a diff, preview or reply past it "
                    "is EFBIG, an fsmonitor answer says \"everything\" (default: 64 MiB).")
 @click.option("--faults", is_flag=True, hidden=True,
@@ -643,8 +674,9 @@ _ACCESS_OPTIONS = (
     click.option("--control", type=click.Choice(protocol.CONTROLS),
                  help="What its own .ramet files allow: full (default), read (no writes) or "
                       "none (no .ramet)."),
-    click.option("--max-bytes", type=click.IntRange(1, 2**63 - 1), metavar="BYTES",
-                 help="Disk its written data may take (EDQUOT past it; default: no limit)."),
+    click.option("--max-bytes", type=ByteSize(1), metavar="BYTES",
+                 help="Disk its written data may take, e.g. 10G (EDQUOT past it; default: no "
+                      "limit)."),
     click.option("--max-inodes", type=click.IntRange(1, 2**63 - 1), metavar="N",
                  help="Upper inodes it may hold, copies-up included (EDQUOT past it)."),
 )
@@ -808,8 +840,7 @@ def release(ramet: Ramet, execution: str) -> None:
             raise
         left = human_age(lease["expires_ns"] - time.time_ns())
         raise RametError(errno.EBUSY, f"execution {execution!r} is leased by "
-                         f"{printable(lease['holder'])} (pid {lease['pid']} on "
-                         f"{printable(lease['host'])}), whose ExecutionPool.acquire() block "
+                         f"{lease_holder(lease)}, whose ExecutionPool.acquire() block "
                          f"gives it back when it ends; else the lease expires in {left} and "
                          f"the daemon returns it to its pool: release it then") from None
 
@@ -1260,8 +1291,15 @@ def lease_cells(lease: dict | None, now_ns: int) -> tuple[str, str]:
     if lease is None:
         return "-", "-"
     left = lease["expires_ns"] - now_ns
-    return (printable(f"{lease['holder']} (pid {lease['pid']}@{lease['host']})"),
-            f"in {human_age(left)}" if left > 0 else "expired")
+    return lease_holder(lease), f"in {human_age(left)}" if left > 0 else "expired"
+
+
+def lease_holder(lease: dict) -> str:
+    """A lease's holder with the pid and host it gave, those it gave only (a lease acquired
+    by a control command may give neither): ``me (pid 12 on h)``, ``me (pid 12)``, ``me``."""
+    where = " ".join(part for part in (f"pid {lease['pid']}" if lease["pid"] else "",
+                                       f"on {lease['host']}" if lease["host"] else "") if part)
+    return printable(f"{lease['holder']} ({where})" if where else lease["holder"])
 
 
 def printable(text: str, lines: bool = False) -> str:

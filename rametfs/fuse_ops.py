@@ -7,8 +7,8 @@ its traceback and answered with EIO so one bad request cannot take the daemon do
 
 Fixed inode numbers: 1 the mount root, 2 ``snapshots/``, 3 ``executions/``, 4 ``.ramet/``.
 Each execution's ``.ramet/`` directory gets a number on first lookup; control files get one per
-content (:class:`ControlSlot`); ``snapshots/<prefix>`` (a unique id prefix of 8 to 63 hex
-digits) is a symlink to the full id, one inode per snapshot.
+content (:class:`ControlSlot`); ``snapshots/<ref>`` (a unique id prefix of 8 hex digits or
+more, or a snapshot name without ``/``) is a symlink to the full id, one inode per snapshot.
 Snapshot inodes are cached by the kernel for :data:`CACHE_TIMEOUT` (immutable).  So are
 execution inodes: every change to them passes through this kernel mount, which keeps its
 caches coherent, except reset and release, which invalidate what the kernel may hold.
@@ -18,7 +18,7 @@ opendir answer ENOSYS, so the kernel stops sending open, release, opendir and re
 keeps every file's pages and every directory's listing cached, and the handlers get the inode
 number where a file handle was.  Without the patch the same handlers run with the inode number
 as the file handle.  Either way there is no per-open state: a file's upper data descriptor is
-cached (``Overlay.upper_fds``), dirty inode records are stored by the daemon every second
+cached (``FileData.upper_fds``), dirty inode records are stored by the daemon every second
 (``daemon._store_dirty_records``) and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
 
 Who may do what (rametfs.authority; docs/architecture.md, "Authority"): ``snapshots/`` and
@@ -61,6 +61,7 @@ from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
 from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all,
                       unlink_upper_files)
+from .store.names import HEX_REF, SNAPSHOT_ID_RE
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Virtual:
 
     ino: int
     mode: int
-    kind: str  # "dir", "symlink" (snapshots/<prefix>) or a control file kind
+    kind: str  # "dir", "symlink" (snapshots/<ref>) or a control file kind
     execution: Execution | None = None  # None: the root scope
     children: dict[bytes, int] = field(default_factory=dict)
     files: dict[bytes, ControlSlot] = field(default_factory=dict)  # a .ramet/ directory's
@@ -213,7 +214,7 @@ class Operations(pyfuse3.Operations):
             name.encode(): ControlSlot(stat.S_IFREG | ROOT_MODES[name], name, None)
             for name in protocol.ROOT_CONTROL_FILES}))
         self.exec_control: dict[int, int] = {}  # execution root ino -> its .ramet dir ino
-        self.prefix_links: dict[str, int] = {}  # snapshot id -> its symlink's ino
+        self.snapshot_links: dict[str, int] = {}  # snapshot id -> its symlink's ino
         self.listings: OrderedDict[int, list] = OrderedDict()  # ino -> readdir entries
         self.listing_entries = 0  # entries of every kept listing
         # snapshot inode whose pages are being dropped -> a WRITE came since the drop began
@@ -539,10 +540,12 @@ class Operations(pyfuse3.Operations):
         v = self.virtual.get(parent)
         if v is not None:
             if parent == SNAPSHOTS:
-                sid = name.decode("ascii", "replace")
-                if SNAPSHOT_PREFIX_RE.fullmatch(sid):
-                    return self._prefix_link(sid)
-                return self.overlay.snapshot_view(sid).root_ino
+                ref = name.decode("ascii", "replace")
+                if SNAPSHOT_ID_RE.fullmatch(ref):
+                    return self.overlay.snapshot_view(ref).root_ino
+                if SNAPSHOT_PREFIX_RE.fullmatch(ref) or not HEX_REF.fullmatch(ref):
+                    return self._snapshot_link(ref)
+                raise NotFound(f"no snapshot {ref!r}")  # ids are spelt in lower case only
             if parent == EXECUTIONS:
                 ex = self.overlay.execution(name.decode("utf-8", "replace"))
                 if not ex.access.allows(caller, X):
@@ -559,18 +562,18 @@ class Operations(pyfuse3.Operations):
                 return self._exec_control_dir(node.view).ino
         return self.overlay.lookup(parent, name).ino
 
-    def _prefix_link(self, prefix: str) -> int:
-        """``snapshots/<prefix>`` of a unique id prefix (as ``rametfs ls`` shows ids): a
-        symlink to the full id, never a second view of the snapshot (one view per id).
-        One inode per snapshot, looked up at entry timeout 0 (a new snapshot can make the
-        prefix ambiguous: then ENOENT, as for no match)."""
-        snap = self.overlay.store.snapshot(prefix)  # NotFound: none, or several
-        ino = self.prefix_links.get(snap.id)
+    def _snapshot_link(self, ref: str) -> int:
+        """``snapshots/<ref>`` of a unique id prefix (as ``rametfs ls`` shows ids) or a
+        snapshot name: a symlink to the full id, never a second view of the snapshot (one view per id).  One inode
+        per snapshot, looked up at entry timeout 0: a new snapshot can make a prefix
+        ambiguous (then ENOENT, as for no match), a name can move."""
+        snap = self.overlay.store.snapshot(ref)  # NotFound: none, or several
+        ino = self.snapshot_links.get(snap.id)
         if ino is None:
             ino = self.overlay._alloc_ino()
             self._add_virtual(Virtual(ino, stat.S_IFLNK | 0o777, "symlink",
                                       content=snap.id.encode()))
-            self.prefix_links[snap.id] = ino
+            self.snapshot_links[snap.id] = ino
         return ino
 
     @_errors

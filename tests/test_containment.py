@@ -683,7 +683,7 @@ async def test_a_walk_in_slices_lets_other_tasks_run_and_returns_its_result():
     SLICE_S (2 ms); another task runs between them, and the walk's result comes back."""
     import trio
 
-    from rametfs.overlay import SLICE_S, in_slices
+    from rametfs.overlay.slices import SLICE_S, in_slices
     from rametfs.treewalk import run_steps
     turns = 0
     seen: list[int] = []
@@ -713,7 +713,7 @@ async def test_a_walk_in_slices_lets_other_tasks_run_and_returns_its_result():
 def test_a_listing_made_in_slices_is_exact_across_its_batches(shared_daemon, tmp_path):
     """Upper dentries are read and nodes made LIST_STEP (1,024) at a time, in slices: 1,500
     base names, 700 of them removed (whiteouts) and 1,800 new ones list exactly."""
-    from rametfs.overlay import LIST_STEP
+    from rametfs.overlay.lookup import LIST_STEP
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
     for i in range(1500):
@@ -805,7 +805,7 @@ def test_a_request_waiting_on_a_promote_cancelled_by_reset_goes_stale(held_work)
 
 
 def test_past_max_waiting_requests_of_one_execution_get_eagain(held_work):
-    from rametfs.overlay import MAX_WAITING
+    from rametfs.overlay.nodes import MAX_WAITING
     d, eid, _ = held_work
     other = d.create(d.status()["snapshots"][-1]["id"])
     count = MAX_WAITING + 40
@@ -914,7 +914,7 @@ async def test_store_flushes_are_group_commits(tmp_path):
 
 def test_rmdir_knows_emptiness_without_listing(shared_daemon, tmp_path):
     """Whiteouts, upper names and base names, each way: ENOTEMPTY exactly when a name is
-    left (rametfs.overlay.Overlay._is_empty_dir counts, it does not list)."""
+    left (rametfs.overlay.lookup.Lookup.is_empty_dir counts, it does not list)."""
     src = write_tree(tmp_path / "src", {"d/a": b"a", "d/b": b"b", "e/x": b"x"})
     eid = shared_daemon.create(shared_daemon.snapshot(src))
     root = shared_daemon.exec_path(eid)
@@ -951,7 +951,8 @@ async def test_a_big_base_tree_is_decoded_off_the_trio_thread(tmp_path):
 
     import trio
 
-    from rametfs.overlay import BIG_TREE_BYTES, Overlay
+    from rametfs.overlay import Overlay
+    from rametfs.overlay.trees import BIG_TREE_BYTES
     from rametfs.store import EMPTY_CONTENT, Store
     from rametfs.store.importer import put_directory
     from rametfs.store.trees import Entry
@@ -982,7 +983,7 @@ async def test_a_big_base_tree_is_decoded_off_the_trio_thread(tmp_path):
         await overlay.prefetch(d.ino)
         during = turns - before
         nursery.cancel_scope.cancel()
-    assert during > 10 and big.ref in overlay.trees  # the other task ran while it decoded
+    assert during > 10 and big.ref in overlay.base_trees.trees  # the other task ran meanwhile
     assert overlay.lookup(d.ino, b"file-0123456").name == b"file-0123456"
     store.close()
 

@@ -26,9 +26,8 @@ from conftest import run, wait_until
 from rametfs import Ramet, RametError
 from rametfs.client import PoolTimeout
 from rametfs.errors import Busy
-from rametfs.overlay import UpperInode
 from rametfs.store import Store
-from rametfs.store.format import dentry_key, inode_key, page_key, u64
+from rametfs.store.format import UpperInode, dentry_key, inode_key, page_key, u64
 from test_snapshots import write_tree
 
 QUARANTINE_LOG = r"WARNING rametfs\.control: execution \S+ quarantined"
@@ -118,7 +117,7 @@ def test_acquire_renew_ebusy_timeout_and_ls(daemon, source):
             row, = [line for line in listing.splitlines() if line.startswith(ex.id)]
             assert row.split()[5:9] == [f"{os.getuid()}:{os.getgid()}/0700/full", "leased",
                                         "agents", pool.holder]
-            assert f"(pid {os.getpid()}@{socket.gethostname()})" in row
+            assert f"(pid {os.getpid()} on {socket.gethostname()})" in row
             assert row.split()[-2] == "in"
             assert [line.split() for line in listing.splitlines()[-2:]] == [
                 ["POOL", "BASE", "SIZE", "READY", "LEASED", "QUARANTINED"],

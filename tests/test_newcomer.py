@@ -411,6 +411,24 @@ def test_snapshot_prefixes_are_symlinks_to_the_one_view_of_the_id(d, snap, tmp_p
     assert sorted(os.listdir(snapshots)) == sorted(s["id"] for s in d.status()["snapshots"])
 
 
+def test_snapshot_names_are_symlinks_that_follow_the_name(d, snap, tmp_path):
+    """``snapshots/<name>`` is a symlink to the id the name gives now: moved, the same path
+    leads to the new snapshot (entry timeout 0); deleted, it is ENOENT."""
+    snapshots = d.mnt / protocol.SNAPSHOTS_DIR
+    other = d.snapshot(write_tree(tmp_path / "other", {"a.txt": "other\n"}))
+    d.ctl(f"name stable {snap}")
+    assert os.readlink(snapshots / "stable") == snap
+    assert (snapshots / "stable" / "a.txt").read_text() == "alpha\n"
+    assert os.stat(snapshots / "stable").st_ino == os.stat(snapshots / snap).st_ino
+    d.ctl(f"name stable {other}")
+    assert os.readlink(snapshots / "stable") == other
+    assert (snapshots / "stable" / "a.txt").read_text() == "other\n"
+    d.ctl("unname stable")
+    with pytest.raises(FileNotFoundError):
+        os.lstat(snapshots / "stable")
+    assert "stable" not in os.listdir(snapshots)  # names are found by lookup, never listed
+
+
 def test_the_cli_takes_the_ids_it_prints_and_says_the_minimum(d, snap):
     shown = next(line.split()[0] for line in cli("ls", "-m", d.mnt).stdout.splitlines()
                  if line.strip() and snap.startswith(line.split()[0]))
@@ -644,7 +662,17 @@ def test_create_names_empty_and_taken_and_ls_shows_access_and_quotas(d, snap):
     assert (taken.returncode, taken.stderr) == (8, "rametfs: execution 'taken' already exists\n")
     assert cli("create", "-m", d.mnt, snap, "--name", "boxed", "--owner", str(NOBODY),
                "--group", "100", "--share", "0750", "--control", "read", "--max-bytes",
-               str(1 << 30)).returncode == 0
+               "1G").returncode == 0  # truncate's sizes: 1G is 1 << 30 bytes
+    limits = {e["id"]: e["max_bytes"] for e in d.status()["executions"]}
+    assert limits["boxed"] == 1 << 30
+    for size, kilo in (("1.5M", 1024), ("3KB", 1000)):
+        assert cli("create", "-m", d.mnt, snap, "--name", f"sized-{kilo}",
+                   "--max-bytes", size).returncode == 0
+    limits = {e["id"]: e["max_bytes"] for e in d.status()["executions"]}
+    assert (limits["sized-1024"], limits["sized-1000"]) == (1536 * 1024, 3000)
+    bad = cli("create", "-m", d.mnt, snap, "--max-bytes", "1.5X")
+    assert bad.returncode == 2 and ("'1.5X' is not a size such as 1073741824, 512M or 1.5G"
+                                    in bad.stderr), bad.stderr
     rows = {line.split()[0]: line.split() for line in cli("ls", "-m", d.mnt).stdout.splitlines()
             if line.strip()}
     assert rows["EXECUTION"][5:7] == ["ACCESS", "QUOTA"]
@@ -663,6 +691,19 @@ def test_release_of_a_leased_execution_says_what_to_do_from_the_cli(d, snap):
     assert "return" not in refused.stderr.replace("returns it", "")
     d.ctl("drop newcomers")
     assert pool["executions"] == [leased]
+
+
+def test_a_lease_shows_only_the_pid_and_host_it_gave(d, snap):
+    """A lease acquired by a control command gives no --pid or --host: ls shows its holder
+    alone, not ``me (pid 0@)``."""
+    d.ctl(f"pool {snap} --size 2 --name bare")
+    bare = d.ctl("acquire bare --holder me --ttl 60")["execution"]
+    with_pid = d.ctl("acquire bare --holder you --ttl 60 --pid 7")["execution"]
+    rows = {line.split()[0]: line.split() for line in cli("ls", "-m", d.mnt).stdout.splitlines()
+            if line.strip()}
+    assert rows[bare][-5:-1] == ["leased", "bare", "me", "in"], rows[bare]
+    assert rows[with_pid][-7:-1] == ["leased", "bare", "you", "(pid", "7)", "in"], rows[with_pid]
+    d.ctl("drop bare")
 
 
 def test_another_uid_is_told_permission_denied_not_not_mounted(d, snap):

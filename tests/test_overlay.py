@@ -462,8 +462,8 @@ async def test_a_move_between_deep_directories_is_checked_in_slices(model, monke
             node = overlay.mkdir(node.ino, b"d", 0o755, 0, 0)
         return node
 
-    from rametfs import overlay as model_module
-    monkeypatch.setattr(model_module, "SLICE_S", 0.0)  # a slice a step, however fast the host
+    from rametfs.overlay import names, slices
+    monkeypatch.setattr(slices, "SLICE_S", 0.0)  # a slice a step, however fast the host
     depth = 20_000
     a, b = chain(b"a", depth), chain(b"b", depth)
     moved = overlay.mkdir(a.ino, b"x", 0o755, 0, 0)
@@ -482,7 +482,7 @@ async def test_a_move_between_deep_directories_is_checked_in_slices(model, monke
         between = len(ran) - before
         nursery.cancel_scope.cancel()
     # 19 steps; trio orders the tasks of a batch at random, so a few yields may pass it by
-    assert between >= depth // model_module.ANCESTOR_STEP // 2  # run whole it let none run
+    assert between >= depth // names.ANCESTOR_STEP // 2  # run whole it let none run
     assert overlay.lookup(b.ino, b"x").ino == moved.ino
     with pytest.raises(RametError) as caught:
         await overlay.rename_in_slices(ex.root_ino, b"b", moved.ino, b"b", 0)

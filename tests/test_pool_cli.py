@@ -56,7 +56,7 @@ def test_a_shell_script_drives_a_pool(ramet, source, tmp_path):
 
     listing = cli(ramet, "ls").stdout
     line, = [row for row in listing.splitlines() if row.startswith(execution)]
-    assert f"leased  shpool  ci-worker-1 (pid {shell_pid}@{socket.gethostname()})  in " in line
+    assert f"leased  shpool  ci-worker-1 (pid {shell_pid} on {socket.gethostname()})  in " in line
 
     path = ramet.execution(execution).path
     run("sh", "-c", "echo attempt > result.txt && rm README", cwd=path)

@@ -27,7 +27,7 @@ import pytest
 from conftest import Daemon, check_log, run
 from rametfs import Ramet, protocol
 from rametfs.errors import IntegrityError
-from rametfs.overlay import MAX_FILE_SIZE, OPEN_FILES
+from rametfs.overlay.data import MAX_FILE_SIZE, OPEN_FILES
 from rametfs.store import EMPTY_CONTENT, PAGE_SIZE, Store, fsck
 from rametfs.store.chunks import chunk_id, content_id, encode_chunk
 from rametfs.store.importer import put_directory

@@ -7,7 +7,7 @@ appears whole (written under a temporary name ``.<content id>.<pid>.<ns>``, then
 With a limit (``max_bytes``, the daemon's ``--cache-max-bytes``), the bytes the cached files
 take on disk (``st_blocks``) are kept under it by removing the least recently used contents
 that nobody *holds*.  The daemon holds a content while it keeps a descriptor of it open
-(``Overlay.base_fds``, at most ``OPEN_FILES``): such a content is never removed, so its
+(``Hydrator.base_fds``, at most ``OPEN_FILES``): such a content is never removed, so its
 readers never break and it is never hydrated twice; the cache can exceed its limit by what
 the held contents take, until the daemon closes their descriptors.  Other readers open a
 cached file by path: one that has it open keeps reading it (Linux frees an unlinked file at

@@ -11,7 +11,8 @@ msgpack (``use_bin_type``) lists or maps; names and symlink targets are raw byte
 
 Databases (one LMDB environment, ``<data>/meta``):
 
-``meta``       ``b"format"`` -> u32 version; ``b"next_ino"`` -> u64, above every stored inode number.
+``meta``       ``b"format"`` -> u32 version; ``b"next_ino"`` -> u64, above every stored inode number;
+               ``b"next_layer"`` -> u64, the number the next upper layer gets.
 ``chunks``     chunk id (32 B BLAKE3 of the raw bytes) -> chunk envelope (below).
 ``contents``   content id (32 B) -> msgpack ``[size_bytes, chunk_ids]`` (dense: ``chunk_ids`` 32 B
                each, concatenated; chunk i holds bytes ``[i*page_size, (i+1)*page_size)``), or
@@ -43,9 +44,11 @@ Databases (one LMDB environment, ``<data>/meta``):
                Also ``b"git-blob:"`` + raw git blob id -> msgpack ``[size_bytes, content id]``,
                the blob cache that makes re-importing an unchanged git blob free
                (:mod:`rametfs.store.git_import`); such a key never starts with ``/``.
-``executions`` execution id (utf-8) -> msgpack map ``{base, head, layer, root_ino, created_ns}``.
+``executions`` execution id (utf-8) -> msgpack map ``{base, head, lower, layer, root_ino,
+               created_ns, owner, group, share, control, max_bytes, max_inodes[, policy]
+               [, runtime]}`` (:class:`ExecutionRecord`).
 ``inodes``     layer (u64) + ino (u64) -> msgpack map, an execution's upper inode record
-               (:class:`rametfs.overlay.UpperInode`).
+               (:class:`UpperInode`).
 ``dentries``   layer (u64) + parent ino (u64) + name -> child ino (u64); ino 0 is a whiteout.
 ``links``      layer (u64) + link id (u64) -> ino (u64): the upper inode of a base hard-link group.
 ``pages``      layer (u64) + ino (u64) + page (u64) -> ``b""``: that page of the file lives in the
@@ -75,9 +78,15 @@ bytes and is checked on every read (:class:`rametfs.errors.IntegrityError`, EIO)
 
 from __future__ import annotations
 
+import itertools
 import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import blake3
+import msgpack
+
+from .trees import Entry
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -148,6 +157,13 @@ def link_key(layer: int, link: int) -> bytes:
     return _U64x2.pack(layer, link)
 
 
+def prefixed(cur, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+    """The ``(key, value)`` pairs of LMDB cursor ``cur`` whose keys start with ``prefix``,
+    from key ``start`` (default: the first such key) on."""
+    if cur.set_range(prefix if start is None else start):
+        yield from itertools.takewhile(lambda kv: kv[0].startswith(prefix), cur.iternext())
+
+
 def source_key(path: bytes) -> bytes:
     """Key of ``sources`` for the absolute source path ``path``: the path itself when it fits
     an LMDB key (:data:`MAX_KEY_BYTES`), else :data:`SOURCE_HASH_PREFIX` + its 32-byte
@@ -180,3 +196,89 @@ def unpack_envelope(data: bytes) -> tuple[int, int, memoryview]:
     if magic != ENVELOPE_MAGIC or version != ENVELOPE_VERSION or codec not in (CODEC_RAW, CODEC_ZSTD):
         raise ValueError(f"bad chunk envelope header {bytes(data[:ENVELOPE_HEADER_BYTES])!r}")
     return codec, raw_length, memoryview(data)[ENVELOPE_HEADER_BYTES:]
+
+
+@dataclass(slots=True)
+class UpperInode:
+    """An inode record in an execution's upper layer (``inodes`` database).
+
+    Times in ns; ``size`` in bytes; ``base`` the origin base entry (None for a new inode);
+    ``base_limit`` the number of leading bytes of the base content still visible (bytes);
+    ``tree`` the base subtree id of a directory that came from the base (None: opaque);
+    ``content`` the content id a capture found the file's bytes to hold, until its bytes
+    change (None: not known), so a diff against the head that capture made needs no hash.
+    """
+
+    mode: int
+    uid: int
+    gid: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    size: int = 0
+    nlink: int = 1
+    rdev: int = 0
+    target: bytes = b""
+    xattrs: dict = field(default_factory=dict)
+    base: Entry | None = None
+    base_limit: int = 0
+    tree: bytes | None = None
+    content: bytes | None = None
+
+    def pack(self) -> bytes:
+        d = {name: getattr(self, name) for name in self.__slots__}
+        d["base"] = self.base.pack() if self.base else None
+        d["xattrs"] = sorted(self.xattrs.items())
+        if d["content"] is None:  # absent unless a capture set it: records stay as small
+            del d["content"]
+        return msgpack.packb(d, use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, value: bytes) -> UpperInode:
+        d = msgpack.unpackb(value)
+        d["base"] = Entry.unpack(d["base"]) if d["base"] else None
+        d["xattrs"] = {k: v for k, v in d["xattrs"]}
+        return cls(**d)
+
+    @classmethod
+    def from_entry(cls, e: Entry) -> UpperInode:
+        return cls(mode=e.mode, uid=e.uid, gid=e.gid, atime_ns=e.mtime_ns, mtime_ns=e.mtime_ns,
+                   ctime_ns=e.mtime_ns, size=e.size if e.is_reg else 0, nlink=e.nlink,
+                   rdev=0 if (e.is_reg or e.is_dir or e.is_symlink) else e.size,
+                   target=e.ref if e.is_symlink else b"", xattrs=dict(e.xattrs), base=e,
+                   base_limit=e.size if e.is_reg else 0, tree=e.ref if e.is_dir else None)
+
+
+@dataclass(slots=True)
+class ExecutionRecord:
+    """An execution (``executions`` database): the ids of its base, head and lower snapshots,
+    its current layer, its root's inode number, when it was made (ns), its access settings
+    (``rametfs.authority.Access.to_record``, stored in the same map), and the records of its
+    persistence policy and of the sandbox running it (None: none, left out of the map)."""
+
+    base: str
+    head: str
+    lower: str
+    layer: int
+    root_ino: int
+    created_ns: int
+    access: dict
+    policy: dict | None = None
+    runtime: dict | None = None
+
+    def pack(self) -> bytes:
+        rec = {"base": self.base, "head": self.head, "lower": self.lower, "layer": self.layer,
+               "root_ino": self.root_ino, "created_ns": self.created_ns, **self.access}
+        rec.update((key, value) for key, value in (("policy", self.policy),
+                                                   ("runtime", self.runtime)) if value)
+        return msgpack.packb(rec)
+
+    @classmethod
+    def unpack(cls, value: bytes) -> ExecutionRecord:
+        rec = msgpack.unpackb(value)
+        fixed = {name: rec.pop(name) for name in ("base", "head", "layer", "root_ino",
+                                                  "created_ns")}
+        # A record from before "lower" was kept: its layer lies over its base.
+        lower = rec.pop("lower", fixed["base"])
+        policy, runtime = rec.pop("policy", None), rec.pop("runtime", None)
+        return cls(**fixed, lower=lower, access=rec, policy=policy, runtime=runtime)

@@ -43,7 +43,7 @@ import lmdb
 import msgpack
 
 from ..errors import IntegrityError, RametError
-from .format import DATABASES
+from .format import DATABASES, UpperInode, from_u64
 from .fsck import Walk
 from .gc_guard import Progress
 from .store import Store
@@ -124,12 +124,12 @@ def _roots(store: Store) -> list[tuple[str, Entry]]:
     roots = [(s.id[:12], s.root) for s in store.snapshots()]
     with store.read() as txn:
         for key, value in txn.cursor(db=store.db["inodes"]):
-            record = msgpack.unpackb(value)
-            label = f"layer {int.from_bytes(key[:8], 'big')}"
-            if record["base"]:
-                roots.append((label, Entry.unpack(record["base"])))
-            if record["tree"]:
-                roots.append((label, Entry(b"", stat.S_IFDIR, 0, 0, 0, 0, record["tree"])))
+            record = UpperInode.unpack(value)
+            label = f"layer {from_u64(key[:8])}"
+            if record.base:
+                roots.append((label, record.base))
+            if record.tree:
+                roots.append((label, Entry(b"", stat.S_IFDIR, 0, 0, 0, 0, record.tree)))
     return roots
 
 

@@ -18,6 +18,7 @@ MAX_NAME_BYTES = 200
 MIN_ID_PREFIX = 8  # hex digits of the shortest snapshot id prefix a command takes
 _ALPHABET = re.compile(r"[A-Za-z0-9._+/-]+")
 HEX_REF = re.compile(rf"[0-9A-Fa-f]{{{MIN_ID_PREFIX},}}")
+SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{64}")  # a snapshot id as the store spells it
 
 
 def check_name(name: str) -> None:
