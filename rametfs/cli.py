@@ -314,6 +314,13 @@ def list_remote(catalog: str | None, as_json: bool) -> None:
 
 # ----- daemon lifecycle -----------------------------------------------------------------------
 
+def _fsname_value(value: str) -> str:
+    """``--fsname``: one mount option's value, so no comma, blank or backslash."""
+    if not value or set(value) & set(", \t\n\\"):
+        raise click.BadParameter(f"{value!r}: a name without commas, blanks or backslashes")
+    return value
+
+
 @main.command(name="mount")
 @click.argument("mountpoint", type=click.Path(file_okay=False))
 @click.option("--data", required=True, type=click.Path(file_okay=False),
@@ -322,6 +329,16 @@ def list_remote(catalog: str | None, as_json: bool) -> None:
               help="Detach, and return once the mount answers.")
 @click.option("--allow-other", is_flag=True,
               help="Let other users see the mount (a sandbox's uid: rametfs.sandbox).")
+@click.option("--allow-devices", is_flag=True,
+              help="Mount without nodev: device nodes in executions open their devices "
+                   "(root only; a risk for sandboxes: docs/security.md).")
+@click.option("--allow-suid", is_flag=True,
+              help="Mount without nosuid: set-user-ID and set-group-ID files run with their "
+                   "owner's ids (root only; a risk for sandboxes: docs/security.md).")
+@click.option("--fsname", default="rametfs", show_default=True, metavar="NAME",
+              callback=lambda ctx, param, value: _fsname_value(value),
+              help="The mount's source in the mount table (df, findmnt): a suite that finds "
+                   "its mount by device name (fstests) names it.")
 @click.option("--debug", is_flag=True, help="Debug logging, and FUSE debug output.")
 @click.option("--log", "log_file", type=click.Path(dir_okay=False),
               help="Log to this file (default: stderr; with --background <DATA>/daemon.log).")
@@ -337,10 +354,11 @@ def list_remote(catalog: str | None, as_json: bool) -> None:
 @click.option("--faults", is_flag=True, hidden=True,
               help="Take the fault command (fault injection, for the test suite).")
 @remote_options
-def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug: bool,
-          log_file: str | None, max_file_size: int | None,
-          cache_max_bytes: int | None, max_answer_bytes: int | None, faults: bool,
-          remote: str | None, catalog: str | None) -> None:
+def mount(mountpoint: str, data: str, background: bool, allow_other: bool,
+          allow_devices: bool, allow_suid: bool, fsname: str, debug: bool,
+          log_file: str | None, max_file_size: int | None, cache_max_bytes: int | None,
+          max_answer_bytes: int | None, faults: bool, remote: str | None,
+          catalog: str | None) -> None:
     """Mount rametfs at MOUNTPOINT (made if missing) and serve it until unmounted.
 
     Stop it with `rametfs umount MOUNTPOINT`.  Without the patched pyfuse3 it runs in plain
@@ -355,13 +373,15 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
     mountpoint = os.path.realpath(mountpoint)
     try:
         if background:
-            mounts.check_can_serve(data, mountpoint)  # here, not in a serving daemon's log
+            mounts.check_mount_options(allow_devices, allow_suid)  # here, not in its log
+            mounts.check_can_serve(data, mountpoint)
             os.makedirs(data, mode=0o700, exist_ok=True)
             log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
             argv = [sys.executable, "-m", "rametfs", "mount", "--data", data, mountpoint,
                     "--log", log_file]
-            argv += ["--allow-other"] * allow_other + ["--debug"] * debug \
-                + ["--faults"] * faults
+            argv += ["--allow-other"] * allow_other + ["--allow-devices"] * allow_devices \
+                + ["--allow-suid"] * allow_suid + ["--debug"] * debug + ["--faults"] * faults \
+                + ["--fsname", fsname]
             for flag, value in (("--max-file-size", max_file_size),
                                 ("--cache-max-bytes", cache_max_bytes),
                                 ("--max-answer-bytes", max_answer_bytes)):
@@ -380,8 +400,9 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool, debug
             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         run_daemon(data, mountpoint, allow_other=allow_other, debug=debug,
                    max_file_size=max_file_size, cache_max_bytes=cache_max_bytes,
-                   max_answer_bytes=max_answer_bytes, faults=faults, remote=remote,
-                   catalog=catalog)
+                   max_answer_bytes=max_answer_bytes, faults=faults,
+                   allow_devices=allow_devices, allow_suid=allow_suid, fsname=fsname,
+                   remote=remote, catalog=catalog)
     except errors.RametError as exc:
         raise RametError(exc.errno, str(exc)) from None
 

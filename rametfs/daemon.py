@@ -24,7 +24,8 @@ from .control import Control
 from .errors import RametError
 from .faults import FAULTS
 from .fuse_ops import OPEN_LESS, Operations
-from .mounts import bind_snapshots_read_only, check_mountpoint, take_data_lock
+from .mounts import (bind_snapshots_read_only, check_mount_options, check_mountpoint,
+                     take_data_lock)
 from .overlay import MAX_FILE_SIZE, Overlay, in_slices
 from .precreate import Precreated, keep_filled
 from .store import Store
@@ -269,9 +270,16 @@ async def _serve(overlay: Overlay, control: Control) -> None:
 def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
                debug: bool = False, max_file_size: int | None = None,
                cache_max_bytes: int | None = None, max_answer_bytes: int | None = None,
-               faults: bool = False, remote: str | None = None,
+               faults: bool = False, allow_devices: bool = False,
+               allow_suid: bool = False, fsname: str = "rametfs", remote: str | None = None,
                catalog: str | None = None) -> None:
     """Mount the store in ``data_dir`` at ``mountpoint`` and serve in the foreground.
+
+    The mount is ``nodev,nosuid`` unless ``allow_devices`` (``dev``: device nodes in
+    executions open their devices) or ``allow_suid`` (``suid``: set-user-ID and
+    set-group-ID files run with their owner's or group's ids); both need root (EPERM,
+    :func:`rametfs.mounts.check_mount_options`); docs/security.md says what they risk.
+    ``fsname``: the mount's source in the mount table (its type stays ``fuse.rametfs``).
 
     ``max_file_size``: the size in bytes past which a file may not grow (EFBIG; None:
     ``overlay.MAX_FILE_SIZE``); ``cache_max_bytes``: the hydration cache's limit on disk
@@ -286,6 +294,7 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     is missing (ENOENT), not a directory (ENOTDIR), mounted (EBUSY) or not empty
     (ENOTEMPTY), or the store cannot be opened.
     """
+    check_mount_options(allow_devices, allow_suid)
     mountpoint = os.path.realpath(mountpoint)
     lock = _lock_data_dir(data_dir, mountpoint)
     try:
@@ -294,7 +303,11 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
         os.close(lock)
         raise
     try:
-        _serve_store(data_dir, mountpoint, allow_other, debug,
+        options = {option for option, on in (("allow_other", allow_other),
+                                             ("dev", allow_devices), ("suid", allow_suid),
+                                             ("debug", debug)) if on}
+        options.add(f"fsname={fsname}")
+        _serve_store(data_dir, mountpoint, options,
                      MAX_FILE_SIZE if max_file_size is None else max_file_size,
                      default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes,
                      max_answer_bytes or protocol.MAX_ANSWER_BYTES, faults, remote, catalog)
@@ -302,9 +315,11 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
         os.close(lock)
 
 
-def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
+def _serve_store(data_dir: str, mountpoint: str, options: set[str],
                  max_file_size: int, cache_max_bytes: int, max_answer_bytes: int,
                  faults: bool, remote: str | None, catalog: str | None) -> None:
+    """Serve until unmounted; ``options``: the FUSE mount options added to rametfs's own
+    (``fsname=``, ``allow_other``, ``dev``, ``suid``, ``debug``)."""
     store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
     if remote is not None:
         store.remote = Remote(remote, catalog)
@@ -316,12 +331,8 @@ def _serve_store(data_dir: str, mountpoint: str, allow_other: bool, debug: bool,
     overlay.count_usage()
     overlay.precreated = Precreated(overlay.upper_root)
     ops = Operations(overlay, mountpoint, faults=faults, max_answer_bytes=max_answer_bytes)
-    options = set(pyfuse3.default_options) | {"fsname=rametfs", "subtype=rametfs"}
-    if allow_other:
-        options.add("allow_other")
-    if debug:
-        options.add("debug")
-    pyfuse3.init(ops, mountpoint, options)
+    pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options |
+                 {"subtype=rametfs"})
     reason = plain_mode_reason()
     log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
              "of %d bytes", store.root, mountpoint, os.getpid(),

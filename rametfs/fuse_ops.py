@@ -134,6 +134,15 @@ class Virtual:
             self.mtime_ns = time.time_ns()
 
 
+def _dot_entry(ino: int) -> pyfuse3.EntryAttributes:
+    """The entry of ``.`` or ``..`` in a listing: its inode number and type, all the kernel
+    reads of it (it links neither into its dentry cache, nor counts a lookup for them)."""
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = ino
+    e.st_mode = stat.S_IFDIR
+    return e
+
+
 def caller_key(caller: Caller) -> int:
     """Whose generations a lookup by ``caller`` makes and may drop: the harness's (uid 0 and
     the daemon's, as one) or its uid's."""
@@ -654,12 +663,28 @@ class Operations(pyfuse3.Operations):
         await self._parent(parent_inode_old)
         await self._parent(parent_inode_new)
         await self.overlay.rename_in_slices(parent_inode_old, name_old, parent_inode_new,
-                                            name_new, flags)
+                                            name_new, flags, owner=(ctx.uid, ctx.gid))
 
     # -- directories ---------------------------------------------------------------------
 
+    def _parent_ino(self, ino: int) -> int:
+        """The inode number of directory ``ino``'s ``..``: the mount root's is its own (as on
+        ext4), a view's root is in ``snapshots/`` or ``executions/``, an execution's
+        ``.ramet/`` in the execution's root."""
+        v = self.virtual.get(ino)
+        if v is not None:
+            return v.execution.root_ino if v.execution is not None else ROOT
+        node = self.overlay.node(ino)
+        if node.ino == node.view.root_ino:
+            return EXECUTIONS if isinstance(node.view, Execution) else SNAPSHOTS
+        return node.parent
+
     async def _listing(self, ino: int) -> list[tuple[bytes, int]]:
-        """Directory ``ino``'s entries, ``(name, inode number)`` sorted by name."""
+        """Directory ``ino``'s entries, ``(name, inode number)``: ``.`` and ``..`` first, as
+        every Linux file system lists them, then the names sorted."""
+        return [(b".", ino), (b"..", self._parent_ino(ino))] + await self._names(ino)
+
+    async def _names(self, ino: int) -> list[tuple[bytes, int]]:
         v = self.virtual.get(ino)
         if v is None:
             return [(name, node.ino) for name, node in await self.overlay.listdir_in_slices(ino)]
@@ -697,7 +722,8 @@ class Operations(pyfuse3.Operations):
         self.listings.move_to_end(fh)
         for i in range(start_id, len(listing)):
             name, ino = listing[i]
-            if not pyfuse3.readdir_reply(token, name, self._entry_in(fh, ino), i + 1):
+            entry = _dot_entry(ino) if i < 2 else self._entry_in(fh, ino)
+            if not pyfuse3.readdir_reply(token, name, entry, i + 1):
                 break
             self._looked_up(ino)
             if (i - start_id) % READDIR_STEP == READDIR_STEP - 1:

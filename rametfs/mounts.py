@@ -334,6 +334,18 @@ def _in_use(data_dir: str, pid: str, mountpoint: str) -> str:
             f"serving; rametfs umount --force {mountpoint} ends it (or kill {pid})")
 
 
+def check_mount_options(allow_devices: bool, allow_suid: bool) -> None:
+    """EPERM unless the caller is root when ``allow_devices`` (mount ``dev``) or
+    ``allow_suid`` (``suid``) is asked for: the kernel gives those to a FUSE mount only when
+    root mounts it (fusermount3 forces ``nodev,nosuid`` on others), and a daemon that let
+    them drop would serve device nodes and set-user-ID files other than asked."""
+    asked = [flag for flag, on in (("--allow-devices", allow_devices),
+                                   ("--allow-suid", allow_suid)) if on]
+    if asked and os.geteuid() != 0:
+        raise RametError(f"{' and '.join(asked)}: only root may mount with device nodes or "
+                         f"set-user-ID bits honoured (euid {os.geteuid()})", errno.EPERM)
+
+
 def check_can_serve(data_dir: str, mountpoint: str) -> None:
     """Raise now the RametError the daemon would raise at its start for ``data_dir`` and
     ``mountpoint`` (another daemon holds the data directory, EBUSY; the mountpoint is

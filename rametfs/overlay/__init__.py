@@ -115,7 +115,7 @@ class Overlay:
         (self.lookup, self.listdir, self.listdir_steps, self.listdir_in_slices, self.prefetch,
          self.attrs, self.readlink, self.xattrs) = (
             lookups.lookup, lookups.listdir, lookups.listdir_steps, lookups.listdir_in_slices,
-            lookups.prefetch, lookups.attrs, lookups.readlink, lookups.xattrs)
+            lookups.prefetch, data.attrs, lookups.readlink, lookups.xattrs)
         self.fsmonitor_token = clock.fsmonitor_token
         self.changed_since_in_slices = clock.changed_since_in_slices
         (self.check_not_failed, self.fail, self.copy_up, self.charge, self.save,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
+import stat
 import time
 from collections import OrderedDict
 from typing import Callable, Hashable
@@ -22,10 +24,12 @@ from ..errors import NoSpace, RametError, fs_error
 from ..precreate import Precreated
 from ..store import PAGE_SIZE, Store
 from ..store.format import UpperInode, inode_key, page_key, page_of_key
-from .nodes import NO_PAGES, Execution, Node
+from .lookup import Lookup
+from .nodes import NO_PAGES, Attrs, Execution, Node
 from .upper import Upper
 
 OPEN_FILES = 256  # upper data files, and as many hydrated base files, kept open
+CONTENTS_KEPT = 1 << 16  # contents whose stored bytes are kept (FileData.content_bytes)
 MAX_FILE_SIZE = (2**32 - 1) * 4096  # bytes: ext4's limit with 4 KiB blocks (16 TiB - 4 KiB)
 
 
@@ -135,6 +139,33 @@ class FileData:
         # flush covers, and the flush running (None: none).
         self.sync_calls = self.synced = 0
         self.syncing: trio.Event | None = None
+        # content id -> bytes its pages holding data take (st_blocks of unchanged files)
+        self.content_bytes = functools.lru_cache(maxsize=CONTENTS_KEPT)(
+            lambda cid: (c := store.content(cid)).data_bytes(c.size))
+
+    def attrs(self, node: Node) -> Attrs:
+        """What stat(2) shows of ``node`` (:meth:`Lookup.attrs`), a regular file's
+        ``st_blocks`` from :meth:`stored_bytes`."""
+        return Lookup.attrs(node, self.stored_bytes(node) if stat.S_ISREG(node.mode) else None)
+
+    def stored_bytes(self, node: Node) -> int:
+        """Bytes regular file ``node``'s data takes where it is kept, for ``st_blocks``: its
+        base pages that hold data and still show (a hole, at page granularity, takes
+        none) and what its upper data file takes on disk (a sparse file, as the kernel
+        stores it)."""
+        u, cid = node.upper, node.base_content
+        if u is None:
+            return self.content_bytes(cid) if cid else 0
+        stored = self.store.content(cid).data_bytes(u.base_limit, self.pages(node)) \
+            if cid and u.base_limit else 0
+        if u.size:
+            if not node.allocated:  # its data file not opened since the start
+                try:
+                    node.allocated = os.stat(self.upper_path(node.view, node.ino)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+            stored += node.allocated
+        return stored
 
     # -- upper data files ----------------------------------------------------------------
 

@@ -208,13 +208,15 @@ class Lookup:
         return whiteouts == base
 
     @staticmethod
-    def attrs(node: Node) -> Attrs:
+    def attrs(node: Node, stored: int | None = None) -> Attrs:
+        """What stat(2) shows of ``node``; ``stored``: the bytes its data takes where kept
+        (FileData.attrs gives them; None: its size)."""
         u = node.upper
         if u is not None:
             return Attrs(node.ino, u.mode, u.nlink, u.uid, u.gid, u.rdev,
                          DIR_SIZE if stat.S_ISDIR(u.mode) else
                          (len(u.target) if stat.S_ISLNK(u.mode) else u.size),
-                         u.atime_ns, u.mtime_ns, u.ctime_ns)
+                         u.atime_ns, u.mtime_ns, u.ctime_ns, stored)
         e = node.entry
         if e.is_dir:
             size, rdev = DIR_SIZE, 0
@@ -225,7 +227,7 @@ class Lookup:
         else:
             size, rdev = 0, e.size
         return Attrs(node.ino, e.mode, e.nlink, e.uid, e.gid, rdev, size,
-                     e.mtime_ns, e.mtime_ns, e.mtime_ns)
+                     e.mtime_ns, e.mtime_ns, e.mtime_ns, stored)
 
     @staticmethod
     def readlink(node: Node) -> bytes:

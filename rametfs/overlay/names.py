@@ -29,6 +29,7 @@ from .trees import BaseTrees
 from .upper import Upper, dentry_bytes
 
 ANCESTOR_STEP = 1024  # parents a directory move's check looks at per step (about 1 ms)
+RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT = 1, 2, 4  # renameat2(2) flags
 
 
 def check_not_reserved(ex: Execution, parent: Node, name: bytes) -> None:
@@ -107,16 +108,7 @@ class Names:
             pass
         else:
             raise fs_error(errno.EEXIST, f"{name!r} exists")
-        pmode = parent.mode
-        if pmode & stat.S_ISGID:
-            gid = parent.upper.gid if parent.upper else parent.entry.gid
-            if stat.S_ISDIR(mode):
-                mode |= stat.S_ISGID
-        now = time.time_ns()
-        upper = UpperInode(mode=mode, uid=uid, gid=gid, atime_ns=now, mtime_ns=now,
-                           ctime_ns=now, **fields)
-        self.upper.check_inode_quota(ex)
-        node = Node(self.table.alloc_ino(), ex, None, upper, parent.ino, name)
+        node = self._unstored_node(parent, name, mode, uid, gid, **fields)
         with self._undone_on_failure(parent):
             if stat.S_ISDIR(mode):
                 parent.upper.nlink += 1
@@ -124,6 +116,21 @@ class Names:
         ex.upper_inodes += 1
         self.table.nodes[node.ino] = node
         return node
+
+    def _unstored_node(self, parent: Node, name: bytes, mode: int, uid: int, gid: int,
+                       **fields) -> Node:
+        """A new inode for the name ``name`` in ``parent`` (in an execution), its times now,
+        the group (and a directory's set-group-ID bit) of a set-group-ID ``parent``; the
+        caller stores its name.  EDQUOT past the execution's inode limit."""
+        if parent.mode & stat.S_ISGID:
+            gid = parent.upper.gid if parent.upper else parent.entry.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        now = time.time_ns()
+        upper = UpperInode(mode=mode, uid=uid, gid=gid, atime_ns=now, mtime_ns=now,
+                           ctime_ns=now, **fields)
+        self.upper.check_inode_quota(parent.view)
+        return Node(self.table.alloc_ino(), parent.view, None, upper, parent.ino, name)
 
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
         return self._new_node(self.table.node(parent_ino), name, stat.S_IFDIR | (mode & 0o7777),
@@ -243,7 +250,8 @@ class Names:
             p = self.table.node(p.parent)
 
     async def rename_in_slices(self, old_parent_ino: int, old_name: bytes,
-                               new_parent_ino: int, new_name: bytes, flags: int) -> None:
+                               new_parent_ino: int, new_name: bytes, flags: int,
+                               owner: tuple[int, int] = (0, 0)) -> None:
         """:meth:`rename`, its check that no directory moves below itself made in slices of
         the trio thread (:func:`in_slices`), the execution frozen from the check to the
         rename: a move between directories 60,000 deep walked their ancestors on the trio
@@ -252,25 +260,34 @@ class Names:
         ex = old_parent.view
         try:
             src = self.lookups.lookup(old_parent_ino, old_name)
-            dst = self.lookups.lookup(new_parent_ino, new_name) if flags & 2 else None
+            dst = self.lookups.lookup(new_parent_ino, new_name) \
+                if flags & RENAME_EXCHANGE else None
         except NotFound:
             src = dst = None  # rename says which
         moves = [] if src is None or not isinstance(ex, Execution) or \
             new_parent.view is not ex else \
             self._moves_of_directories(src, dst, old_parent, new_parent)  # else rename refuses
         if not moves:
-            return self.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags)
+            return self.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags,
+                               owner=owner)
         with ex.freeze():
             for directory, parent in moves:
                 await in_slices(self._not_below_steps(ex, directory, parent))
             self.table.check_live(src)
-            self.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags, checked=True)
+            self.rename(old_parent_ino, old_name, new_parent_ino, new_name, flags, checked=True,
+                        owner=owner)
 
     def rename(self, old_parent_ino: int, old_name: bytes, new_parent_ino: int, new_name: bytes,
-               flags: int, checked: bool = False) -> None:
-        """rename(2) with RENAME_NOREPLACE (1) and RENAME_EXCHANGE (2); directories from the
-        base move for real within an execution; EXDEV from another view.  ``checked``: no
-        directory moves below itself (:meth:`rename_in_slices` made sure)."""
+               flags: int, checked: bool = False, owner: tuple[int, int] = (0, 0)) -> None:
+        """renameat2(2) with RENAME_NOREPLACE, RENAME_EXCHANGE and RENAME_WHITEOUT (a 0/0
+        character device owned by ``owner``, ``(uid, gid)``, takes the source's name in the
+        same transaction, as overlayfs expects of its upper file system); any other flag, or
+        RENAME_EXCHANGE with another, is EINVAL.  Directories from the base move for real
+        within an execution; EXDEV from another view.  ``checked``: no directory moves below
+        itself (:meth:`rename_in_slices` made sure)."""
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT) or \
+                flags & RENAME_EXCHANGE and flags != RENAME_EXCHANGE:
+            raise fs_error(errno.EINVAL, f"rename flags {flags:#x} are not supported")
         old_parent, new_parent = self.table.node(old_parent_ino), self.table.node(new_parent_ino)
         if old_parent.view is not new_parent.view:
             raise fs_error(errno.EXDEV, "a rename cannot cross snapshots and executions")
@@ -283,7 +300,7 @@ class Names:
             dst: Node | None = self.lookups.lookup(new_parent_ino, new_name)
         except NotFound:
             dst = None
-        exchange, noreplace = flags & 2, flags & 1
+        exchange, noreplace = flags & RENAME_EXCHANGE, flags & RENAME_NOREPLACE
         if not checked:
             for directory, parent in self._moves_of_directories(src, dst if exchange else None,
                                                                 old_parent, new_parent):
@@ -314,6 +331,8 @@ class Names:
             if dst.is_dir and not self.lookups.is_empty_dir(dst):
                 raise fs_error(errno.ENOTEMPTY)
         replaced = () if dst is None else (dst,)
+        whiteout = self._unstored_node(old_parent, old_name, stat.S_IFCHR, *owner) \
+            if flags & RENAME_WHITEOUT else None
         with self._undone_on_failure(old_parent, new_parent, src, dst):
             if dst is not None:
                 self._count_link_down(new_parent, dst)
@@ -322,6 +341,9 @@ class Names:
                 new_parent.upper.nlink += 1
             src.parent, src.name = new_parent.ino, new_name
             self.upper.touch(src, mtime=False)
-            self._store_names([(old_parent, old_name, None), (new_parent, new_name, src)],
+            self._store_names([(old_parent, old_name, whiteout), (new_parent, new_name, src)],
                               *replaced)
+        if whiteout is not None:
+            ex.upper_inodes += 1
+            self.table.nodes[whiteout.ino] = whiteout
 

@@ -48,10 +48,11 @@ class Attrs:
     atime_ns: int
     mtime_ns: int
     ctime_ns: int
+    stored: int | None = None  # bytes a regular file's data takes where kept (None: its size)
 
     @property
     def blocks(self) -> int:
-        return (self.size + 511) // 512
+        return ((self.size if self.stored is None else self.stored) + 511) // 512
 
 
 class View:

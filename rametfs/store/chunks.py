@@ -164,6 +164,24 @@ class Content:
         tail = self.size - page * PAGE_SIZE
         return tail < PAGE_SIZE and cid == zero_chunk_id(tail)
 
+    def _in_runs(self, page: int) -> bool:
+        i = bisect.bisect_right(self._starts, page) - 1
+        return i >= 0 and page < self._starts[i] + self.runs[i][1]
+
+    def data_bytes(self, limit: int, excluded: Iterable[int] = ()) -> int:
+        """Bytes of the pages that hold data below byte ``limit`` (at most the size), the
+        last one counted up to ``limit``, the pages ``excluded`` left out: what the file's
+        first ``limit`` bytes keep in the store (a format 1 record's zero chunks count)."""
+        limit, excluded = min(limit, self.size), set(excluded)
+        stop = page_count(limit)
+        total = sum(max(0, min(start + count, stop) - start) * PAGE_SIZE
+                    for start, count in self.runs)
+        for page in {stop - 1, *excluded} if stop else ():
+            if page < stop and self._in_runs(page):
+                short = page * PAGE_SIZE + PAGE_SIZE - limit if page == stop - 1 else 0
+                total -= PAGE_SIZE if page in excluded else short
+        return total
+
     def chunk(self, page: int) -> bytes | None:
         """The chunk id of ``page``, or None for a hole (or a page past the end)."""
         i = bisect.bisect_right(self._starts, page) - 1
