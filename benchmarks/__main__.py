@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from . import report as rep
+from .agent_inputs import default_cache
 from .runner import run
 from .systems import SYSTEMS
 from .trees import SIZES
@@ -45,9 +46,16 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--many-files", type=click.IntRange(1), metavar="N",
               help="Files of the isolation and rss-cycles workloads (default by size: "
                    "isolation 1,000 / 20,000 / 200,000, rss-cycles 500 / 20,000 / 100,000).")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path),
+              default=default_cache(), show_default=True,
+              help="Where the agent workloads keep what they download (Django sdists, "
+                   "wheels, npm's cache) and the repository built from it; kept across runs.")
+@click.option("--load", is_flag=True,
+              help="Run the agent workloads beside a CPU-bound process per core; their "
+                   "names end in -loaded.")
 def main(size: str, repeat: int, out: Path, only: str | None, systems: str | None,
          workdir: Path, scale_1m: bool, profile_dir: Path | None,
-         many_files: int | None, gc_promotes: int | None) -> None:
+         many_files: int | None, gc_promotes: int | None, cache: Path, load: bool) -> None:
     """Benchmark rametfs against native ext4, overlayfs, fuse-overlayfs, cp -a and
     git worktree (issue 4), and against its own fallback mode (issue 7).  Needs root for
     overlayfs, the xfs image of fallback-reflink and the cold runs."""
@@ -56,7 +64,7 @@ def main(size: str, repeat: int, out: Path, only: str | None, systems: str | Non
     try:
         report = run(size, repeat, _names(only), _names(systems), workdir.resolve(),
                      scale_1m=scale_1m, profile_dir=profile_dir, many_files=many_files,
-                     gc_promotes=gc_promotes)
+                     gc_promotes=gc_promotes, cache=cache.resolve(), load=load)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     rep.add_ratios(report)

@@ -219,6 +219,8 @@ def table(report: dict) -> str:
     if report["skipped"]:
         lines.append("")
         lines += [f"skipped {sid}: {why}" for sid, why in report["skipped"].items()]
+    lines += [f"skipped {k['workload']} on {k['system']}: {k['reason']}"
+              for k in report.get("skipped_workloads", ())]
     lines += [f"ERROR {e['workload']} on {e['system']}: {e['error']}" for e in report["errors"]]
     return "\n".join(line.rstrip() for line in lines)
 

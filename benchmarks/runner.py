@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rametfs.mounts import mount_table
 
+from .agent_inputs import default_cache
 from .systems import SYSTEMS, System, Unsupported
 from .trees import SCALE_1M, SIZES, BenchError
 from .workloads import WORKLOADS, Bench, Result
@@ -74,13 +75,18 @@ def machine(scratch: Path) -> dict:
 
 def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | None,
         workdir: Path, scale_1m: bool = False, profile_dir: Path | None = None,
-        many_files: int | None = None, gc_promotes: int | None = None) -> dict:
+        many_files: int | None = None, gc_promotes: int | None = None,
+        cache: Path | None = None, load: bool = False) -> dict:
     """Run the benchmark; return the report (the JSON's content, see docs/benchmarks.md).
 
     ``only``: workload names (default all, in :data:`WORKLOADS` order); ``systems``: system
     ids (default all); ``many_files``: the files of the isolation and rss-cycles workloads
-    (default: by size); ``gc_promotes``: the gc workload's promotes instead of the size's.
-    An unavailable system is listed under ``skipped``; a workload that
+    (default: by size); ``gc_promotes``: the gc workload's promotes instead of the size's;
+    ``cache``: where the agent workloads' downloads are kept (default
+    :func:`~benchmarks.agent_inputs.default_cache`); ``load``: the agent workloads run beside
+    a CPU-bound process per core.
+    An unavailable system is listed under ``skipped``; a workload (or a step of one) that
+    cannot run on a system, and why, under ``skipped_workloads``; a workload that
     fails on one system is listed under ``errors`` and the run goes on.  Raises ValueError for
     an unknown workload or system name.
     """
@@ -106,7 +112,8 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
         stack.callback(_remove_scratch, scratch)
         bench = Bench(SIZES[size], repeat, scratch,
                       frozenset(sid for sid in wanted if sid not in skipped), scales,
-                      profile_dir, many_files, gc_promotes)
+                      profile_dir, many_files, gc_promotes,
+                      cache=cache or default_cache(), load=load)
         live: dict[str, System] = {}
         for sid in wanted:
             if sid in skipped:
@@ -128,8 +135,9 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
                 _log(f"{name} on {sid}", started)
                 try:
                     results += fn(bench, live[sid])
-                except Unsupported:
-                    pass
+                except Unsupported as exc:
+                    if exc.args:  # a missing input, not a system without the operation
+                        bench.skip(name, sid, str(exc))
                 except (OSError, BenchError, subprocess.SubprocessError) as exc:
                     errors.append({"workload": name, "system": sid, "error": str(exc),
                                    "log": live[sid].diagnose()})
@@ -148,6 +156,8 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
         **meta,
         "systems": [sid for sid in wanted if sid in live],
         "skipped": skipped,
+        "skipped_workloads": bench.skips,
+        "load": load,
         "workloads": names,
         "results": [asdict(r) | {"median": r.median} for r in results],
         "errors": errors,

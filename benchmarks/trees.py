@@ -35,11 +35,16 @@ class BenchError(RuntimeError):
 
 
 def run(*argv: str | os.PathLike, cwd: str | os.PathLike | None = None,
-        env: dict[str, str] | None = None) -> None:
-    """Run a command, its stdout discarded.  Raises BenchError with its stderr on failure."""
+        env: dict[str, str] | None = None, inherit_env: bool = True) -> None:
+    """Run a command, its stdout discarded, with ``env`` added to this process's environment
+    (or, without ``inherit_env``, only ``env``).  Raises BenchError with its stderr on
+    failure."""
+    if not inherit_env:
+        env = env or {}
+    elif env:
+        env = {**os.environ, **env}
     done = subprocess.run([os.fspath(a) for a in argv], cwd=cwd, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, **env} if env else None)
+                          stderr=subprocess.PIPE, text=True, env=env)
     if done.returncode != 0:
         raise BenchError(f"{' '.join(map(str, argv))} exited {done.returncode}: "
                          f"{done.stderr.strip()[-2000:]}")
@@ -70,7 +75,9 @@ class Tree:
         return random.Random(seed).sample(self.files, min(count, len(self.files)))
 
 
-def _scan(name: str, path: Path, git_repo: bool) -> Tree:
+def scan(name: str, path: Path, git_repo: bool = False) -> Tree:
+    """The tree at ``path`` as it is on disk (its regular files, a top-level ``.git`` left
+    out)."""
     files, total = [], 0
     for dirpath, dirnames, filenames in os.walk(path):
         if dirpath == str(path) and ".git" in dirnames:
@@ -103,7 +110,7 @@ def stdlib_tree(dest: Path, *, with_site_packages: bool) -> Tree:
     entries = [e for e in sorted(source.iterdir())
                if with_site_packages or e.name != "site-packages"]
     run("cp", "-a", *entries, dest)
-    return _scan("stdlib", dest, False)
+    return scan("stdlib", dest)
 
 
 def synthetic_tree(dest: Path, count: int) -> Tree:

@@ -20,7 +20,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -28,7 +30,8 @@ from pathlib import Path
 
 from rametfs import Execution
 
-from . import hostile
+from . import agent_inputs, hostile
+from .agent_inputs import AgentInputs, default_cache
 from .fuse_trace import FuseTrace
 from .report import trio_thread_profile
 from .systems import Native, Rametfs, System, Unsupported, View, disk_usage
@@ -56,6 +59,12 @@ GC_FILES = {"smoke": 1000, "small": 10_000, "full": 50_000}
 GC_SHARE = 0.01
 GC_KEEP = 10
 PROFILE_RUNS = 3
+# The agent workloads (issue 21): the big file's bytes, the files of the tree untarred into
+# 1, 2 and 4 views at once.
+AGENT_BIG = {"smoke": 8 * MIB, "small": 1 << 30, "full": 1 << 30}
+PARALLEL_FILES = {"smoke": 200, "small": 2500, "full": 2500}
+PARALLEL_VIEWS = (1, 2, 4)
+TRACED = ("fuse-overlayfs", "rametfs")  # FUSE systems: their requests are traced
 PROFILE_RATE = 250  # py-spy samples per second
 
 
@@ -89,6 +98,9 @@ class Bench:
     profile_dir: Path | None = None
     many_files: int | None = None  # files of the isolation and rss-cycles workloads
     gc_promotes: int | None = None  # the gc workload's, instead of GC_PROMOTES[size]
+    cache: Path = field(default_factory=default_cache)  # downloads of the agent workloads
+    load: bool = False  # the agent workloads run beside one CPU-bound process per core
+    skips: list[dict] = field(default_factory=list)  # {workload, system, reason}
     _synthetic: dict[int, Tree] = field(default_factory=dict)
 
     @cached_property
@@ -105,6 +117,26 @@ class Bench:
     def tar(self) -> Path:
         """A tar of the main tree without ``.git``."""
         return tarball(self.tree, self.scratch / "tree.tar")
+
+    @cached_property
+    def agent(self) -> AgentInputs:
+        """The agent workloads' tree and inputs (:mod:`benchmarks.agent_inputs`), the
+        downloads cached under ``cache``."""
+        return agent_inputs.prepare(self.scratch / "agent", self.cache)
+
+    @cached_property
+    def agent_big(self) -> Tree:
+        """A tree of one AGENT_BIG[size] incompressible file (the big tree if it is that
+        big)."""
+        size = AGENT_BIG[self.size.name]
+        if self.size.big_bytes == size:
+            return self.big
+        return big_tree(self.scratch / "big-agent", size)
+
+    def skip(self, workload: str, system: str, reason: str) -> None:
+        """Note that ``workload`` did not run on ``system``, and why (in the report)."""
+        self.skips.append({"workload": workload, "system": system, "reason": reason})
+        print(f"skipped {workload} on {system}: {reason}", file=sys.stderr, flush=True)
 
     @cached_property
     def can_drop_caches(self) -> bool:
@@ -923,3 +955,206 @@ def gc(b: Bench, s: System) -> list[Result]:
         Result("gc-compact", s.id, [compact_s], extra={
             "before_bytes": file_bytes, "after_bytes": meta.stat().st_size}),
     ]
+
+
+# ----- what coding agents run (issue 21) -------------------------------------------------
+
+@contextlib.contextmanager
+def cpu_load(active: bool) -> Iterator[None]:
+    """With ``active``: one ``python -c 'while 1: pass'`` per core during the block, each
+    ended by its pid afterwards.  Otherwise nothing."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+               for _ in range(os.cpu_count() or 1)] if active else []
+    try:
+        yield
+    finally:
+        for proc in burners:
+            proc.kill()
+            proc.wait()
+
+
+def _loaded(b: Bench, name: str) -> str:
+    return f"{name}-loaded" if b.load else name
+
+
+# pip with no configuration of this machine's (an index, extra find-links): only the wheels.
+_PIP_ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")},
+            "PIP_CONFIG_FILE": os.devnull}
+
+
+def _checkout_and_back(repo: Path) -> None:
+    git("checkout", "-q", agent_inputs.OLD_REVISION, cwd=repo)
+    git("checkout", "-q", "main", cwd=repo)
+
+
+def _venv_and_pip_install(path: Path, wheels: Path) -> None:
+    run(sys.executable, "-m", "venv", "venv", cwd=path)
+    run("venv/bin/python", "-m", "pip", "install", "-q", "--no-index", "--no-cache-dir",
+        "--disable-pip-version-check", "--find-links", wheels,
+        *(w.split("==")[0] for w in agent_inputs.WHEELS), cwd=path, env=_PIP_ENV,
+        inherit_env=False)
+
+
+def _import(path: Path) -> None:
+    run("venv/bin/python", "-c", f"import {', '.join(agent_inputs.IMPORTS)}", cwd=path)
+
+
+def _npm_ci(path: Path, npm_cache: Path) -> None:
+    run("npm", "ci", "--offline", "--cache", npm_cache, "--ignore-scripts", "--no-audit",
+        "--no-fund", "--loglevel=error", "--logs-max=0", cwd=path / "web")
+
+
+def _agent_round(inputs: AgentInputs, path: Path) -> dict[str, float]:
+    """One round of the agent workload in the view at ``path``: seconds of each step."""
+    seconds = {}
+    if inputs.changed_files:
+        git("status", "--porcelain", cwd=path / "repo")  # untimed: refreshes the index
+        seconds["git-checkout"] = timed(_checkout_and_back, path / "repo")
+    if inputs.wheels:
+        seconds["pip-install"] = timed(_venv_and_pip_install, path, inputs.wheels)
+        for _ in range(WARMUP):
+            _import(path)
+        seconds["import-warm"] = timed(_import, path)
+    if inputs.npm_cache:
+        seconds["npm-ci"] = timed(_npm_ci, path, inputs.npm_cache)
+    made = [rel for rel in ("venv", "web/node_modules") if (path / rel).exists()]
+    if made:
+        seconds["rm-rf"] = timed(run, "rm", "-rf", *made, cwd=path)
+    return seconds
+
+
+def _entries(path: Path) -> int:
+    """Directories, files and symlinks under ``path`` (``path`` itself not counted)."""
+    return sum(len(dirs) + len(files) for _, dirs, files in os.walk(path))
+
+
+@workload(*IO)
+def agent(b: Bench, s: System) -> list[Result]:
+    """In a fresh view of the agent tree (:mod:`benchmarks.agent_inputs`) each round:
+    agent-git-checkout: ``git checkout`` from the newest Django release to the oldest and back
+    (after an untimed ``git status``); agent-pip-install: ``python -m venv`` and an offline
+    ``pip install`` of the cached wheels; agent-import-warm: ``import`` of IMPORTS from that
+    venv after WARMUP untimed runs; agent-npm-ci: ``npm ci --offline`` from the cached npm
+    cache; agent-rm-rf: ``rm -rf`` of the venv and node_modules.  A step whose input could not
+    be made is skipped, with the reason in the report.  On fuse-overlayfs and rametfs one
+    more round traces the requests of the checkout (per changed file and checkout) and of
+    npm ci (per entry of node_modules).  ``--load``: beside a CPU-bound process per core;
+    the names end in ``-loaded``."""
+    inputs = b.agent
+    for step, needs in (("git-checkout", "repo"), ("pip-install", "wheels"),
+                        ("import-warm", "wheels"), ("npm-ci", "npm")):
+        if needs in inputs.missing:
+            b.skip(_loaded(b, f"agent-{step}"), s.id, inputs.missing[needs])
+    samples: dict[str, list[float]] = defaultdict(list)
+    extra: dict[str, dict] = defaultdict(dict)
+    with cpu_load(b.load):
+        for _ in range(b.repeat):
+            with s.view(inputs.tree) as path:
+                for step, seconds in _agent_round(inputs, path).items():
+                    samples[step].append(seconds)
+        def traced(path: Path, trace: FuseTrace) -> None:
+            if inputs.changed_files:
+                git("status", "--porcelain", cwd=path / "repo")
+                sent = trace.run(lambda: _checkout_and_back(path / "repo"))
+                extra["git-checkout"] = _per(sent, 2 * inputs.changed_files)
+            if inputs.npm_cache:
+                sent = trace.run(lambda: _npm_ci(path, inputs.npm_cache))
+                extra["npm-ci"] = _per(sent, _entries(path / "web" / "node_modules"))
+
+        _trace_in_view(b, s, inputs.tree, _loaded(b, "agent"), traced)
+    if inputs.changed_files:
+        extra["git-checkout"]["changed_files"] = inputs.changed_files
+    return [Result(_loaded(b, f"agent-{step}"), s.id, values, extra=extra[step])
+            for step, values in samples.items()]
+
+
+def _trace_in_view(b: Bench, s: System, tree: Tree, name: str,
+                   action: Callable[[Path, FuseTrace], object]) -> None:
+    """On :data:`TRACED` systems: ``action(path, trace)`` with a fresh view of ``tree`` at
+    ``path`` and a FuseTrace of it; where tracing is unsupported, a skip of ``name
+    requests`` is noted instead."""
+    if s.id not in TRACED:
+        return
+    with s.view(tree) as path:
+        try:
+            with FuseTrace(path) as trace:
+                action(path, trace)
+        except Unsupported as exc:
+            b.skip(f"{name} requests", s.id, str(exc))
+
+
+def _per(sent, units: int) -> dict:
+    """Requests per unit by opcode, their total, and the µs waited per unit."""
+    return {"units": units, **sent.per(units), "waited_us": sent.waited_us(units)}
+
+
+@workload(*IO)
+def agent_big(b: Bench, s: System) -> list[Result]:
+    """agent-write-1g: write a new AGENT_BIG file (1 GiB at small and full) in 1 MiB writes
+    and fsync, in a fresh view each time; agent-read-1g-cold, -warm: read a base file of
+    that size sequentially, 1 MiB reads (cold: a fresh view after dropping the caches).
+    ``--load``: beside a CPU-bound process per core."""
+    tree = b.agent_big
+    block = os.urandom(MIB)
+    samples = []
+    with cpu_load(b.load):
+        for _ in range(b.repeat):
+            with s.view(tree) as path, inside(path):
+                samples.append(timed(write_file, Path("written.bin"), tree.bytes, block))
+                os.unlink("written.bin")
+        results = [Result(_loaded(b, "agent-write-1g"), s.id, samples)]
+        results += _warm_and_cold(b, s, _loaded(b, "agent-read-1g"), tree,
+                                  lambda: read_files(Path("."), tree.files))
+    for r in results:
+        r.extra["MB/s"] = tree.bytes / r.median / 1e6
+    return results
+
+
+def _untar_at_once(tar: Path, dests: list[Path]) -> None:
+    """``tar -xf tar -C dest`` into every one of ``dests`` at once; waits for all."""
+    procs = [subprocess.Popen(["tar", "-xf", str(tar), "-C", str(d)], stderr=subprocess.PIPE)
+             for d in dests]
+    failed = [(p.wait(), p.stderr.read()) for p in procs]
+    for p in procs:
+        p.stderr.close()
+    if any(code for code, _ in failed):
+        raise BenchError(f"tar -xf into {len(dests)} views at once: {failed}")
+
+
+@workload(*IO)
+def agent_parallel(b: Bench, s: System) -> list[Result]:
+    """agent-untar-x<N>: seconds until ``tar -xf`` of a synthetic tree of PARALLEL_FILES
+    files ended in each of N fresh views at once (N in PARALLEL_VIEWS; native: N directories);
+    ``throughput_vs_one``: the entries per second of all N together as a multiple of one
+    alone.  On fuse-overlayfs and rametfs one more untar in one view is traced: requests per
+    entry.  ``--load``: beside a CPU-bound process per core."""
+    tree = b.synthetic(PARALLEL_FILES[b.size.name])
+    tar = b.scratch / f"synthetic-{len(tree.files)}.tar"
+    if not tar.exists():
+        tarball(tree, tar)
+    with tarfile.open(tar) as t:
+        entries = sum(1 for m in t if m.name not in (".", "./"))
+    results = []
+    with cpu_load(b.load):
+        for n in PARALLEL_VIEWS:
+            samples = []
+            for _ in range(b.repeat):
+                with contextlib.ExitStack() as stack:
+                    dests = [stack.enter_context(s.view(tree)) / f"untarred-{i}"
+                             for i in range(n)]
+                    for d in dests:
+                        d.mkdir()
+                    samples.append(timed(_untar_at_once, tar, dests))
+                    run("rm", "-rf", *dests)
+            results.append(Result(_loaded(b, f"agent-untar-x{n}"), s.id, samples,
+                                  extra={"views": n, "entries": entries}))
+        def traced(path: Path, trace: FuseTrace) -> None:
+            (path / "untarred").mkdir()
+            sent = trace.run(lambda: _untar_at_once(tar, [path / "untarred"]))
+            results[0].extra.update(_per(sent, entries))
+
+        _trace_in_view(b, s, tree, _loaded(b, "agent-untar-x1"), traced)
+    one = results[0].median
+    for r in results:
+        r.extra["throughput_vs_one"] = r.extra["views"] * one / r.median
+    return results

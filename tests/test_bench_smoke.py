@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -188,3 +189,64 @@ def test_smoke_isolation_and_memory_cycles(tmp_path):
                  "case (issue 15)"]["value"] > 0
     assert list(workdir.iterdir()) == []
     assert mounts_under(tmp_path) == []
+
+
+AGENT_STEPS = ["agent-git-checkout", "agent-pip-install", "agent-import-warm", "agent-npm-ci"]
+
+
+def test_agent_workloads_skip_what_they_cannot_fetch_and_measure_the_rest(tmp_path):
+    """The agent workloads (issue 21) at smoke size on native and rametfs, with an empty
+    cache and no registry (pip without an index, npm offline): each step that needs a
+    download is skipped with the reason and the cache holds nothing half made; the 8 MiB
+    write and read and the untar into 1, 2 and 4 views at once are all measured, and the
+    traced untar of 200 files in 3 directories sends one CREATE per file and one MKDIR per
+    directory."""
+    require_fuse()
+    out, workdir, cache = tmp_path / "out", tmp_path / "work", tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", npm_config_offline="true")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--size", "smoke", "--repeat", "1", "--only",
+         "agent,agent-big,agent-parallel", "--systems", "native,rametfs", "--cache",
+         str(cache), "--out", str(out), "--workdir", str(workdir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "results.json").read_text())
+    assert report["errors"] == [] and report["load"] is False
+    skips = {(k["workload"], k["system"]): k["reason"] for k in report["skipped_workloads"]}
+    traced_skip = skips.pop(("agent-untar-x1 requests", "rametfs"), None)  # not root
+    assert sorted(skips) == sorted((w, s) for w in AGENT_STEPS for s in ("native", "rametfs"))
+    for system in ("native", "rametfs"):
+        assert skips["agent-git-checkout", system].startswith(
+            "downloading the sdists of Django 4.0, 4.2.16, 5.1.4 from PyPI failed: ")
+        assert skips["agent-pip-install", system].startswith(
+            "downloading wheels of numpy==2.2.6 pandas==2.2.3 ")
+        assert skips["agent-import-warm", system] == skips["agent-pip-install", system]
+        assert (skips["agent-npm-ci", system] == "npm is not installed (Debian: apt-get "
+                                                 "install npm)" if shutil.which("npm") is None
+                else skips["agent-npm-ci", system].startswith(
+                    "locking the dependencies of eslint@8.57.1 and filling npm's cache from "
+                    "the npm registry failed: "))
+    assert [p.name for p in cache.iterdir()] == []  # nothing half made is left
+
+    cold = os.access("/proc/sys/vm/drop_caches", os.W_OK)
+    results = {(r["workload"], r["system"]): r for r in report["results"]}
+    expected = ["agent-write-1g", "agent-read-1g-warm", *["agent-read-1g-cold"] * cold,
+                "agent-untar-x1", "agent-untar-x2", "agent-untar-x4"]
+    assert sorted(results) == sorted((w, s) for w in expected for s in ("native", "rametfs"))
+    for system in ("native", "rametfs"):
+        for name in ("agent-write-1g", "agent-read-1g-warm"):
+            r = results[name, system]
+            assert r["extra"]["MB/s"] == 8 * (1 << 20) / r["median"] / 1e6
+        for n in (1, 2, 4):
+            r = results[f"agent-untar-x{n}", system]
+            assert (r["extra"]["views"], r["extra"]["entries"]) == (n, 203)
+            one = results["agent-untar-x1", system]["median"]
+            assert r["extra"]["throughput_vs_one"] == n * one / r["median"]
+    assert list(workdir.iterdir()) == []
+    assert mounts_under(tmp_path) == []
+    if traced_skip is not None:
+        pytest.skip(f"the untar was not traced: {traced_skip}")
+    traced = results["agent-untar-x1", "rametfs"]["extra"]
+    assert traced["units"] == 203
+    assert (round(traced["CREATE"] * 203), round(traced["MKDIR"] * 203)) == (200, 3)
