@@ -173,7 +173,7 @@ def test_a_reset_on_the_host_shows_at_once_in_the_running_container(container_en
 def rootless(tmp_path_factory, ramet):
     """Rootless Podman: a user made for the test (useradd, its subordinate uid and gid ranges),
     its storage under the test's tmp directory and the client run as that user through
-    ``setpriv``.  Yields ``(client, uid, ranges)``.  Skipped, with the reason, without root,
+    ``setpriv``.  Yields ``(client, uid)``.  Skipped, with the reason, without root,
     podman, newuidmap/newgidmap (Debian package uidmap) or when ``podman info`` fails as that
     user; at the end the containers are removed, every process of the user or its ranges is
     killed by pid, the user deleted and the storage removed, even when the test failed."""
@@ -185,11 +185,12 @@ def rootless(tmp_path_factory, ramet):
     base.chmod(0o711)
     name = f"rametfs-rl-{os.urandom(3).hex()}"
     opened = _open_path(Path(ramet.mount), base)  # the user walks to the mount and its storage
-    subprocess.run(["useradd", "--no-create-home", "--home-dir", str(base / "home"), "--shell",
-                    "/usr/sbin/nologin", "--user-group", name], check=True, capture_output=True)
-    uid, ranges = pwd.getpwnam(name).pw_uid, []
-    client: list[str] = []
+    uid, ranges, client = -1, [], []
     try:
+        subprocess.run(["useradd", "--no-create-home", "--home-dir", str(base / "home"),
+                        "--shell", "/usr/sbin/nologin", "--user-group", name], check=True,
+                       capture_output=True)
+        uid = pwd.getpwnam(name).pw_uid
         ranges = [_subordinate(f"/etc/sub{kind}", name) for kind in ("uid", "gid")]
         for sub in ("home", "xdg"):
             (base / sub).mkdir(mode=0o700)
@@ -203,7 +204,7 @@ def rootless(tmp_path_factory, ramet):
         if info.returncode:
             pytest.skip(f"rootless podman cannot run on this machine: {info.stderr.strip()}")
         containers.build_image(client)
-        yield client, uid, ranges
+        yield client, uid
     finally:
         if client:
             left = subprocess.run([*client, "ps", "-aq"], capture_output=True, text=True,
@@ -212,6 +213,7 @@ def rootless(tmp_path_factory, ramet):
                 subprocess.run([*client, "rm", "--force", "--time", "0", *left],
                                capture_output=True, timeout=120)
         owners = {uid, *(u for start, count in ranges[:1] for u in range(start, start + count))}
+        owners.discard(-1)
         for pid in _processes_of(owners):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -259,7 +261,7 @@ def test_rootless_podman_sees_its_execution_without_capabilities_network_or_esca
         rootless, ramet, tmp_path_factory, tmp_path):
     """Container uid 65534 is the test's user on the host (``--userns keep-id``), which owns
     the execution; the rest of the container's uids are the user's subordinate range."""
-    client, uid, _ = rootless
+    client, uid = rootless
     src = tmp_path_factory.mktemp("mine")  # the base, but the user's: it is not host 65534
     (src / "README").write_text("base\n")
     for path in (src, src / "README"):
