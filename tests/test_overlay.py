@@ -449,6 +449,27 @@ def test_no_room_for_a_new_upper_file_empties_the_pool_and_tries_again(model, mo
     assert list(pool.paths) == [] and os.listdir(pool.directory) == []
 
 
+async def turns_beside(work, each_turn=lambda: None) -> int:
+    """Await ``work()`` beside a task that calls ``each_turn()`` and yields, over and over;
+    the turns that task had while ``work`` ran (at most one when it ran in one step)."""
+    ran = []
+
+    async def other() -> None:
+        while True:
+            each_turn()
+            ran.append(None)
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.sleep(0)
+        before = len(ran)
+        await work()
+        between = len(ran) - before
+        nursery.cancel_scope.cancel()
+    return between
+
+
 async def test_dirty_records_are_stored_in_batches_with_other_tasks_between(model, monkeypatch):
     """Upper.flush_steps: 5,000 dirty records are stored FLUSH_BATCH a transaction, other
     tasks running between (50,000 in one step took the trio thread 250 ms, stalling every
@@ -464,26 +485,17 @@ async def test_dirty_records_are_stored_in_batches_with_other_tasks_between(mode
     for node in nodes:
         overlay.setattr(node, mode=0o600)
     assert ex.dirty == set(nodes)
-    changed, unlinked, ran = [], [], []
+    changed, unlinked = [], []
 
-    async def other() -> None:
-        while True:
-            stored = [n for n in nodes if not n.dirty]
-            if stored and not changed:  # between two batches
-                changed.append(stored[0])
-                overlay.setattr(stored[0], mode=0o640)  # after its batch: dirty again
-                unlinked.append(next(n for n in nodes if n.dirty and n is not stored[0]))
-                overlay.unlink(d.ino, unlinked[0].name)  # before its batch
-            ran.append(None)
-            await trio.sleep(0)
+    def meddle() -> None:
+        stored = [n for n in nodes if not n.dirty]
+        if stored and not changed:  # between two batches
+            changed.append(stored[0])
+            overlay.setattr(stored[0], mode=0o640)  # after its batch: dirty again
+            unlinked.append(next(n for n in nodes if n.dirty and n is not stored[0]))
+            overlay.unlink(d.ino, unlinked[0].name)  # before its batch
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(other)
-        await trio.sleep(0)
-        before = len(ran)
-        await slices.in_slices(overlay.flush_steps(ex))
-        between = len(ran) - before
-        nursery.cancel_scope.cancel()
+    between = await turns_beside(lambda: slices.in_slices(overlay.flush_steps(ex)), meddle)
     assert between >= 5000 // upper.FLUSH_BATCH - 2  # in one step, at most one turn passed
     [first], [last] = changed, unlinked
     assert ex.dirty == {first}
@@ -516,20 +528,7 @@ async def test_a_move_between_deep_directories_is_checked_in_slices(model, monke
     depth = 20_000
     a, b = chain(b"a", depth), chain(b"b", depth)
     moved = overlay.mkdir(a.ino, b"x", 0o755, 0, 0)
-    ran = []
-
-    async def other() -> None:
-        while True:
-            ran.append(None)
-            await trio.sleep(0)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(other)
-        await trio.sleep(0)
-        before = len(ran)
-        await overlay.rename_in_slices(a.ino, b"x", b.ino, b"x", 0)
-        between = len(ran) - before
-        nursery.cancel_scope.cancel()
+    between = await turns_beside(lambda: overlay.rename_in_slices(a.ino, b"x", b.ino, b"x", 0))
     # 19 steps; trio orders the tasks of a batch at random, so a few yields may pass it by
     assert between >= depth // names.ANCESTOR_STEP // 2  # run whole it let none run
     assert overlay.lookup(b.ino, b"x").ino == moved.ino

@@ -17,8 +17,7 @@ import msgpack
 from . import chunks
 from .chunks import Content
 from .remote import KIND_CHUNK, KIND_CONTENT, KIND_TREE, Remote
-
-_EMPTY_CONTENT = chunks.content_id(0, b"")
+from .store import EMPTY_CONTENT
 
 
 @dataclass
@@ -82,7 +81,7 @@ def check(remote: Remote) -> RemoteReport:
                     mode, ref = e[1], e[6]
                     if mode & 0o170000 == 0o040000 and ref not in seen_trees:
                         subtrees.append(ref)
-                    elif (mode & 0o170000 == 0o100000 and ref != _EMPTY_CONTENT
+                    elif (mode & 0o170000 == 0o100000 and ref != EMPTY_CONTENT
                           and ref not in seen_contents):
                         contents.append(ref)
             contents = list(dict.fromkeys(contents))
