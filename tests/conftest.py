@@ -404,6 +404,17 @@ def allow_other_daemon(tmp_path_factory):
         yield d
 
 
+def sandbox_project(ramet: Ramet, src: Path) -> str:
+    """Snapshot a small project at ``src`` (``README``, ``pkg/mod.py``) owned by uid 65534,
+    the sandboxes' uid, so that a sandboxed command may change it; its snapshot id."""
+    (src / "README").write_text("base\n")
+    (src / "pkg").mkdir()
+    (src / "pkg" / "mod.py").write_text("X = 1\n")
+    for path in (src, src / "README", src / "pkg", src / "pkg" / "mod.py"):
+        os.chown(path, 65534, 65534)
+    return ramet.snapshot(src)
+
+
 @pytest.fixture(scope="session", params=["docker", "podman"])
 def container_engine(request, tmp_path_factory):
     """A running engine (``containers.Dockerd`` or ``containers.Podman``: ``client``, the

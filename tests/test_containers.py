@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import containers, wait_until
+from conftest import containers, sandbox_project, wait_until
 from rametfs import Ramet
 from rametfs.sandbox import Docker, Result
 
@@ -37,13 +37,7 @@ def ramet(allow_other_daemon):
 
 @pytest.fixture(scope="module")
 def base(ramet, tmp_path_factory):
-    src = tmp_path_factory.mktemp("src")
-    (src / "README").write_text("base\n")
-    (src / "pkg").mkdir()
-    (src / "pkg" / "mod.py").write_text("X = 1\n")
-    for path in (src, src / "README", src / "pkg", src / "pkg" / "mod.py"):
-        os.chown(path, NOBODY, NOBODY)
-    return ramet.snapshot(src)
+    return sandbox_project(ramet, tmp_path_factory.mktemp("src"))
 
 
 @pytest.fixture

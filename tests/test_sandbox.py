@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_bwrap
+from conftest import require_bwrap, sandbox_project
 from rametfs import Ramet, RametError
 from rametfs.sandbox import Bubblewrap, Docker, Result
 
@@ -31,13 +31,7 @@ def ramet(allow_other_daemon):
 
 @pytest.fixture(scope="module")
 def base(ramet, tmp_path_factory):
-    src = tmp_path_factory.mktemp("src")
-    (src / "README").write_text("base\n")
-    (src / "pkg").mkdir()
-    (src / "pkg" / "mod.py").write_text("X = 1\n")
-    for path in (src, src / "README", src / "pkg", src / "pkg" / "mod.py"):
-        os.chown(path, NOBODY, NOBODY)
-    return ramet.snapshot(src)
+    return sandbox_project(ramet, tmp_path_factory.mktemp("src"))
 
 
 @pytest.fixture
