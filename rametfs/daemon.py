@@ -26,7 +26,7 @@ from .faults import FAULTS
 from .fuse_ops import OPEN_LESS, Operations
 from .mounts import (bind_snapshots_read_only, check_mount_options, check_mountpoint,
                      take_data_lock)
-from .overlay import MAX_FILE_SIZE, Overlay, in_slices
+from .overlay import MAX_FILE_SIZE, Overlay, in_slices, yield_to_requests
 from .precreate import Precreated, keep_filled
 from .store import Store
 from .store.cache import default_max_bytes
@@ -141,7 +141,7 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
         overlay.dead_layers = trio.Event()
         while overlay.stale_inos:
             dropped += overlay.drop_stale_nodes()
-            await trio.sleep(0)
+            await yield_to_requests()
         if dropped >= TRIM_NODES:
             dropped = 0
             await trio.to_thread.run_sync(_give_back_memory)
@@ -154,7 +154,7 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
                 await trio.to_thread.run_sync(overlay.store.remove_upper_dir, layer,
                                               abandon_on_cancel=True)
                 overlay.forget_dead_layer(layer)
-            await trio.sleep(0)
+            await yield_to_requests()
         await overlay.dead_layers.wait()
 
 

@@ -60,7 +60,7 @@ from .control import FSMONITOR_HOOK, Control
 from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
 from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all, in_slices,
-                      unlink_upper_files)
+                      unlink_upper_files, yield_to_requests)
 from .store.names import HEX_REF, SNAPSHOT_ID_RE
 
 log = logging.getLogger(__name__)
@@ -892,7 +892,7 @@ class Operations(pyfuse3.Operations):
                     await trio.to_thread.run_sync(unlink_upper_files, items)
                     for start in range(0, len(items), COLLECT_BATCH):  # a bounded step each
                         self.overlay.reclaimed(items[start:start + COLLECT_BATCH])
-                        await trio.sleep(0)
+                        await yield_to_requests()
                 except (RametError, OSError) as exc:  # the next start deletes them
                     log.warning("reclaiming %d forgotten inodes failed: %s", len(items), exc)
                 except Exception as exc:  # a system task: an exception here would end the daemon

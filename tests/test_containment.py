@@ -710,6 +710,65 @@ async def test_a_walk_in_slices_lets_other_tasks_run_and_returns_its_result():
     assert run_steps(steps()) == "done"
 
 
+async def test_a_walk_waits_for_every_runnable_task_before_its_next_slice():
+    """rametfs.overlay.in_slices: after a slice, the walk waits until no other task can run
+    (trio's idle point), so a request's handler that checkpoints 20 times runs all 20 turns
+    before the walk's next step, where trio.sleep(0) would give it one turn a slice."""
+    import trio
+
+    from rametfs.overlay.slices import SLICE_S, in_slices
+    log: list[str] = []
+
+    def steps():
+        for _ in range(4):
+            time.sleep(SLICE_S)  # every step ends a slice
+            log.append("walk")
+            yield
+        return "done"
+
+    async def handler() -> None:
+        for _ in range(20):
+            log.append("handler")
+            await trio.sleep(0)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handler)
+            assert await in_slices(steps()) == "done"
+    assert log == ["walk"] + ["handler"] * 20 + ["walk"] * 3
+
+
+async def test_a_walk_goes_on_under_a_flood_of_runnable_tasks():
+    """rametfs.overlay.in_slices: a task that never stops being runnable delays a walk's
+    next slice by at most YIELD_MAX_S, not for ever: the walk ends, the flood ran between."""
+    import trio
+
+    from rametfs.overlay.slices import SLICE_S, YIELD_MAX_S, in_slices
+    turns = 0
+    seen: list[int] = []
+
+    def steps():
+        for _ in range(5):
+            time.sleep(SLICE_S)
+            seen.append(turns)
+            yield
+        return "done"
+
+    async def flood() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.sleep(0)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flood)
+            await trio.sleep(0)
+            assert await in_slices(steps()) == "done"
+            nursery.cancel_scope.cancel()
+    assert YIELD_MAX_S == 0.010 and all(b > a for a, b in zip(seen, seen[1:]))
+
+
 def test_a_listing_made_in_slices_is_exact_across_its_batches(shared_daemon, tmp_path):
     """Upper dentries are read and nodes made LIST_STEP (1,024) at a time, in slices: 1,500
     base names, 700 of them removed (whiteouts) and 1,800 new ones list exactly."""
