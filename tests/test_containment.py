@@ -246,6 +246,7 @@ def test_an_exception_in_forget_is_logged_and_the_daemon_goes_on(faulty, pair):
 
 # ----- background tasks --------------------------------------------------------------------------
 
+@pytest.mark.kernel
 def test_an_exception_in_the_dirty_flush_fails_that_execution_and_stores_the_others(
         tmp_path):
     with serving(tmp_path, ("--faults",), [TRACEBACK_LINES]) as d:
