@@ -20,8 +20,8 @@ from functools import partial
 import blake3
 import trio
 
-from . import policy
 from .core import diff as core_diff
+from .core import policy
 from .errors import Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
@@ -201,7 +201,7 @@ def _read_pieces(store: Store, job: _FileJob, cancel: CancelToken = NO_CANCEL
 
 def _file_digest(store: Store, job: _FileJob, cancel: CancelToken) -> str:
     """BLAKE3 (hex) of a file's bytes (blocking): only stored pages are read, but BLAKE3
-    (b3sum's digest, rametfs.policy.path_digest) hashes every byte of a hole too."""
+    (b3sum's digest, rametfs.core.policy.path_digest) hashes every byte of a hole too."""
     h = blake3.blake3()
     for data in _read_pieces(store, job, cancel):
         h.update(data)
@@ -226,7 +226,7 @@ def _link_of(ex: Execution, node: Node) -> int:
 
 class Capture:
     """One promote or checkpoint of ``ex``: ``plan()`` (sync), ``hash()`` and
-    ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.policy), ``plan()``
+    ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.core.policy), ``plan()``
     leaves out ephemeral and rebuildable paths and takes shared ones from the base."""
 
     def __init__(self, overlay: Overlay, ex: Execution, cancel: CancelToken = NO_CANCEL):
@@ -607,7 +607,7 @@ def _join(path: str, name: bytes) -> str:
 
 
 class _ViewTree:
-    """rametfs.policy.Tree over an execution: its nodes where copied up, base entries below."""
+    """rametfs.core.policy.Tree over an execution: its nodes where copied up, base entries below."""
 
     def __init__(self, overlay: Overlay):
         self.overlay = overlay
@@ -674,7 +674,7 @@ def load_policy(overlay: Overlay, ex: Execution,
     """The policy ``chosen``: its text parsed, or (text None, ``--policy tree``) the
     execution's ``ramet.toml``, which is then none when absent; None for none.  Raises
     InvalidArgument (EINVAL) naming the line of a malformed one, or for a ``ramet.toml``
-    that is not a regular file of at most rametfs.policy.MAX_POLICY_BYTES."""
+    that is not a regular file of at most rametfs.core.policy.MAX_POLICY_BYTES."""
     if chosen is None:
         return None
     if chosen.text is not None:
@@ -731,7 +731,7 @@ def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
 
 
 def _spec_digest(store: Store, spec: tuple, cancel: CancelToken) -> str:
-    """The digest of one input (rametfs.policy.path_digest's definition); blocking."""
+    """The digest of one input (rametfs.core.policy.path_digest's definition); blocking."""
     kind, what = spec
 
     def one(kind: str, what) -> str:
@@ -749,7 +749,7 @@ def _spec_digest(store: Store, spec: tuple, cancel: CancelToken) -> str:
 async def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None,
                   paths: list | None = None) -> dict:
     """What a promote of ``ex`` under the policy ``chosen`` would keep
-    (rametfs.policy.preview_report); changes nothing.  Runs in slices of the trio thread
+    (rametfs.core.policy.preview_report); changes nothing.  Runs in slices of the trio thread
     (``Overlay.in_slices``), ``ex`` frozen meanwhile.  ``paths``: the list the classified
     paths are appended to (``policy.classify_steps``).  Raises InvalidArgument (EINVAL) for
     a malformed policy."""

@@ -23,10 +23,10 @@ from typing import Awaitable, Callable
 
 import trio
 
-from . import mounts, policy, protocol
+from . import mounts, protocol
 from .authority import HARNESS, Access, Caller
 from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import heads, lifecycle, pools, retention
+from .core import heads, lifecycle, policy, pools, retention
 from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
 from .faults import FAULTS
 from .fallback import manifest

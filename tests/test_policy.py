@@ -1,6 +1,6 @@
 """Persistence policies: the parser and classifier, preview, promote with a policy, restore.
 
-Unit tests of rametfs.policy need no mount.  The wrapper-level tests run in both modes
+Unit tests of rametfs.core.policy need no mount.  The wrapper-level tests run in both modes
 (the ``ramet`` fixture of conftest: the shared FUSE daemon, or fallback mode forced on a data
 directory).
 The real case builds a virtual environment from a wheel made here with ``pip wheel`` (no
@@ -21,7 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import cli_where, run
-from rametfs import Ramet, RametError, policy
+from rametfs import Ramet, RametError
+from rametfs.core import policy
 from rametfs.cli import main
 from rametfs.client import RestoreError
 from rametfs.sandbox import Host

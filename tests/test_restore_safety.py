@@ -24,7 +24,8 @@ import blake3
 import pytest
 
 from conftest import require_bwrap
-from rametfs import Ramet, RametError, capture, policy, restore
+from rametfs import Ramet, RametError, capture, restore
+from rametfs.core import policy
 from rametfs.client import RestoreError
 from rametfs.sandbox import Bubblewrap
 from test_import_safety import RACE_HITS, attacker, bounded, exchange, give_to_nobody

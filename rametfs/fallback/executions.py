@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .. import policy as _policy
+from ..core import policy as _policy
 from .. import protocol
 from ..authority import Access
 from ..core import lifecycle, retention
@@ -276,7 +276,7 @@ class Fallback:
         """Snapshot the execution's tree (parent: its head) and make it the head.
 
         The persistence policy is the ``--policy`` value ``policy`` (text, ``tree`` or
-        ``none``), else the one stored with the execution (rametfs.policy.choose);
+        ``none``), else the one stored with the execution (rametfs.core.policy.choose);
         InvalidArgument (EINVAL) when it is malformed or this state breaks it (changed shared
         paths, recipe inputs missing or not kept).
         """
@@ -290,7 +290,7 @@ class Fallback:
         return self._capture(eid, label, message, False, policy, stored=False)
 
     def preview(self, eid: str, policy: str | None = None) -> dict:
-        """What a promote would keep, by class (rametfs.policy.preview_report), under the
+        """What a promote would keep, by class (rametfs.core.policy.preview_report), under the
         policy a promote would apply.  Stores nothing."""
         with self._locked(eid):
             meta = self._load(eid)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .. import policy as _policy
+from ..core import policy as _policy
 from .. import protocol
 from ..core import pools as core
 from ..errors import NotFound

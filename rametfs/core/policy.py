@@ -36,11 +36,11 @@ from typing import Protocol
 
 import blake3
 
-from .errors import InvalidArgument, RametError
-from .longpath import short
-from .nofollow import DIR_FLAGS, FILE_FLAGS, GONE, same_file
-from .treewalk import Steps, postorder, preorder, run_steps
-from .protocol import POLICY_NONE, POLICY_TREE, quote_path
+from ..errors import InvalidArgument, RametError
+from ..longpath import short
+from ..nofollow import DIR_FLAGS, FILE_FLAGS, GONE, same_file
+from ..treewalk import Steps, postorder, preorder, run_steps
+from ..protocol import POLICY_NONE, POLICY_TREE, quote_path
 
 if sys.version_info >= (3, 11):
     import tomllib
