@@ -23,14 +23,15 @@ import functools
 import os
 import secrets
 import threading
+import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..core import policy as _policy
 from .. import protocol
 from ..authority import Access
 from ..core import lifecycle, retention
+from ..core import policy as _policy
 from ..core.heads import reset_target
 from ..core.pools import verification_json
 from ..core.diff import diff_trees
@@ -40,6 +41,7 @@ from ..store import Entry, Store, gc, import_git, import_tree
 from ..store.gc_guard import Progress
 from ..store.entries import directory_entry
 from ..store.trees import tree_id
+from ..treewalk import Steps, done
 from . import clone, manifest, scan, sync
 from .pools import Pools
 
@@ -290,24 +292,16 @@ class Fallback:
         return self._capture(eid, label, message, False, policy, stored=False)
 
     def preview(self, eid: str, policy: str | None = None) -> dict:
-        """What a promote would keep, by class (rametfs.core.policy.preview_report), under the
+        """What a promote would keep, by class (rametfs.core.policy.Plan.report), under the
         policy a promote would apply.  Stores nothing."""
         with self._locked(eid):
             meta = self._load(eid)
             root = os.fsencode(self.path(eid))
             pol = _load_policy(root, _policy.choose(policy, meta.policy))
             with cached():
-                classified = _policy.classify_tree(pol, _policy.FsTree(),
-                                                   _policy.FsTree.root(root))
-            problems = []
-            if pol is not None:
-                if pol.patterns[_policy.SHARED]:
-                    now = scan.scan(self.store, root, meta.records)
-                    head = self.store.snapshot(meta.head)
-                    problems += _policy.shared_problems(pol, diff_trees(
-                        head.root, now.root, lambda tid: now.tree(self.store, tid)))
-                problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
-        return _policy.preview_report(pol, classified, problems)
+                applied = _policy.apply(pol, _policy.FsTree(), _policy.FsTree.root(root),
+                                        _Side(self.store, root, meta), durable=True)
+        return applied.report()
 
     def reset(self, eid: str, to: str | None = None, base: str | None = None) -> dict:
         """Make the tree equal its head again (``to``: the snapshot with that id or prefix;
@@ -396,25 +390,29 @@ class Fallback:
             started = time.monotonic_ns()
             rootb = os.fsencode(root)
             pol = _load_policy(rootb, _policy.choose(policy, meta.policy if stored else None))
-            classified = _policy.Classified()
-            if pol is not None:
-                with cached():
-                    classified = _policy.classify_tree(pol, _policy.FsTree(),
-                                                       _policy.FsTree.root(rootb), durable=False)
-            skip = frozenset(os.fsencode(p.rstrip("/")) for p, cls, *_ in classified.paths
-                             if cls not in _policy.KEPT)
-            now = scan.scan(self.store, rootb, meta.records, store_contents=True, skip=skip)
+            side = _Side(self.store, rootb, meta, store_contents=True)
+            with cached():
+                applied = _policy.apply(pol, _policy.FsTree(), _policy.FsTree.root(rootb),
+                                        side)
+            applied.check()
+            now = side.scan(applied.skip)
             stats = {"changed_files": now.stats.changed_files,
                      "hashed_files": now.stats.hashed_files, "scanned": now.stats.scanned,
                      "new_chunks": now.stats.new_chunks,
                      "new_chunk_bytes": now.stats.new_chunk_bytes}
-            root_entry, recipes = now.root, None
-            if pol is not None:
-                root_entry = self._apply(pol, classified, meta, rootb, now)
-                stats.update(_policy.policy_stats(pol, classified))
-                digests = {p: _policy.path_digest(rootb, p)
-                           for name in classified.outputs for p in pol.recipes[name].inputs}
-                recipes = _policy.recipe_records(pol, classified, digests)
+            root_entry = now.root
+            if applied.shared:
+                base = self.store.snapshot(meta.head).root
+                for path in applied.shared:
+                    parts = os.fsencode(path).split(b"/")
+                    root_entry = self._graft(now, root_entry, parts,
+                                             self._base_entry(base, parts))
+            try:
+                digests = {p: _policy.path_digest(rootb, p) for p in applied.inputs}
+            except _policy.InputError as exc:
+                raise applied.stopped(exc) from None
+            stats.update(applied.stats())
+            recipes = applied.recipes(digests)
             with self.store.write() as txn:
                 for entries in now.trees.values():  # subtrees first, as put_tree needs
                     self.store.put_tree(txn, entries)
@@ -429,26 +427,6 @@ class Fallback:
             meta.last = {"ok": True, "snapshot": snap.id, "stats": snap.stats}
             manifest.save(self._meta_path(eid), meta)
             return meta.last
-
-    def _apply(self, pol: _policy.Policy, classified: _policy.Classified,
-               meta: manifest.Meta, root: bytes, now: scan.Scan) -> Entry:
-        """Check the scanned tree against the policy (InvalidArgument naming every problem)
-        and return its root entry with the shared paths taken from the head."""
-        base = self.store.snapshot(meta.head)
-        problems = []
-        if pol.patterns[_policy.SHARED]:
-            problems += _policy.shared_problems(pol, diff_trees(
-                base.root, now.root, lambda tid: now.tree(self.store, tid)))
-        problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
-        if problems:
-            raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
-                                  + "; ".join(problems))
-        entry = now.root
-        for path, cls, *_ in classified.paths:
-            if cls == _policy.SHARED:
-                parts = os.fsencode(path.rstrip("/")).split(b"/")
-                entry = self._graft(now, entry, parts, self._base_entry(base.root, parts))
-        return entry
 
     def _base_entry(self, entry: Entry, parts: list[bytes]) -> Entry:
         for name in parts:
@@ -523,25 +501,47 @@ def _ms_since(started_ns: int) -> float:
 
 
 def _load_policy(root: bytes, chosen: _policy.Setting | None) -> _policy.Policy | None:
-    """The policy ``chosen``: its text parsed, or (text None) the tree's ``ramet.toml``,
-    which is then none when absent; None for none (as rametfs.capture.load_policy).  The
-    file is opened without following a symlink or waiting on a FIFO the agent put there."""
-    if chosen is None:
-        return None
-    if chosen.text is not None:
-        return _policy.load(chosen.text.encode(), chosen.source)
-    path = root + b"/" + _policy.POLICY_FILE.encode()
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise InvalidArgument(f"{_policy.POLICY_FILE} is not a regular file") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        _policy.check_tree_file(st.st_mode, st.st_size)
-        return _policy.load(f.read(_policy.MAX_POLICY_BYTES), _policy.POLICY_FILE)
+    """The policy ``chosen`` (rametfs.core.policy.load_chosen), the tree's ``ramet.toml``
+    opened without following a symlink or waiting on a FIFO the agent put there."""
+    def tree_file() -> tuple[int, int, Callable[[], bytes]] | None:
+        path = root + b"/" + _policy.POLICY_FILE.encode()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            return stat.S_IFLNK, 0, bytes
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            data = f.read(_policy.MAX_POLICY_BYTES) if stat.S_ISREG(st.st_mode) else b""
+        return st.st_mode, st.st_size, lambda: data
+
+    return _policy.load_chosen(chosen, tree_file)
 
 
+class _Side:
+    """rametfs.core.policy.Side over an execution's directory ``root``: its diff from a scan
+    against its manifest (``meta``), made once (:meth:`scan`; ``store_contents`` as
+    rametfs.fallback.scan.scan takes it)."""
+
+    def __init__(self, store: Store, root: bytes, meta: manifest.Meta,
+                 store_contents: bool = False):
+        self.store, self.root, self.meta = store, root, meta
+        self.store_contents = store_contents
+        self.exists = _policy.exists_under(root)
+        self.scanned: scan.Scan | None = None
+
+    def scan(self, skip: frozenset[str]) -> scan.Scan:
+        """The tree scanned, ``skip`` left out (the same ``skip`` at every call)."""
+        if self.scanned is None:
+            self.scanned = scan.scan(self.store, self.root, self.meta.records,
+                                     store_contents=self.store_contents,
+                                     skip=frozenset(map(os.fsencode, skip)))
+        return self.scanned
+
+    def changes(self, skip: frozenset[str]) -> Steps[list[tuple[str, bytes]]]:
+        now = self.scan(skip)
+        head = self.store.snapshot(self.meta.head)
+        return done(diff_trees(head.root, now.root, lambda tid: now.tree(self.store, tid)))
