@@ -632,9 +632,7 @@ class _Mount:
 
     def status(self) -> dict:
         self._needs_mount("the mount's status")
-        state = _read_json(self.mount / protocol.CONTROL_DIR / protocol.STATUS, self.mount)
-        state.setdefault("mode", "fuse")
-        return state
+        return _read_json(self.mount / protocol.CONTROL_DIR / protocol.STATUS, self.mount)
 
     def execution_path(self, execution_id: str) -> Path:
         if self.own is not None:

@@ -1094,7 +1094,7 @@ def test_another_uid_cannot_make_or_drop_the_harness_s_control_inodes(bounded):
             "                  err(lambda: os.listdir('.ramet')), sorted(status)]))\n",
             bounded.mnt)
         assert seen == [1, "EACCES", "EACCES",
-                        ["executions", "mount", "open_less", "pools", "snapshots",
+                        ["executions", "mode", "mount", "open_less", "pools", "snapshots",
                          "snapshots_bind", "version"]]
         assert read_reply(fd) == {"ok": True, "cancelled": []}
     finally:

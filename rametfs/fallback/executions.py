@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .. import protocol
 from ..authority import Access
-from ..core import lifecycle, retention
+from ..core import lifecycle, retention, status
 from ..core import policy as _policy
 from ..core.heads import reset_target
 from ..core.pools import verification_json
@@ -195,13 +195,13 @@ class Fallback:
         return {"ok": True, "execution": eid, "runtime": runtime}
 
     def status(self) -> dict:
-        """``{"mode", "copy_method", "pid", "data", "mount", "version", "snapshots",
-        "executions", "pools", "last"}`` like a daemon's root status (mount is None)."""
+        """The root status, with a daemon's keys (rametfs.core.status.root_status): no
+        mount, adapter, ``snapshots/`` bind, gc running or daemon memory (None)."""
         executions = [self._json(meta) for meta in self._metas()]
-        return {"mode": "fallback", "copy_method": self.copy_method, "pid": os.getpid(),
-                "data": str(self.data), "mount": None, "version": "0.1.0",
-                "snapshots": self.store.snapshots_json(),
-                "executions": executions, "pools": self.pools.to_json(), "last": None}
+        return status.root_status(
+            mode=status.FALLBACK, pid=os.getpid(), data=str(self.data), mount=None,
+            copy_method=self.copy_method, snapshots=self.store.snapshots_json(),
+            executions=executions, pools=self.pools.to_json(), last=None)
 
     # -- snapshot lifecycle (rametfs.core.lifecycle, docs/lifecycle.md) --------------------
 
@@ -366,10 +366,9 @@ class Fallback:
                                  _ms_since(started))
 
     def execution_status(self, eid: str) -> dict:
-        """``{"execution", "id", "base", "head", "state", "pool", "lease",
-        "quarantine_reason", "created_ns", "policy", "runtime", "upper_bytes", "last",
-        "path", "mode", "copy_method", "owner", "group", "share", "control"}``
-        (``upper_bytes`` is None: not tracked)."""
+        """Execution ``eid``'s record, with a daemon's keys (rametfs.core.status
+        .execution_record): its upper bytes and inodes are not tracked and no capture is
+        charged (None), none is marked failed and nothing waits on a freeze."""
         self._check_name(eid)
         try:
             return self._json(manifest.load(self._meta_path(eid), records=False))
@@ -450,12 +449,14 @@ class Fallback:
         return entry
 
     def _json(self, meta: manifest.Meta) -> dict:
-        return {"execution": meta.id, "id": meta.id, "base": meta.base, "head": meta.head,
-                **self.pools.member_json(meta.id), "created_ns": meta.created_ns,
-                "policy": _policy.shown(meta.policy), "runtime": meta.runtime,
-                "upper_bytes": None,
-                "last": meta.last, "path": str(self.path(meta.id)), "mode": "fallback",
-                "copy_method": self.copy_method, **Access.from_record(meta.access).to_json()}
+        access = Access.from_record(meta.access)
+        pool_fields = self.pools.member_json(meta.id)
+        view = status.execution_view(meta.id, meta.base, meta.head, pool_fields["state"],
+                                     meta.created_ns, access, meta.last)
+        return status.execution_record(view, pool_fields, access, mode=status.FALLBACK,
+                                       path=str(self.path(meta.id)), policy_record=meta.policy,
+                                       runtime=meta.runtime, last=meta.last,
+                                       copy_method=self.copy_method)
 
     def _load(self, eid: str, records: bool = True) -> manifest.Meta:
         try:
