@@ -514,9 +514,12 @@ def _load_policy(root: bytes, chosen: _policy.Setting | None) -> _policy.Policy 
             if exc.errno != errno.ELOOP:
                 raise
             return stat.S_IFLNK, 0, bytes
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a directory or FIFO, refused by its mode
+            os.close(fd)
+            return st.st_mode, st.st_size, bytes
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)
-            data = f.read(_policy.MAX_POLICY_BYTES) if stat.S_ISREG(st.st_mode) else b""
+            data = f.read(_policy.MAX_POLICY_BYTES)
         return st.st_mode, st.st_size, lambda: data
 
     return _policy.load_chosen(chosen, tree_file)
