@@ -445,9 +445,12 @@ class Ramet:
         return self.status()["pools"]
 
     def status(self) -> dict:
-        """The status: ``{"mode", "pid", "data", "mount", "version", "snapshots",
-        "executions", "last"}`` (see the project docs for each record); in fallback mode
-        also ``"copy_method"`` (``"clonefile"``, ``"reflink"`` or ``"copy"``)."""
+        """The status: ``{"mode", "pid", "data", "mount", "version", "copy_method",
+        "open_less", "snapshots_bind", "snapshots", "executions", "pools", "last", "gc",
+        "memory"}``, the same keys in both modes (see the project docs for each record);
+        ``copy_method`` (``"clonefile"``, ``"reflink"`` or ``"copy"``) is fallback mode's;
+        ``mount``, ``open_less``, ``snapshots_bind``, ``gc`` and ``memory`` FUSE mode's;
+        each None in the other mode."""
         return self._backend.status()
 
     def snapshots(self) -> list[dict]:

@@ -771,7 +771,7 @@ def path_digest(root: str | os.PathLike, path: str) -> str:
 
 
 def exists_under(root: str | os.PathLike) -> Callable[[str], bool | None]:
-    """``exists(path)`` for :func:`input_problems` over the tree at the directory ``root``:
+    """``exists(path)`` for rametfs.core.policy.Side over the tree at the directory ``root``:
     whether input ``path`` is a directory, None when :func:`path_digest` finds it missing
     (so a path through a symlink is missing).  Blocking."""
     def exists(path: str) -> bool | None:
