@@ -682,9 +682,9 @@ class Control:
             try:
                 verification = await verify(self.overlay, ex, mode, run.token)
                 result = await in_slices(verification.json_steps())
-                reason = pools.quarantine_reason(result)
+                reason = status.quarantine_reason(result)
             except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
-                result, reason = None, pools.failure_reason(mode, exc)
+                result, reason = None, status.failure_reason(mode, exc)
         self._forget_replies(ex.id)
         settled = self.pools.returned(eid, holder, reason, time.time_ns())
         if reason:
@@ -696,7 +696,7 @@ class Control:
         mode = protocol.parse_verify_mode(args.get("mode", ROOT))
         verification = await verify(self.overlay, ex, mode, self._token(ex))
         result = await in_slices(verification.json_steps())
-        reason = pools.quarantine_reason(result)
+        reason = status.quarantine_reason(result)
         settled = self.pools.verified(ex.id, reason)
         if settled is not None:
             log.warning("execution %s quarantined: %s", ex.id, reason)

@@ -3,8 +3,9 @@ and each execution's record, with the same keys in both modes, built here from t
 each mode has.  A value a mode does not have is None: fallback mode tracks no upper bytes
 or inodes, charges no capture, runs no FUSE adapter and binds no ``snapshots/``; FUSE mode
 copies no files (``copy_method``).  The pool fields are rametfs.core.pools'
-(``Pools.member_json``, ``Pools.to_json``), the quarantine reasons too
-(``quarantine_reason``, ``failure_reason``).
+(``Pools.member_json``, ``Pools.to_json``); a verification's record and the reason it
+quarantines an execution are here (``verification_json``, ``quarantine_reason``,
+``failure_reason``).
 
 Drivers: rametfs.control (the daemon's ``.ramet/status`` and ``status`` command) and
 rametfs.fallback.executions (``Fallback.status``, ``Fallback.execution_status``).
@@ -12,13 +13,18 @@ rametfs.fallback.executions (``Fallback.status``, ``Fallback.execution_status``)
 
 from __future__ import annotations
 
+import os
+
+from .. import protocol
 from ..authority import Access
+from ..treewalk import Steps, mapped_steps, run_steps
 from ..version import __version__
 from . import policy
 
 FUSE, FALLBACK = "fuse", "fallback"  # the modes, as ``"mode"`` names them
 # what an execution is doing, besides its pool state (ready, leased, quarantined)
 PROMOTING, FAILED = "promoting", "failed"
+MAX_REASON_PATHS = 5  # differences a quarantine reason names
 
 
 def state(pool_state: str, failed: bool = False, promoting: bool = False) -> str:
@@ -72,3 +78,45 @@ def root_status(*, mode: str, pid: int, data: str, mount: str | None, snapshots:
             "snapshots_bind": snapshots_bind, "snapshots": snapshots,
             "executions": executions, "pools": pools, "last": last, "gc": gc,
             "memory": memory}
+
+
+# -- verifications and quarantine reasons, as both modes report them ------------------------
+
+def verification_json(mode: str, root: str, base_root: str,
+                      differences: list[tuple[str, bytes]], verify_ms: float) -> dict:
+    """A verification as replies carry it: ``{"mode", "equal", "root", "base_root",
+    "verify_ms", "differences": [[letter, path], ...]}``; ``root`` the tree id (hex) the
+    execution holds, ``base_root`` its base's, ``differences`` as ``diff`` gives them (paths
+    decoded as os.fsdecode does), ``verify_ms`` milliseconds."""
+    return run_steps(verification_json_steps(mode, root, base_root, differences, verify_ms))
+
+
+def verification_json_steps(mode: str, root: str, base_root: str,
+                            differences: list[tuple[str, bytes]], verify_ms: float
+                            ) -> Steps[dict]:
+    """:func:`verification_json` as steps (rametfs.treewalk.run_steps), one per difference."""
+    decoded = yield from mapped_steps(lambda d: [d[0], os.fsdecode(d[1])], differences)
+    return {"mode": mode, "equal": not differences, "root": root, "base_root": base_root,
+            "verify_ms": verify_ms, "differences": decoded}
+
+
+def quarantine_reason(verification: dict) -> str:
+    """Why ``verification`` (:func:`verification_json`) quarantines an execution, naming at
+    most :data:`MAX_REASON_PATHS` differences (quoted as ``.ramet/diff`` quotes them); empty
+    when it found the execution equal to its base."""
+    differences = verification["differences"]
+    if not differences:
+        return ""
+    shown = ", ".join(f"{letter} {protocol.quote_path(os.fsencode(path))}"
+                      for letter, path in differences[:MAX_REASON_PATHS])
+    more = (f" and {len(differences) - MAX_REASON_PATHS} more"
+            if len(differences) > MAX_REASON_PATHS else "")
+    return f"{verification['mode']} verification: differs from its base ({shown}{more})"
+
+
+def failure_reason(mode: str, exc: Exception) -> str:
+    """Why a verification in ``mode`` that raised ``exc`` (one of
+    :data:`rametfs.core.pools.VERIFICATION_FAILURES`: e.g. an upper data file gone
+    unreadable) quarantines the
+    execution."""
+    return f"{mode} verification failed: {exc}"

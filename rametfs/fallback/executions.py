@@ -33,7 +33,7 @@ from ..authority import Access
 from ..core import lifecycle, retention, status
 from ..core import policy as _policy
 from ..core.heads import reset_target
-from ..core.pools import verification_json
+from ..core.status import verification_json
 from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
 from ..longpath import cached
@@ -345,7 +345,7 @@ class Fallback:
     def verification(self, eid: str, mode: str) -> dict:
         """Verify execution ``eid`` in ``mode`` (``"root"``: quick, ``"deep"``; see
         :meth:`verify`): the verification as replies carry it
-        (rametfs.core.pools.verification_json).  Its ``root`` is the tree id the execution
+        (rametfs.core.status.verification_json).  Its ``root`` is the tree id the execution
         holds: the base's when quick mode finds no difference, else that of a scan (reading
         what the manifest does not vouch for; every file in deep mode).  It compares with the
         head (rametfs.core.heads)."""
