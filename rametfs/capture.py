@@ -225,8 +225,9 @@ def _link_of(ex: Execution, node: Node) -> int:
 
 class Capture:
     """One promote or checkpoint of ``ex``: ``plan()`` (sync), ``hash()`` and
-    ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.core.policy), ``plan()``
-    leaves out ephemeral and rebuildable paths and takes shared ones from the base."""
+    ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.core.policy
+    .apply_steps), ``plan()`` leaves out ephemeral and rebuildable paths and takes shared
+    ones from the base."""
 
     def __init__(self, overlay: Overlay, ex: Execution, cancel: CancelToken = NO_CANCEL):
         self.overlay = overlay
@@ -587,7 +588,8 @@ def _join(path: str, name: bytes) -> str:
 
 
 class _ViewTree:
-    """rametfs.core.policy.Tree over an execution: its nodes where copied up, base entries below."""
+    """rametfs.core.policy.Tree over an execution: its nodes where copied up, base entries
+    below."""
 
     def __init__(self, overlay: Overlay):
         self.overlay = overlay

@@ -32,8 +32,8 @@ in both modes (the daemon refused any leased member until its lease task had ret
 fallback mode, with no lease task, such a member could otherwise only be dropped with its
 pool) and ``renew`` refuses it in both (the daemon's in-memory postponement of a busy one let
 its holder renew it); "not leased" is InvalidArgument with its hint in both; a verification
-reply carries tree ids in both (rametfs.core.status.verification_json); and only unreadable or corrupt
-data is a failed verification (:data:`VERIFICATION_FAILURES`), in both.
+reply carries tree ids in both (rametfs.core.status.verification_json); and only unreadable
+or corrupt data is a failed verification (:data:`VERIFICATION_FAILURES`), in both.
 """
 
 from __future__ import annotations
@@ -255,8 +255,9 @@ class Pools:
     def returned(self, eid: str, holder: str, reason: str, now_ns: int) -> Settled:
         """``holder``'s member ``eid`` was reset and verified: back to the pool, ready, when
         ``reason`` is empty, else quarantined with ``reason`` (rametfs.core.status
-        .quarantine_reason, .failure_reason) and :attr:`Settled.new` its replacement.  Errors: those of
-        :meth:`held` (released, returned or taken over meanwhile: nothing changes)."""
+        .quarantine_reason, .failure_reason) and :attr:`Settled.new` its replacement.
+        Errors: those of :meth:`held` (released, returned or taken over meanwhile: nothing
+        changes)."""
         with self.store.write() as txn:
             member = self._held(txn, eid, holder)
             if reason:

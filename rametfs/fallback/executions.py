@@ -22,8 +22,8 @@ import fcntl
 import functools
 import os
 import secrets
-import threading
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +33,6 @@ from ..authority import Access
 from ..core import lifecycle, retention, status
 from ..core import policy as _policy
 from ..core.heads import reset_target
-from ..core.status import verification_json
 from ..core.diff import diff_trees
 from ..errors import Busy, InvalidArgument, NotFound, RametError
 from ..longpath import cached
@@ -362,8 +361,8 @@ class Fallback:
                 differences = sync.differences(self.store, root, base, meta.records)
                 now = scan.scan(self.store, root, meta.records) if differences else None
         tree = base.root if now is None else now.root
-        return verification_json(mode, tree.ref.hex(), base.root.ref.hex(), differences,
-                                 _ms_since(started))
+        return status.verification_json(mode, tree.ref.hex(), base.root.ref.hex(),
+                                        differences, _ms_since(started))
 
     def execution_status(self, eid: str) -> dict:
         """Execution ``eid``'s record, with a daemon's keys (rametfs.core.status
