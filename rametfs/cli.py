@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import click
 
 from rametfs import __version__, mounts, protocol
-from rametfs.policy import CLASSES
+from rametfs.core.policy import CLASSES
 from rametfs.client import (DATA_ENV, DEFAULT_TTL, MODE_ENV, MODES, MOUNT_ENV, Execution,
                             NotMountedError, Ramet, RametError, RestoreError, resolve_mode)
 from rametfs.protocol import quote_path

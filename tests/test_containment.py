@@ -796,7 +796,7 @@ def test_a_listing_made_in_slices_is_exact_across_its_batches(shared_daemon, tmp
 def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemon, tmp_path):
     """A recipe input's digest hashes every byte (holes too): an input truncated to 2 GiB
     (sparse, 0 bytes stored) stops the promote at once, not after hashing 2 GiB."""
-    from rametfs.capture import MAX_INPUT_BYTES
+    from rametfs.core.policy import MAX_INPUT_BYTES
     policy = ('[rebuildable.deps]\npaths = ["deps/"]\ninputs = ["lock.txt"]\n'
               'command = "true"\n')
     snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"lock.txt": b"a==1\n",
@@ -807,8 +807,9 @@ def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemo
     with pytest.raises(OSError) as caught:
         shared_daemon.ctl(f"promote {eid}")
     assert caught.value.errno == errno.EFBIG
-    assert caught.value.reply["error"] == (f"promote stopped by the policy: recipe input "
-                                           f"lock.txt holds more than {MAX_INPUT_BYTES} bytes")
+    assert caught.value.reply["error"] == (f"promote stopped by the policy (create --policy): "
+                                           f"input lock.txt holds more than {MAX_INPUT_BYTES} "
+                                           "bytes")
     os.truncate(lock, 5)
     assert shared_daemon.ctl(f"promote {eid}")["ok"]
     shared_daemon.ctl(f"release {eid}")
@@ -1153,7 +1154,7 @@ def test_another_uid_cannot_make_or_drop_the_harness_s_control_inodes(bounded):
             "                  err(lambda: os.listdir('.ramet')), sorted(status)]))\n",
             bounded.mnt)
         assert seen == [1, "EACCES", "EACCES",
-                        ["executions", "mount", "open_less", "pools", "snapshots",
+                        ["executions", "mode", "mount", "open_less", "pools", "snapshots",
                          "snapshots_bind", "version"]]
         assert read_reply(fd) == {"ok": True, "cancelled": []}
     finally:

@@ -90,7 +90,7 @@ class Execution(View):
     ``access`` who may use it and what its control files do (rametfs.authority), fixed at
     create; ``failure`` says why an internal error stopped it, until its next reset;
     ``policy`` is the persistence policy the harness stored with it (the record of a
-    rametfs.policy.Setting, or None); ``runtime`` the sandbox recorded as running it
+    rametfs.core.policy.Setting, or None); ``runtime`` the sandbox recorded as running it
     (``{"name", "uid", "gid"[, "image"]}``, or None).
     """
 

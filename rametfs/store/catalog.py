@@ -38,7 +38,7 @@ class PoolRecord:
     was made (ns), the access settings its members get (``rametfs.authority.Access`` as a
     record: owner, group, share, control, limits; empty in a record from before them), and
     the persistence policy its members are created with (the record of a
-    rametfs.policy.Setting, or None); ``keep_last`` how many of its members' promotes are
+    rametfs.core.policy.Setting, or None); ``keep_last`` how many of its members' promotes are
     kept after each promote (rametfs.core.lifecycle.trim_pool; 0: all)."""
 
     base: str

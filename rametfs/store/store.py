@@ -52,7 +52,7 @@ _EMPTY = Content(0, b"", ())
 @dataclass(frozen=True)
 class Snapshot:
     """A snapshot record; ``id`` is 64 hex digits, times in ns, stats a plain dict;
-    ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.policy), and
+    ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.core.policy), and
     ``runtime`` the sandbox recorded for the execution promoted (None: none)."""
 
     id: str
