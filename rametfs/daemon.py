@@ -20,10 +20,10 @@ import pyfuse3
 import trio
 
 from . import protocol
-from .control import Control
+from .control.commands import Control
 from .errors import RametError
 from .faults import FAULTS
-from .fuse_ops import OPEN_LESS, Operations
+from .fuse.adapter import OPEN_LESS, Operations
 from .mounts import (bind_snapshots_read_only, check_mount_options, check_mountpoint,
                      take_data_lock)
 from .overlay import MAX_FILE_SIZE, Overlay, in_slices

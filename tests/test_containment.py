@@ -28,7 +28,7 @@ from conftest import (Daemon, allowed_log, ctl_command, pid_alive, read_reply, r
                       wait_until)
 from rametfs import protocol
 from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
-from rametfs.fuse_ops import OPEN_LESS
+from rametfs.fuse.adapter import OPEN_LESS
 from test_kernel_cache import _map_and_store
 from test_snapshots import write_tree
 

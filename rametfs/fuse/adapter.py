@@ -1,8 +1,8 @@
 """The FUSE adapter: pyfuse3 requests in, overlay and control calls, errno out.
 
 Protocol translation only (after BorgBackup's ``fuse.py``): every handler is a few lines over
-rametfs.overlay / rametfs.control.  Errors map to errno in one place (:func:`_errors`): a
-RametError or OSError becomes ``FUSEError(errno)``; any other exception is a bug, logged with
+rametfs.overlay / rametfs.control.commands.  Errors map to errno in one place (:func:`_errors`):
+a RametError or OSError becomes ``FUSEError(errno)``; any other exception is a bug, logged with
 its traceback and answered with EIO so one bad request cannot take the daemon down.
 
 Fixed inode numbers: 1 the mount root, 2 ``snapshots/``, 3 ``executions/``, 4 ``.ramet/``.
@@ -54,14 +54,14 @@ from dataclasses import dataclass, field
 import pyfuse3
 import trio
 
-from . import protocol
-from .authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
-from .control import FSMONITOR_HOOK, Control
-from .errors import NotFound, RametError, ReadOnly
-from .faults import FAULTS
-from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all, in_slices,
+from .. import protocol
+from ..authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
+from ..control.commands import FSMONITOR_HOOK, Control
+from ..errors import NotFound, RametError, ReadOnly
+from ..faults import FAULTS
+from ..overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all, in_slices,
                       unlink_upper_files)
-from .store.names import HEX_REF, SNAPSHOT_ID_RE
+from ..store.names import HEX_REF, SNAPSHOT_ID_RE
 
 log = logging.getLogger(__name__)
 
@@ -913,7 +913,7 @@ class Operations(pyfuse3.Operations):
     async def _control_content(self, v: ControlSlot | Virtual, caller: Caller = HARNESS
                                ) -> bytes:
         """What a control file other than ``ctl`` shows ``caller`` now; a diff or preview
-        is made in slices of the trio thread (rametfs.control)."""
+        is made in slices of the trio thread (rametfs.control.commands)."""
         if v.execution is not None and v.kind in (protocol.DIFF, protocol.PREVIEW):
             ex = self._execution_of(v)
             async with self._one_answer((ex.id, caller_key(caller))):

@@ -1,0 +1,1 @@
+"""The mount's control side, FUSE-free: the control commands behind the ``.ramet/`` files."""
