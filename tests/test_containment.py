@@ -27,11 +27,12 @@ import pytest
 from conftest import (Daemon, allowed_log, ctl_command, pid_alive, read_reply, run, serving,
                       wait_until)
 from rametfs import protocol
+from rametfs.daemon import detect_open_less
 from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
-from rametfs.fuse_ops import OPEN_LESS
 from test_kernel_cache import _map_and_store
 from test_snapshots import write_tree
 
+OPEN_LESS = detect_open_less()  # the daemons these tests start get the same environment
 MIB = 1 << 20
 BLOCK = 4096  # the data file system's block: what the last write of a quota may pass it by
 TRACEBACK_LINES = (r"Traceback|^\s|^\S*Error|^rametfs\.faults\.InjectedFault|"

@@ -23,8 +23,8 @@ never read here.  What happens outside the store is the driver's, told by what a
 returns: :class:`NewMember` an execution to create, then :meth:`Pools.add_member`;
 :attr:`Acquired.taken_over` an execution to reset and verify before it is handed out; after
 ``held``, the driver resets and verifies the execution and reports with :meth:`Pools.returned`.
-The drivers are rametfs.control (the daemon: trio, cancels a command running on the execution)
-and rametfs.fallback.pools (in-process, synchronous).  Records: rametfs.store.catalog.
+The drivers are rametfs.control.commands (the daemon: trio, cancels a command running on the
+execution) and rametfs.fallback.pools (in-process, synchronous).  Records: rametfs.store.catalog.
 
 Where the daemon's and fallback mode's earlier copies of these rules disagreed, this one
 keeps: an ended lease holds nothing, so release (:meth:`Pools.forget`) of its member is allowed

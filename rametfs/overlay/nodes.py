@@ -123,9 +123,6 @@ class Execution(View):
         self.changes: dict[int | tuple[int, bytes], int] = {}
         self.clock = 0
         self.changes_floor = 0  # tokens from before this clock no longer say what changed
-        # Names the kernel was told do not exist in the root (cached negative dentries),
-        # which a reset must make it forget; below the root, dropping the root's names does.
-        self.negative_root: set[bytes] = set()
         self.policy: dict | None = None
         self.runtime: dict | None = None
 
@@ -281,7 +278,7 @@ class InodeTable:
                   if ino in kept and (key[0] in kept or key[0] == view.root_ino)}
         view.inos, view.dcache, view.link_inos, view.dirty = set(kept), dcache, {}, set()
         if isinstance(view, Execution):
-            view.changes, view.negative_root = {}, set()
+            view.changes = {}
 
     def drop_stale_nodes(self, budget: int = COLLECT_BATCH) -> int:
         """Free up to ``budget`` nodes of dropped layers; returns how many were freed (call

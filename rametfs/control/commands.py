@@ -23,20 +23,20 @@ from typing import Awaitable, Callable
 
 import trio
 
-from . import mounts, protocol
-from .authority import HARNESS, Access, Caller
-from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import heads, lifecycle, policy, pools, retention, status
-from .errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
-from .faults import FAULTS
-from .fallback import manifest
-from .overlay import Execution, Overlay, in_slices
-from .treewalk import Steps
-from .store import Snapshot, gc, import_git, import_tree
-from .store.catalog import Lease
-from .store.publish import publish
-from .verify import ROOT, verify
-from .version import __version__
+from .. import mounts, protocol
+from ..authority import HARNESS, Access, Caller
+from ..capture import CancelToken, capture, diff_in_slices, preview
+from ..core import heads, lifecycle, policy, pools, retention, status
+from ..errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
+from ..faults import FAULTS
+from ..fallback import manifest
+from ..overlay import Execution, Overlay, in_slices
+from ..treewalk import Steps
+from ..store import Snapshot, gc, import_git, import_tree
+from ..store.catalog import Lease
+from ..store.publish import publish
+from ..verify import ROOT, verify
+from ..version import __version__
 
 log = logging.getLogger(__name__)
 
