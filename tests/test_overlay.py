@@ -32,12 +32,17 @@ def src(tmp_path):
 
 
 @pytest.fixture
-def model(tmp_path, src):
+def model(tmp_path, src, fsck_clean):
+    """A store, its overlay and an execution of ``src``; fsck at the end finds the layers as
+    the test left them stored, and after a flush of what it left dirty, sound."""
     store = Store(tmp_path / "data")
     snap = import_tree(store, src)
     overlay = Overlay(store)
     ex = overlay.create_execution(snap, "e")
     yield store, overlay, ex
+    fsck_clean(store)
+    overlay.flush_all()
+    fsck_clean(store)
     store.close()
 
 
@@ -324,6 +329,7 @@ def test_capture_reuses_unchanged_subtrees(model):
     assert stat.S_ISREG(new_root[b"small"].mode)
 
 
+@pytest.mark.corrupts_store
 def test_fsck_finds_a_corrupt_chunk(model):
     store, overlay, ex = model
     assert fsck(store).problems == []
@@ -335,6 +341,48 @@ def test_fsck_finds_a_corrupt_chunk(model):
     report = fsck(store)
     assert len(report.problems) == 1
     assert "/small" in report.problems[0] and ids[0].hex() in report.problems[0]
+
+
+@pytest.mark.corrupts_store
+def test_fsck_names_damaged_layer_records(model):
+    store, overlay, ex = model
+    big, small = path_node(overlay, ex, "big"), path_node(overlay, ex, "small")
+    overlay.write(big, PAGE_SIZE, b"Q")
+    overlay.mkdir(ex.root_ino, b"new", 0o755, 0, 0)
+    overlay.unlink(ex.root_ino, b"small")  # still named dir/small-link: no orphan
+    overlay.flush_view(ex)
+    report = fsck(store)
+    root, layer = ex.root_ino, ex.layer
+    assert (report.problems, report.executions, report.orphans, report.dead_layers) == \
+        ([], 1, [], [])
+    # Each damage made through the store's own accessors, in one transaction.
+    layers = store.layers
+    with store.write() as txn:
+        upper, _ = layers.inode(txn, layer, big.ino)
+        upper.size = PAGE_SIZE  # its page 1 now lies past the size
+        upper.nlink = 3
+        layers.put_inode(txn, layer, big.ino, upper)
+        layers.put_dentry(txn, layer, root, b"ghost", 999_999)
+        new = overlay.lookup(root, b"new")
+        layers.delete_inode(txn, layer, new.ino)
+        root_record, _ = layers.inode(txn, layer, root)
+        root_record.nlink += 1
+        layers.put_inode(txn, layer, root, root_record)
+        layers.put_orphan(txn, layer, 777)
+        layers.put_page(txn, layer + 5, 1, 0)  # a layer nobody has
+        layers.mark_dead(txn, layer + 9)
+    report = fsck(store)
+    where = f"execution e layer {layer}"
+    assert sorted(report.problems) == sorted([
+        f"{where} inode {root}: dentry 'ghost' names inode 999999, which has no record",
+        f"{where} inode {root}: dentry 'new' names inode {new.ino}, which has no record",
+        f"{where} inode {root}: directory has nlink 5, but 2 + subdirectories make 3",
+        f"{where} inode {big.ino}: nlink 3, but 1 dentries name it",
+        f"{where} inode {big.ino}: page 1 in its page map, past its size of {PAGE_SIZE} bytes",
+        f"execution e layer {layer} inode 777: marked orphan, but it has no record",
+        f"layer {layer + 5}: records of a layer no execution has and that is not dead",
+    ])
+    assert (report.orphans, report.dead_layers) == ([(layer, 777)], [layer + 9])
 
 
 def test_precreated_files_are_made_taken_and_taken_over_after_a_restart(tmp_path):
