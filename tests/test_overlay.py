@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 
+import lmdb
 import pytest
 import trio
 
@@ -17,6 +18,7 @@ from rametfs import precreate
 from rametfs.precreate import TARGET, Precreated
 from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
 from rametfs.store.format import inode_key, page_key
+from rametfs.verify import verify
 
 
 @pytest.fixture
@@ -383,6 +385,65 @@ def test_fsck_names_damaged_layer_records(model):
         f"layer {layer + 5}: records of a layer no execution has and that is not dead",
     ])
     assert (report.orphans, report.dead_layers) == ([(layer, 777)], [layer + 9])
+
+
+class _FullEnv:
+    """An LMDB environment whose metadata map is full: every put of a write transaction
+    fails as LMDB fails it (MapFullError); reads and everything else as before."""
+
+    def __init__(self, env):
+        self._env = env
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+    def begin(self, write=False, **kwargs):
+        txn = self._env.begin(write=write, **kwargs)
+        return _FullTxn(txn) if write else txn
+
+
+class _FullTxn:
+    def __init__(self, txn):
+        self._txn = txn
+
+    def __getattr__(self, name):
+        return getattr(self._txn, name)
+
+    def put(self, *args, **kwargs):
+        raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL: Environment mapsize limit reached")
+
+    def __enter__(self):
+        self._txn.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._txn.__exit__(*exc)
+
+
+def test_a_root_verify_on_a_full_metadata_store_answers_or_fails_enospc(model, monkeypatch):
+    # Root verification computes the tree ids a promote would store: it once did so in a
+    # raw LMDB write transaction, past Store.write, so a full metadata map raised
+    # lmdb.MapFullError out of it (a crash of the command) instead of ENOSPC.
+    store, overlay, ex = model
+    monkeypatch.setattr(store, "env", _FullEnv(store.env))
+    unchanged = trio.run(verify, overlay, ex, "root")
+    assert (unchanged.differences, unchanged.root) == ([], ex.head.root.ref.hex())
+    monkeypatch.undo()
+    small = path_node(overlay, ex, "small")
+    overlay.write(small, 0, b"S")  # a change whose chunk a verify must store to hash it
+    monkeypatch.setattr(store, "env", _FullEnv(store.env))
+    with pytest.raises(NoSpace) as exc:
+        trio.run(verify, overlay, ex, "root")
+    assert exc.value.errno == errno.ENOSPC
+    with pytest.raises(NoSpace):
+        overlay.flush_view(ex)
+    monkeypatch.undo()  # room again: nothing the change made was lost
+    assert small in ex.dirty
+    overlay.flush_view(ex)
+    assert read_all(Overlay(store), path_node(Overlay(store), ex, "small")) == \
+        b"S" + b"123456789" + b"0123456789"
+    changed = trio.run(verify, overlay, ex, "root")
+    assert changed.differences == [("M", b"dir/small-link"), ("M", b"small")]  # hard links
 
 
 def test_precreated_files_are_made_taken_and_taken_over_after_a_restart(tmp_path):
