@@ -187,13 +187,8 @@ class Lookup:
         view = node.view
         if not isinstance(view, Execution) or node.upper is None:
             return base == 0
-        whiteouts = 0
         with self.store.read() as txn:
-            for _, ino in self.layers.dentries(txn, view.layer, node.ino):
-                if ino != WHITEOUT:
-                    return False
-                whiteouts += 1
-        return whiteouts == base
+            return self.layers.whiteouts_only(txn, view.layer, node.ino) == base
 
     @staticmethod
     def attrs(node: Node, stored: int | None = None) -> Attrs:

@@ -38,6 +38,9 @@ def merged_children(base: Mapping[bytes, Entry], upper: Mapping[bytes, int]
     its base tree ``base``; a whiteout is yielded as ``(name, None)``, so that a caller
     working in steps counts it too.  Both mappings iterate in name order (a tree's and the
     dentries' key order): merged, never sorted (sorting 500,000 names is one long step)."""
+    if not upper:  # a directory never copied up, or with no dentry
+        yield from base.items()
+        return
     last = None
     for name in heapq.merge(base, upper):
         if name == last:
@@ -139,6 +142,17 @@ class Layers:
         start = None if after is None else prefix + after + b"\0"
         for key, value in prefixed(txn.cursor(db=self._dentries), prefix, start):
             yield key[_DENTRY_PREFIX_BYTES:], from_u64(value)
+
+    def whiteouts_only(self, txn: lmdb.Transaction, layer: int, parent: int) -> int | None:
+        """How many whiteouts directory ``parent`` of ``layer`` holds when its dentries are
+        whiteouts only; None as soon as one names an inode (nothing decoded)."""
+        whiteout = u64(WHITEOUT)
+        count = 0
+        for _, value in prefixed(txn.cursor(db=self._dentries), dentry_key(layer, parent, b"")):
+            if value != whiteout:
+                return None
+            count += 1
+        return count
 
     def all_dentries(self, txn: lmdb.Transaction, layer: int
                      ) -> Iterator[tuple[int, bytes, int]]:
