@@ -348,7 +348,7 @@ def test_fsck_finds_a_corrupt_chunk(model):
 @pytest.mark.corrupts_store
 def test_fsck_names_damaged_layer_records(model):
     store, overlay, ex = model
-    big, small = path_node(overlay, ex, "big"), path_node(overlay, ex, "small")
+    big = path_node(overlay, ex, "big")
     overlay.write(big, PAGE_SIZE, b"Q")
     overlay.mkdir(ex.root_ino, b"new", 0o755, 0, 0)
     overlay.unlink(ex.root_ino, b"small")  # still named dir/small-link: no orphan
