@@ -17,7 +17,6 @@ from rametfs.overlay import Overlay, assemble, close_all, unlink_upper_files
 from rametfs import precreate
 from rametfs.precreate import TARGET, Precreated
 from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
-from rametfs.store.format import inode_key, page_key
 from rametfs.verify import verify
 
 
@@ -112,7 +111,7 @@ def test_a_created_file_holds_no_page_sets(model):
     overlay.truncate(big, 0)  # the page map goes with the base bytes, not left to a reload
     assert big.pages == set()
     with store.read() as txn:
-        assert txn.get(page_key(ex.layer, big.ino, 0), db=store.db["pages"]) is None
+        assert list(store.layers.pages(txn, ex.layer, big.ino)) == []
 
 
 def test_short_write_leaves_the_pages_past_it_to_the_base(model, src, monkeypatch):
@@ -218,10 +217,11 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
 
     def stored():
         with store.read() as txn:
-            return [txn.get(key, db=store.db[db]) is not None for key, db in [
-                (inode_key(ex.layer, big.ino), "inodes"), (page_key(ex.layer, big.ino, 1), "pages"),
-                (inode_key(ex.layer, small.ino), "inodes"),
-                (page_key(ex.layer, small.ino, 0), "pages")]]
+            layers = store.layers
+            return [layers.inode(txn, ex.layer, big.ino) is not None,
+                    list(layers.pages(txn, ex.layer, big.ino)) == [1],
+                    layers.inode(txn, ex.layer, small.ino) is not None,
+                    list(layers.pages(txn, ex.layer, small.ino)) == [0]]
     assert stored() == [True, True, True, True]
     overlay.forgotten([big, small])  # small still has its name
     items = overlay.take_reclaim()
@@ -231,11 +231,11 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
     assert not os.path.exists(data) and os.path.exists(overlay._upper_path(ex, small.ino))
     assert stored() == [True, True, True, True]  # marked orphan until reclaimed
     with store.read() as txn:
-        assert txn.get(inode_key(ex.layer, big.ino), db=store.db["orphans"]) == b""
+        assert store.layers.orphans(txn) == [(ex.layer, big.ino)]
     overlay.reclaimed(items)
     assert stored() == [False, False, True, True]
     with store.read() as txn:
-        assert list(txn.cursor(db=store.db["orphans"])) == []
+        assert store.layers.orphans(txn) == []
 
 
 def test_an_inode_unlinked_while_open_goes_at_the_next_start(model):
@@ -245,12 +245,13 @@ def test_an_inode_unlinked_while_open_goes_at_the_next_start(model):
     overlay.save(node)
     data = overlay._upper_path(ex, node.ino)
     overlay.unlink(ex.root_ino, b"big")  # a process still holds it: no forget before the stop
-    key = inode_key(ex.layer, node.ino)
 
     def stored():
         with store.read() as txn:
-            return [txn.get(k, db=store.db[db]) is not None for k, db in [
-                (key, "inodes"), (key, "orphans"), (page_key(ex.layer, node.ino, 0), "pages")]]
+            layers = store.layers
+            return [layers.inode(txn, ex.layer, node.ino) is not None,
+                    (ex.layer, node.ino) in layers.orphans(txn),
+                    0 in layers.pages(txn, ex.layer, node.ino)]
     assert stored() == [True, True, True] and os.path.exists(data)
     restarted = Overlay(store)  # as deep verify makes one of a live store: the file stays
     assert stored() == [True, True, True] and os.path.exists(data)
@@ -283,8 +284,7 @@ def test_reset_drops_the_layer(model):
     while (batch := overlay.collect_dead_layer()) is not None:
         overlay.forget_dead_layer(batch[0])
     with store.read() as txn:
-        keys = [k for k, _ in txn.cursor(db=store.db["inodes"])]
-    assert [k[:8] for k in keys] == [ex.layer.to_bytes(8, "big")]
+        assert store.layers.layers_holding(txn) == {ex.layer}
 
 
 def test_snapshot_view_is_read_only(model):
@@ -585,7 +585,6 @@ async def test_dirty_records_are_stored_in_batches_with_other_tasks_between(mode
     execution); a record changed after its batch was stored stays dirty for the next flush,
     one unlinked before its batch leaves the dirty set."""
     from rametfs.overlay import slices, upper
-    from rametfs.store.format import UpperInode
     store, overlay, ex = model
     monkeypatch.setattr(slices, "SLICE_S", 0.0)  # a slice a step, however fast the host
     d = overlay.mkdir(ex.root_ino, b"d", 0o755, 0, 0)
@@ -609,8 +608,7 @@ async def test_dirty_records_are_stored_in_batches_with_other_tasks_between(mode
     [first], [last] = changed, unlinked
     assert ex.dirty == {first}
     with store.read() as txn:
-        stored = {n.ino: UpperInode.unpack(txn.get(inode_key(ex.layer, n.ino),
-                                                   db=store.db["inodes"])) for n in nodes}
+        stored = {n.ino: store.layers.inode(txn, ex.layer, n.ino)[0] for n in nodes}
     assert stat.S_IMODE(stored[first.ino].mode) == 0o600 and first.upper.mode & 0o777 == 0o640
     assert stored[last.ino].nlink == 0  # the unlink stored it as an orphan
     assert [n.ino for n in nodes
