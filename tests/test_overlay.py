@@ -206,6 +206,24 @@ def test_namespace_changes_store_every_record_they_touch(model):
     assert read_all(reopened, path_node(reopened, ex2, "dir/a")) == b"x"
 
 
+def test_the_reclaim_of_a_base_hard_link_group_leaves_no_record(model):
+    store, overlay, ex = model
+    small, dir_ = path_node(overlay, ex, "small"), path_node(overlay, ex, "dir")
+    overlay.write(small, 0, b"S")
+    overlay.unlink(ex.root_ino, b"small")
+    overlay.unlink(dir_.ino, b"small-link")
+    overlay.flush_view(ex)
+    with store.read() as txn:
+        assert store.layers.link(txn, ex.layer, small.upper.base.link) == small.ino
+    overlay.forgotten([small])
+    items = overlay.take_reclaim()
+    unlink_upper_files(items)
+    overlay.reclaimed(items)
+    with store.read() as txn:  # the group's record went with its inode (fsck: none dangles)
+        assert store.layers.link(txn, ex.layer, small.upper.base.link) is None
+        assert store.layers.inode(txn, ex.layer, small.ino) is None
+
+
 def test_forgotten_unlinked_inode_loses_records_and_data(model):
     store, overlay, ex = model
     big, small = path_node(overlay, ex, "big"), path_node(overlay, ex, "small")

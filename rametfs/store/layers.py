@@ -108,9 +108,14 @@ class Layers:
         return [len(value) for _, value in prefixed(txn.cursor(db=self._inodes), u64(layer))]
 
     def delete_inode(self, txn: lmdb.Transaction, layer: int, ino: int) -> None:
-        """Delete the upper record, the orphan mark and the page map of ``ino`` in ``layer``."""
+        """Delete the upper record, the orphan mark and the page map of ``ino`` in ``layer``,
+        and the ``links`` record of its base hard-link group when it names it (the inode of
+        a group goes once no name of the group is left)."""
         key = inode_key(layer, ino)
-        txn.delete(key, db=self._inodes)
+        value = txn.pop(key, db=self._inodes)
+        base = UpperInode.unpack(value).base if value is not None else None
+        if base is not None and base.link and self.link(txn, layer, base.link) == ino:
+            txn.delete(link_key(layer, base.link), db=self._links)
         txn.delete(key, db=self._orphans)
         cur = txn.cursor(db=self._pages)
         if cur.set_range(key):
