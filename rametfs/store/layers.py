@@ -17,18 +17,18 @@ from collections.abc import Iterator, Mapping
 
 import lmdb
 
-from .format import (WHITEOUT, UpperInode, dentry_key, from_u64, inode_key, link_key, page_key,
-                     page_of_key, prefixed, u64)
+from .format import (DENTRY_NAME_OFFSET, WHITEOUT, UpperInode, dentry_key, from_u64, inode_key,
+                     layer_of_key, layer_prefix, link_key, page_key, page_of_key, prefixed,
+                     split_page_key, split_pair_key, u64)
 from .trees import Entry
 
-_DENTRY_PREFIX_BYTES = len(dentry_key(0, 0, b""))  # layer + parent ino
-_U64_BYTES = 8
+_VALUE_BYTES = 8  # a dentry's value: an inode number (u64)
 
 
 def dentry_bytes(name: bytes) -> int:
     """What a stored dentry named ``name`` takes, as an execution's usage counts it: its key
     and its value (bytes)."""
-    return _DENTRY_PREFIX_BYTES + len(name) + _U64_BYTES
+    return DENTRY_NAME_OFFSET + len(name) + _VALUE_BYTES
 
 
 def merged_children(base: Mapping[bytes, Entry], upper: Mapping[bytes, int]
@@ -100,12 +100,18 @@ class Layers:
 
     def inodes(self, txn: lmdb.Transaction, layer: int) -> Iterator[tuple[int, UpperInode, int]]:
         """Every upper record of ``layer``: ``(ino, record, bytes stored)``, by inode number."""
-        for key, value in prefixed(txn.cursor(db=self._inodes), u64(layer)):
-            yield from_u64(key[8:]), UpperInode.unpack(value), len(value)
+        for key, value in prefixed(txn.cursor(db=self._inodes), layer_prefix(layer)):
+            yield split_pair_key(key)[1], UpperInode.unpack(value), len(value)
+
+    def all_inodes(self, txn: lmdb.Transaction) -> Iterator[tuple[int, UpperInode]]:
+        """Every upper record of every layer: ``(layer, record)``."""
+        for key, value in txn.cursor(db=self._inodes):
+            yield layer_of_key(key), UpperInode.unpack(value)
 
     def record_sizes(self, txn: lmdb.Transaction, layer: int) -> list[int]:
         """The bytes each upper record of ``layer`` takes stored (none decoded)."""
-        return [len(value) for _, value in prefixed(txn.cursor(db=self._inodes), u64(layer))]
+        return [len(value) for _, value in
+                prefixed(txn.cursor(db=self._inodes), layer_prefix(layer))]
 
     def delete_inode(self, txn: lmdb.Transaction, layer: int, ino: int) -> None:
         """Delete the upper record, the orphan mark and the page map of ``ino`` in ``layer``,
@@ -146,7 +152,7 @@ class Layers:
         prefix = dentry_key(layer, parent, b"")
         start = None if after is None else prefix + after + b"\0"
         for key, value in prefixed(txn.cursor(db=self._dentries), prefix, start):
-            yield key[_DENTRY_PREFIX_BYTES:], from_u64(value)
+            yield key[DENTRY_NAME_OFFSET:], from_u64(value)
 
     def whiteouts_only(self, txn: lmdb.Transaction, layer: int, parent: int) -> int | None:
         """How many whiteouts directory ``parent`` of ``layer`` holds when its dentries are
@@ -162,17 +168,17 @@ class Layers:
     def all_dentries(self, txn: lmdb.Transaction, layer: int
                      ) -> Iterator[tuple[int, bytes, int]]:
         """Every dentry of ``layer``: ``(parent, name, ino)``, by parent then name."""
-        for key, value in prefixed(txn.cursor(db=self._dentries), u64(layer)):
-            yield from_u64(key[8:16]), key[_DENTRY_PREFIX_BYTES:], from_u64(value)
+        for key, value in prefixed(txn.cursor(db=self._dentries), layer_prefix(layer)):
+            yield split_pair_key(key)[1], key[DENTRY_NAME_OFFSET:], from_u64(value)
 
     def dentry_sizes(self, txn: lmdb.Transaction, layer: int) -> int:
         """The bytes the dentries of ``layer`` take (:func:`dentry_bytes` of each)."""
-        return sum(len(key) + _U64_BYTES
-                   for key in _keys(txn.cursor(db=self._dentries), u64(layer)))
+        return sum(len(key) + _VALUE_BYTES
+                   for key in _keys(txn.cursor(db=self._dentries), layer_prefix(layer)))
 
     def has_dentries(self, txn: lmdb.Transaction, layer: int) -> bool:
         """Whether ``layer`` holds any dentry (a name or a whiteout)."""
-        return _any(txn.cursor(db=self._dentries), u64(layer))
+        return _any(txn.cursor(db=self._dentries), layer_prefix(layer))
 
     # -- hard-link groups --------------------------------------------------------------
 
@@ -186,12 +192,12 @@ class Layers:
 
     def links(self, txn: lmdb.Transaction, layer: int) -> Iterator[tuple[int, int]]:
         """Every hard-link group of ``layer``: ``(link id, ino)``."""
-        for key, value in prefixed(txn.cursor(db=self._links), u64(layer)):
-            yield from_u64(key[8:]), from_u64(value)
+        for key, value in prefixed(txn.cursor(db=self._links), layer_prefix(layer)):
+            yield split_pair_key(key)[1], from_u64(value)
 
     def has_links(self, txn: lmdb.Transaction, layer: int) -> bool:
         """Whether a base hard-link group was copied up in ``layer``."""
-        return _any(txn.cursor(db=self._links), u64(layer))
+        return _any(txn.cursor(db=self._links), layer_prefix(layer))
 
     # -- page maps ---------------------------------------------------------------------
 
@@ -202,8 +208,8 @@ class Layers:
 
     def all_pages(self, txn: lmdb.Transaction, layer: int) -> Iterator[tuple[int, int]]:
         """Every page-map entry of ``layer``: ``(ino, page)``, ascending."""
-        for key in _keys(txn.cursor(db=self._pages), u64(layer)):
-            yield from_u64(key[8:16]), page_of_key(key)
+        for key in _keys(txn.cursor(db=self._pages), layer_prefix(layer)):
+            yield split_page_key(key)[1:]
 
     def put_page(self, txn: lmdb.Transaction, layer: int, ino: int, page: int) -> None:
         txn.put(page_key(layer, ino, page), b"", db=self._pages)
@@ -219,18 +225,18 @@ class Layers:
 
     def orphans(self, txn: lmdb.Transaction) -> list[tuple[int, int]]:
         """Every orphan mark: ``(layer, ino)``, ascending."""
-        return [(from_u64(key[:8]), from_u64(key[8:]))
+        return [split_pair_key(key)
                 for key in txn.cursor(db=self._orphans).iternext(values=False)]
 
     # -- dead layers -------------------------------------------------------------------
 
     def mark_dead(self, txn: lmdb.Transaction, layer: int) -> None:
         """``layer`` was left by a reset or release: its records go in the background."""
-        txn.put(u64(layer), b"", db=self._dead)
+        txn.put(layer_prefix(layer), b"", db=self._dead)
 
     def dead(self, txn: lmdb.Transaction) -> list[int]:
         """The dead layers, ascending."""
-        return [from_u64(key) for key in txn.cursor(db=self._dead).iternext(values=False)]
+        return [layer_of_key(key) for key in txn.cursor(db=self._dead).iternext(values=False)]
 
     def delete_dead_batch(self, txn: lmdb.Transaction, budget: int) -> tuple[int, bool] | None:
         """Delete at most ``budget`` records (inodes, dentries, links, pages, orphan marks) of
@@ -243,13 +249,13 @@ class Layers:
         for db in (self._inodes, self._dentries, self._links, self._pages, self._orphans):
             c = txn.cursor(db=db)
             if c.set_range(layer_key):
-                while budget and c.key()[:8] == layer_key and c.delete():
+                while budget and c.key().startswith(layer_key) and c.delete():
                     budget -= 1
-        return from_u64(layer_key), budget == 0
+        return layer_of_key(layer_key), budget == 0
 
     def forget_dead(self, txn: lmdb.Transaction, layer: int) -> None:
         """``layer``'s records and upper data are gone: it is dead no more."""
-        txn.delete(u64(layer), db=self._dead)
+        txn.delete(layer_prefix(layer), db=self._dead)
 
     def layers_holding(self, txn: lmdb.Transaction) -> set[int]:
         """Every layer some record (inode, dentry, link, page, orphan mark) belongs to."""
@@ -258,9 +264,9 @@ class Layers:
             cur = txn.cursor(db=db)
             ok = cur.first()
             while ok:  # one seek per layer, not one step per record
-                layer = from_u64(cur.key()[:8])
+                layer = layer_of_key(cur.key())
                 found.add(layer)
-                ok = cur.set_range(u64(layer + 1)) if layer + 1 < 1 << 64 else False
+                ok = cur.set_range(layer_prefix(layer + 1)) if layer + 1 < 1 << 64 else False
         return found
 
 
