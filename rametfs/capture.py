@@ -29,7 +29,7 @@ from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, St
 from .store.chunks import ContentBuilder, page_count
 from .store.entries import directory_entry_steps, link_id
 from .store.extents import data_extents, pages_of
-from .store.format import UpperInode, link_key
+from .store.format import UpperInode
 from .store.trees import encode_tree_steps
 from .store.writer import ChunkWriter
 from .treewalk import Steps, nested_steps, postorder_steps, run_steps
@@ -208,10 +208,8 @@ def _file_digest(store: Store, job: _FileJob, cancel: CancelToken) -> str:
 
 
 def _has_upper_links(overlay: Overlay, ex: Execution) -> bool:
-    prefix = link_key(ex.layer, 0)[:8]
     with overlay.store.read() as txn:
-        cur = txn.cursor(db=overlay.store.db["links"])
-        return cur.set_range(prefix) and cur.key().startswith(prefix)
+        return overlay.store.layers.has_links(txn, ex.layer)
 
 
 def _link_of(ex: Execution, node: Node) -> int:

@@ -20,6 +20,9 @@ Fixtures:
   ``python3``); nothing is pulled from a registry.  Removed, its processes ended and its
   mounts gone, at the end of the session.
 - a session janitor that lazily unmounts whatever is still mounted under pytest's basetemp.
+- ``fsck_clean``: ``fsck_clean(store)`` asserts that ``rametfs.store.fsck`` finds no problem
+  in a store, its executions' layers included: the model and store fixtures call it at their
+  teardown (a test that damages its store on purpose is marked ``corrupts_store``).
 
 After a test, the log of its daemon must have no line containing ``Traceback``, `` ERROR ``
 or ``WARNING`` unless the test allows it with ``@pytest.mark.allow_log(regex, ...)``; each
@@ -50,6 +53,7 @@ import pytest
 
 from rametfs import Ramet, protocol
 from rametfs.mounts import mount_table
+from rametfs.store import fsck
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 600
@@ -334,6 +338,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: a system test (sandboxes, containers, demos, workloads, remote "
                    "services, benchmark smoke); `-m 'not slow'` leaves them out")
+    config.addinivalue_line(
+        "markers", "corrupts_store: the test damages its store on purpose: its fixtures skip "
+                   "the fsck at their teardown (fsck_clean)")
 
 
 # The levels (docs/testing.md): a test is at the kernel level when it uses one of these
@@ -369,6 +376,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.kernel)
         elif fuse or KERNEL_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.kernel)
+
+
+@pytest.fixture
+def fsck_clean(request):
+    """``check(store)``: fsck of ``store`` (snapshots and executions' layers) finds nothing
+    wrong, unless the test is marked ``corrupts_store``."""
+    def check(store) -> None:
+        if request.node.get_closest_marker("corrupts_store") is None:
+            assert fsck(store).problems == []
+    return check
 
 
 @pytest.fixture

@@ -25,9 +25,10 @@ T0 = 1_700_000_000 * S  # a wall-clock time
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, fsck_clean):
     s = Store(tmp_path / "data")
     yield s
+    fsck_clean(s)
     s.close()
 
 

@@ -21,9 +21,10 @@ from test_snapshots import write_tree
 
 
 @pytest.fixture(params=["model", "fuse"])
-def trees(request, tmp_path):
+def trees(request, tmp_path, fsck_clean):
     """``new(source) -> (tree, ext4)``: an execution of a snapshot of ``source`` through the
-    model or the mount, and an ext4 copy of ``source`` (``cp -a``) to compare with."""
+    model or the mount, and an ext4 copy of ``source`` (``cp -a``) to compare with; the
+    model's store passes fsck at the end."""
     closing = []
 
     def new(source: Path):
@@ -43,6 +44,7 @@ def trees(request, tmp_path):
     yield new
     for item in closing:
         if isinstance(item, Store):
+            fsck_clean(item)
             item.close()
         else:
             d, eid = item

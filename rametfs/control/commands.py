@@ -777,8 +777,7 @@ class Control:
         a name or rm changed the list (:attr:`_listing_changes`), each snapshot's text once
         while no name changes."""
         store = self.overlay.store
-        with store.env.begin() as txn:
-            count = txn.stat(store.db["snapshots"])["entries"]
+        count = store.snapshot_count()
         *cached, ids, texts = self._snapshots
         if (count, self._listing_changes) != tuple(cached):
             if cached[1] != self._listing_changes:

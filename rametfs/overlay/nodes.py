@@ -21,7 +21,7 @@ import trio
 from ..authority import Access
 from ..errors import fs_error
 from ..store import Entry, Snapshot, Store
-from ..store.format import ExecutionRecord, UpperInode, from_u64, u64
+from ..store.format import ExecutionRecord, UpperInode
 
 FIRST_DYNAMIC_INO = 1000  # inode numbers below are the mount's fixed virtual nodes
 RELEASED = -1  # the layer of a released execution: every node of it is stale
@@ -126,10 +126,10 @@ class Execution(View):
         self.policy: dict | None = None
         self.runtime: dict | None = None
 
-    def record(self) -> bytes:
+    def record(self) -> ExecutionRecord:
         return ExecutionRecord(self.base.id, self.head.id, self.lower.id, self.layer,
                                self.root_ino, self.created_ns, self.access.to_record(),
-                               self.policy, self.runtime).pack()
+                               self.policy, self.runtime)
 
     @contextlib.contextmanager
     def freeze(self) -> Iterator[None]:
@@ -231,8 +231,7 @@ class InodeTable:
         self.freed = freed
         self.nodes: dict[int, Node] = {}
         with store.read() as txn:
-            raw = txn.get(b"next_ino", db=store.db["meta"])
-        self.next_ino = max(FIRST_DYNAMIC_INO, from_u64(raw) if raw else 0)
+            self.next_ino = max(FIRST_DYNAMIC_INO, store.layers.next_ino(txn))
         self.stored_next_ino = self.next_ino
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.nodes_dropped = 0  # freed from :attr:`nodes` since its table was last remade
@@ -244,7 +243,7 @@ class InodeTable:
 
     def persist_counters(self, txn) -> None:
         if self.next_ino > self.stored_next_ino:
-            txn.put(b"next_ino", u64(self.next_ino), db=self.store.db["meta"])
+            self.store.layers.put_next_ino(txn, self.next_ino)
             self.stored_next_ino = self.next_ino
 
     def is_live(self, node: Node) -> bool:
