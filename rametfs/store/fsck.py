@@ -197,7 +197,10 @@ def _check_layer(store: Store, txn: lmdb.Transaction, label: str, layer: int,
         where = f"{label} inode {ino}"
         if upper.nlink == 0 and ino not in orphans:
             problems.append(f"{where}: no link left, but not marked orphan")
-        if stat.S_ISDIR(upper.mode):
+        if stat.S_ISDIR(upper.mode) and upper.nlink == 0:  # removed, its inode still held
+            if names[ino]:
+                problems.append(f"{where}: a removed directory named by {names[ino]} dentries")
+        elif stat.S_ISDIR(upper.mode):
             if names[ino] > 1:
                 problems.append(f"{where}: a directory named by {names[ino]} dentries")
             want = 2 + _subdirectories(store, records, upper, upper_children.get(ino, {}))
