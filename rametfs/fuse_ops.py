@@ -74,7 +74,7 @@ OPEN_LESS = hasattr(pyfuse3.FileInfo(), "cache_readdir") and \
     os.environ.get("RAMETFS_OPEN_LESS", "1") != "0"
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
-NEGATIVE_ROOT_NAMES = 4096  # missing names cached per execution root (Execution.negative_root)
+NEGATIVE_NAMES = 16384  # missing names cached per execution (Execution.negative)
 GENERATIONS = 64  # inodes kept per control file and caller: older ones read as ESTALE
 # Bytes of content a caller's control file inodes keep, all files together, in answer limits
 # (Control.max_answer_bytes): past them its oldest go (ESTALE).
@@ -517,13 +517,13 @@ class Operations(pyfuse3.Operations):
 
     def _negative_entry(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
         """A cached "no such name" (inode 0): git looks for a .gitignore in every directory.
-        The kernel replaces it when it creates the name; a reset must drop the ones in an
-        execution's root (``Execution.negative_root``)."""
+        The kernel replaces it when it creates the name; a reset must drop the ones in the
+        directories whose names it changes (``Execution.negative``)."""
         view = self.overlay.node(parent_inode).view
         timeout = CACHE_TIMEOUT
-        if isinstance(view, Execution) and parent_inode == view.root_ino:
-            if len(view.negative_root) < NEGATIVE_ROOT_NAMES:
-                view.negative_root.add(name)
+        if isinstance(view, Execution):
+            if len(view.negative) < NEGATIVE_NAMES:
+                view.negative.add((parent_inode, name))
             else:  # not cached: the set (and the reset that tells the kernel) stay bounded
                 timeout = 0
         e = pyfuse3.EntryAttributes()

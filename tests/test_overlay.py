@@ -270,7 +270,7 @@ def test_truncate_to_zero_starts_a_new_data_file_and_hands_over_the_old_one(mode
 def test_reset_drops_the_layer(model):
     store, overlay, ex = model
     overlay.create(ex.root_ino, b"x", 0o644, 0, 0)
-    overlay.reset(ex, ex.head)
+    trio.run(overlay.reset, ex, ex.head)
     assert [n for n, _ in overlay.listdir(ex.root_ino)] == [b"big", b"dir", b"small"]
     assert diff(overlay, ex) == []
     while (batch := overlay.collect_dead_layer()) is not None:

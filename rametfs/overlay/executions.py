@@ -3,8 +3,9 @@ head and runtime records), the freeze that holds an execution's mutations, and t
 dead layers.
 
 *Reset* gives an execution a fresh, empty layer over a snapshot and marks the old one dead:
-the old layer's nodes turn stale at once, the nodes the reset leaves as they were are kept,
-and a background task deletes the dead layer's records (:meth:`Executions.collect_dead_layer`).
+the old layer's nodes turn stale at once but those whose path the snapshot still has (the
+same file, or a directory), which keep their inode numbers, and a background task deletes
+the dead layer's records (:meth:`Executions.collect_dead_layer`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ import trio
 
 from ..authority import Access, ReadIndex
 from ..errors import NotFound, RametError
-from ..store import FLAG_HAS_LINKS, Snapshot, Store
+from ..store import Entry, Snapshot, Store
 from ..store.format import ExecutionRecord, UpperInode, from_u64, inode_key, u64
 from ..store.names import SNAPSHOT_ID_RE
+from ..treewalk import Steps
 from .nodes import COLLECT_BATCH, RELEASED, Execution, InodeTable, Node, SnapshotView, View
+from .slices import in_slices
 from .trees import BaseTrees
+
+RESET_STEP = 1024  # known nodes a reset's plan places per step (rametfs.overlay.slices)
 
 
 
@@ -108,68 +113,94 @@ class Executions:
         except KeyError:
             raise NotFound(f"no execution {eid!r}") from None
 
-    def reset(self, ex: Execution, to: Snapshot) -> tuple[list[tuple[int, bytes]], list[int]]:
+    async def reset(self, ex: Execution, to: Snapshot
+                    ) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Drop the upper layer of ``ex`` and give it a fresh one over snapshot ``to``, which
-        becomes its head (rametfs.core.heads): O(1) visible whatever ``to`` is; the old layer
-        is deleted later.
+        becomes its head (rametfs.core.heads): O(known nodes of ``ex``) whatever ``to`` is,
+        found in slices of the trio thread (``in_slices``), ``ex`` frozen meanwhile; the old
+        layer is deleted later.
 
+        The known nodes that lie at the same path in ``to`` keep their node and inode number
+        (:meth:`_kept_steps`): a shell working in an unchanged directory carries on, and so
+        does one in a changed directory that ``to`` still has, which shows ``to``'s names.
         Returns the ``(parent ino, name)`` dentries and the inode numbers the kernel may
-        cache, for the adapter to invalidate.  The root keeps
-        its dentry and inode number, so a bind mount of the execution stays valid, and so do
-        the directories and files of the root that are the same in ``to``, with everything
-        below them (:meth:`_unchanged`): a shell working in one of them carries on.
+        cache that changed, for the adapter to invalidate.  The root keeps its dentry and
+        inode number, so a bind mount of the execution stays valid.
         """
-        kept = self._unchanged(ex, to)
-        stale = self._stale_entries(ex, keep_root_entry=True, kept=kept)
-        old = ex.layer
-        ex.failure = None
-        ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
-        self.table.drop_layer(ex, kept)
-        ex.head = ex.lower = to
-        with self.store.write() as txn:
-            txn.put(u64(old), b"", db=self.store.db["dead"])
-            self._new_layer(txn, ex)
-        for ino in kept:
-            self.table.nodes[ino].layer = ex.layer
+        with ex.freeze():
+            kept, rebound = await in_slices(self._kept_steps(ex, to))
+            stale = self._stale_entries(ex, keep_root_entry=True, kept=kept, rebound=rebound)
+            old = ex.layer
+            ex.failure = None
+            ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
+            self.table.drop_layer(ex, kept, rebound)
+            ex.head = ex.lower = to
+            with self.store.write() as txn:
+                txn.put(u64(old), b"", db=self.store.db["dead"])
+                self._new_layer(txn, ex)
+            nodes = self.table.nodes
+            for ino in kept:
+                nodes[ino].layer = ex.layer
+            for ino, entry in rebound.items():  # the old layer's record is not theirs now
+                node = nodes[ino]
+                node.entry, node.upper, node.dirty, node.record_bytes = entry, None, False, 0
         self.dead_layers.set()
         return stale
 
-    def _unchanged(self, ex: Execution, to: Snapshot) -> set[int]:
-        """The inodes of ``ex`` the kernel knows that a reset onto ``to`` leaves as they are:
-        each name of the root the kernel looked up whose node was never copied up, whose
-        base entry is ``to``'s entry of that name (so a directory's whole subtree is the
-        same: a change below it would have copied it up), and with no hard link in it, and
-        every known node below such a directory.  O(known inodes)."""
-        root = ex.root_ino
-        new = self.trees.tree(to.root.ref)
-        tops: dict[int, bool] = {}  # kept candidates among the root's names
-        for (parent, name), ino in ex.dcache.items():
-            node = self.table.nodes.get(ino)
-            if parent == root and node is not None and node.upper is None and \
-                    not node.entry.link and not node.entry.flags & FLAG_HAS_LINKS:
-                tops[ino] = new.get(name) == node.entry
-        top_of: dict[int, int | None] = {root: None}
+    def _kept_steps(self, ex: Execution, to: Snapshot) -> Steps[tuple[set[int], dict[int, Entry]]]:
+        """The known nodes of ``ex`` (``ex.inos``: those the kernel may hold) that a reset
+        onto ``to`` keeps, and the directories among them it rebinds, each to its entry in
+        ``to``: ``(kept inos, {ino: entry})``, the root left out.
 
-        def top(ino: int) -> int | None:
-            """The root's child ``ino`` lies below (None: none known)."""
-            chain = []
-            while ino not in top_of:
-                node = self.table.nodes.get(ino)
-                if node is None or node.parent == root:
-                    top_of[ino] = None if node is None else ino
+        A node is kept when it is still named where its parent knows it (a name removed or
+        moved away is not), its parent is kept, and ``to``'s directory there has its name:
+        a directory of a directory, rebound when it was copied up or its entry differs (its
+        names change); a file, symlink or device only when it was never copied up and its
+        entry is the same, and is no hard link (its group's other names would get other
+        inodes).  Only known nodes are looked at, each once (its parents' entries are
+        remembered): a step per :data:`RESET_STEP` of them, or per batch of names of a base
+        tree decoded (``BaseTrees.tree_steps``)."""
+        nodes, dcache = self.table.nodes, ex.dcache
+        at: dict[int, Entry | None] = {ex.root_ino: to.root}  # a node's entry in ``to``
+        rebound: dict[int, Entry] = {}
+        for i, ino in enumerate(list(ex.inos), 1):  # lookups may add nodes meanwhile
+            if i % RESET_STEP == 0:
+                yield
+            chain = []  # ``ino`` and its parents not placed yet, deepest first
+            while ino not in at:
+                node = nodes.get(ino)
+                at[ino] = None  # until placed (a loop of parents ends here)
+                if node is None or node.view is not ex or node.layer != ex.layer or \
+                        dcache.get((node.parent, node.name)) != ino:
                     break
-                chain.append(ino)
+                chain.append(node)
                 ino = node.parent
-            for below in chain:
-                top_of[below] = top_of[ino]
-            return top_of[ino]
+            entry = at[ino]
+            for node in reversed(chain):
+                if entry is not None:
+                    entry = yield from self._entry_in_steps(node, entry, rebound)
+                at[node.ino] = entry
+        kept = {ino for ino, entry in at.items() if entry is not None}
+        kept.discard(ex.root_ino)
+        return kept, rebound
 
-        below = {ino: top(ino) for ino in ex.inos if ino != root}
-        for ino, t in below.items():
-            node = self.table.nodes.get(ino)
-            if t in tops and (node is None or node.upper is not None or node.entry.link):
-                tops[t] = False  # not the base's after all (cannot happen without links)
-        return {ino for ino, t in below.items() if tops.get(t)}
+    def _entry_in_steps(self, node: Node, parent: Entry, rebound: dict[int, Entry]
+                        ) -> Steps[Entry | None]:
+        """The entry of ``node``'s name in directory entry ``parent`` of the reset's target
+        if ``node`` keeps its inode there (:meth:`_kept_steps`), else None; a directory
+        whose names change goes into ``rebound``."""
+        if not parent.is_dir:
+            return None
+        entry = (yield from self.trees.tree_steps(parent.ref)).get(node.name)
+        if entry is None:
+            return None
+        if node.is_dir:
+            if not entry.is_dir:
+                return None
+            if node.upper is not None or node.entry != entry:
+                rebound[node.ino] = entry
+            return entry
+        return entry if node.upper is None and node.entry == entry and not entry.link else None
 
     def pristine(self, ex: Execution) -> bool:
         """Whether ``ex``'s layer is as a reset leaves it: no change recorded since, no
@@ -202,22 +233,28 @@ class Executions:
         return stale
 
     @staticmethod
-    def _stale_entries(view: View, keep_root_entry: bool, kept: set[int] = frozenset()
+    def _stale_entries(view: View, keep_root_entry: bool, kept: set[int] = frozenset(),
+                       rebound: dict[int, Entry] | None = None
                        ) -> tuple[list[tuple[int, bytes]], list[int]]:
         # Invalidating a directory's dentry drops everything cached below it that nothing
         # holds; the inodes a process still holds (its cwd, an open file) keep their cached
-        # pages and listings until told, so every inode of the layer is told too, but those
-        # ``kept`` (a reset's unchanged ones: _unchanged) and the names of the root
-        # that lead to them.  The inodes are a flat list of numbers: a (ino, b"") pair each
-        # made 50,000 tracked tuples, and the young gc collections that traversed them held
-        # the trio thread 50 ms more during a reset.
+        # pages and listings until told, so every inode of the layer that is not ``kept``
+        # is told too, and so are the root and the ``rebound`` directories (attributes and
+        # listings).  Of the kept directories (and the root), the names whose node goes are
+        # invalidated, and the rebound ones' missing names (``Execution.negative``): the
+        # kernel looks them up again.  The inodes are a flat list of numbers: a (ino, b"")
+        # pair each made 50,000 tracked tuples, and the young gc collections that traversed
+        # them held the trio thread 50 ms more during a reset.
         root = view.root_ino
-        entries = [key for key, ino in view.dcache.items() if key[0] == root and ino not in kept]
+        rebound = rebound or {}
+        entries = [key for key, ino in view.dcache.items()
+                   if (key[0] == root or key[0] in kept) and ino not in kept]
         if isinstance(view, Execution):
-            entries += [(root, name) for name in view.negative_root]
+            entries += [key for key in view.negative if key[0] == root or key[0] in rebound]
         if not keep_root_entry:
             entries += [key for key in view.dcache if key[0] == 0]
-        return entries, list(view.inos - kept) if kept else list(view.inos)
+        inodes = list(view.inos - kept) if kept else list(view.inos)
+        return entries, inodes + list(rebound)
 
     def set_head(self, ex: Execution, snap: Snapshot) -> None:
         """Make ``snap`` the head of ``ex`` (a promote of it); its layer stays."""

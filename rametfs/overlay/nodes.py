@@ -14,7 +14,7 @@ import contextlib
 import errno
 import stat
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 import trio
 
@@ -123,9 +123,9 @@ class Execution(View):
         self.changes: dict[int | tuple[int, bytes], int] = {}
         self.clock = 0
         self.changes_floor = 0  # tokens from before this clock no longer say what changed
-        # Names the kernel was told do not exist in the root (cached negative dentries),
-        # which a reset must make it forget; below the root, dropping the root's names does.
-        self.negative_root: set[bytes] = set()
+        # Names the kernel was told do not exist, ``(directory ino, name)`` (cached negative
+        # dentries): a reset makes it forget those of the directories whose names change.
+        self.negative: set[tuple[int, bytes]] = set()
         self.policy: dict | None = None
         self.runtime: dict | None = None
 
@@ -272,16 +272,22 @@ class InodeTable:
         node.view.dcache[(node.parent, node.name)] = node.ino
         return node
 
-    def drop_layer(self, view: View, kept: set[int] = frozenset()) -> None:
-        """Forget the nodes of ``view``'s current layer but ``kept`` (a reset's unchanged
-        ones, which the caller moves to the new layer): O(1) now for the others, as their
-        layer no longer matches; :meth:`drop_stale_nodes` frees them later, in batches."""
+    def drop_layer(self, view: View, kept: set[int] = frozenset(),
+                   rebound: Collection[int] = ()) -> None:
+        """Forget the nodes of ``view``'s current layer but ``kept`` (those a reset keeps,
+        which the caller moves to the new layer; ``rebound``: the directories among them
+        whose names change): O(1) now for the others, as their layer no longer matches;
+        :meth:`drop_stale_nodes` frees them later, in batches."""
         self.stale_inos.append(view.inos - kept if kept else view.inos)
         dcache = {key: ino for key, ino in view.dcache.items()
                   if ino in kept and (key[0] in kept or key[0] == view.root_ino)}
         view.inos, view.dcache, view.link_inos, view.dirty = set(kept), dcache, {}, set()
         if isinstance(view, Execution):
-            view.changes, view.negative_root = {}, set()
+            # The kernel still holds the missing names of the kept directories whose names
+            # stay (the reset told it to forget the others').
+            view.changes = {}
+            view.negative = {key for key in view.negative
+                             if key[0] in kept and key[0] not in rebound} if kept else set()
 
     def drop_stale_nodes(self, budget: int = COLLECT_BATCH) -> int:
         """Free up to ``budget`` nodes of dropped layers; returns how many were freed (call
