@@ -234,3 +234,24 @@ def test_an_execution_cannot_make_another_s_nodes_stale_or_keep_them_alive(share
     assert in_1("ls", ".") == ["f.txt", "g.txt"] and in_1("stat", ".")[0] == ino_1
     d.ctl(f"release {first}")
     assert in_1("ls", ".") == "ESTALE"
+
+
+def test_hard_links_in_a_kept_directory_get_one_inode_again(shared_daemon, tmp_path, probes):
+    """A base hard link is never kept (its group's other names would get other inodes): both
+    names come back as one inode, in a directory that keeps its own."""
+    d = shared_daemon
+    src = write_tree(tmp_path / "src", TREE)
+    os.link(src / "a/b/c/f.txt", src / "a/b/c/f-link")
+    eid = d.create(d.snapshot(src))
+    path = d.exec_path(eid)
+    in_c = probes(path / "a/b/c")
+    c_ino = in_c("stat", ".")[0]
+    first = in_c("stat", "f.txt")
+    assert in_c("stat", "f-link") == first
+    run("sh", "-c", "echo x >> a/top.txt && echo reset > .ramet/ctl", cwd=path)
+    assert in_c("stat", ".")[0] == c_ino
+    again = in_c("stat", "f.txt")
+    assert in_c("stat", "f-link") == again and again[1] == 2
+    assert in_c("ls", ".") == ["f-link", "f.txt", "g.txt"]
+    assert in_c("read", "f-link") == "f\n"
+    d.ctl(f"release {eid}")

@@ -239,10 +239,11 @@ class Executions:
         # Invalidating a directory's dentry drops everything cached below it that nothing
         # holds; the inodes a process still holds (its cwd, an open file) keep their cached
         # pages and listings until told, so every inode of the layer that is not ``kept``
-        # is told too, and so are the root and the ``rebound`` directories (attributes and
-        # listings).  Of the kept directories (and the root), the names whose node goes are
-        # invalidated, and the rebound ones' missing names (``Execution.negative``): the
-        # kernel looks them up again.  The inodes are a flat list of numbers: a (ino, b"")
+        # is told too, and so are the root and the kept directories whose names change
+        # (attributes and listings): the ``rebound`` ones, and those with a name whose node
+        # goes (a hard link).  Of the kept directories (and the root), the names whose node
+        # goes are invalidated, and the rebound ones' missing names (``Execution.negative``):
+        # the kernel looks them up again.  The inodes are a flat list of numbers: a (ino, b"")
         # pair each made 50,000 tracked tuples, and the young gc collections that traversed
         # them held the trio thread 50 ms more during a reset.
         root = view.root_ino
@@ -254,7 +255,7 @@ class Executions:
         if not keep_root_entry:
             entries += [key for key in view.dcache if key[0] == 0]
         inodes = list(view.inos - kept) if kept else list(view.inos)
-        return entries, inodes + list(rebound)
+        return entries, inodes + list(rebound.keys() | {p for p, _ in entries if p in kept})
 
     def set_head(self, ex: Execution, snap: Snapshot) -> None:
         """Make ``snap`` the head of ``ex`` (a promote of it); its layer stays."""
