@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 
 import pytest
@@ -278,6 +279,29 @@ def test_reset_drops_the_layer(model):
     with store.read() as txn:
         keys = [k for k, _ in txn.cursor(db=store.db["inodes"])]
     assert [k[:8] for k in keys] == [ex.layer.to_bytes(8, "big")]
+
+
+def test_reset_places_only_the_known_nodes(model, tmp_path):
+    """A reset looks at the nodes the kernel knows, not at the trees: onto a snapshot of 200
+    more directories it decodes the trees on the known paths alone, keeps the known node
+    whose path and entry the snapshot has, and rebinds the directory whose entry differs."""
+    store, overlay, ex = model
+    target = tmp_path / "target"
+    for i in range(200):
+        (target / f"many{i}" / "deep").mkdir(parents=True)
+    shutil.copytree(tmp_path / "src" / "dir", target / "dir")  # the times kept
+    (target / "dir" / "new").write_bytes(b"new")
+    snap = import_tree(store, target)
+    b, d = path_node(overlay, ex, "dir/sub/b"), path_node(overlay, ex, "dir")
+    decoded = set(overlay.base_trees.trees)
+    trio.run(overlay.reset, ex, snap)
+    decoded_by_reset = set(overlay.base_trees.trees) - decoded
+    new_dir = overlay.tree(snap.root.ref)[b"dir"]
+    assert decoded_by_reset == {snap.root.ref, new_dir.ref}  # dir/sub's tree is the same
+    assert path_node(overlay, ex, "dir/sub/b") is b and overlay.is_live(b)
+    assert path_node(overlay, ex, "dir") is d and (d.entry, d.upper) == (new_dir, None)
+    assert [n for n, _ in overlay.listdir(d.ino)] == [b"a", b"new", b"small-link", b"sub"]
+    assert len(overlay.listdir(ex.root_ino)) == 201
 
 
 def test_snapshot_view_is_read_only(model):

@@ -11,6 +11,7 @@ the dead layer's records (:meth:`Executions.collect_dead_layer`).
 from __future__ import annotations
 
 import errno
+import stat
 import time
 
 import trio
@@ -152,55 +153,78 @@ class Executions:
         onto ``to`` keeps, and the directories among them it rebinds, each to its entry in
         ``to``: ``(kept inos, {ino: entry})``, the root left out.
 
-        A node is kept when it is still named where its parent knows it (a name removed or
-        moved away is not), its parent is kept, and ``to``'s directory there has its name:
-        a directory of a directory, rebound when it was copied up or its entry differs (its
-        names change); a file, symlink or device only when it was never copied up and its
-        entry is the same, and is no hard link (its group's other names would get other
-        inodes).  Only known nodes are looked at, each once (its parents' entries are
-        remembered): a step per :data:`RESET_STEP` of them, or per batch of names of a base
-        tree decoded (``BaseTrees.tree_steps``)."""
-        nodes, dcache = self.table.nodes, ex.dcache
-        at: dict[int, Entry | None] = {ex.root_ino: to.root}  # a node's entry in ``to``
+        A node is kept when its parent is kept and ``to``'s directory there has its name:
+        a directory (still named where its parent knows it: one removed or moved away is
+        not) of a directory, rebound when it was copied up or its entry differs (its names
+        change); a file, symlink or device only when it was never copied up (a removal or
+        a move copies it up) and its entry is the same, and is no hard link (its group's
+        other names would get other inodes).  Only known nodes are looked at, each once: a
+        step per :data:`RESET_STEP` of them, or per batch of names of a base tree decoded
+        (``BaseTrees.tree_steps``)."""
+        nodes = self.table.nodes
+        names = yield from self.trees.tree_steps(to.root.ref)
+        # a directory placed -> the names of its tree in ``to`` (None: not kept)
+        listings: dict[int, dict[bytes, Entry] | None] = {ex.root_ino: names}
+        trees = {to.root.ref: names}  # ``to``'s trees looked in, by id
+        kept: set[int] = set()
         rebound: dict[int, Entry] = {}
         for i, ino in enumerate(list(ex.inos), 1):  # lookups may add nodes meanwhile
             if i % RESET_STEP == 0:
                 yield
-            chain = []  # ``ino`` and its parents not placed yet, deepest first
-            while ino not in at:
-                node = nodes.get(ino)
-                at[ino] = None  # until placed (a loop of parents ends here)
-                if node is None or node.view is not ex or node.layer != ex.layer or \
-                        dcache.get((node.parent, node.name)) != ino:
-                    break
-                chain.append(node)
-                ino = node.parent
-            entry = at[ino]
-            for node in reversed(chain):
-                if entry is not None:
-                    entry = yield from self._entry_in_steps(node, entry, rebound)
-                at[node.ino] = entry
-        kept = {ino for ino, entry in at.items() if entry is not None}
+            node = nodes.get(ino)
+            if node is None:
+                continue
+            upper = node.upper
+            if stat.S_ISDIR(upper.mode if upper is not None else node.entry.mode):
+                if ino not in listings:
+                    yield from self._place_steps(ex, node, listings, trees, rebound)
+                if listings[ino] is not None:
+                    kept.add(ino)
+            elif upper is None and not node.entry.link:
+                names = listings.get(node.parent, False)
+                if names is False:
+                    parent = nodes.get(node.parent)
+                    if parent is None:
+                        continue
+                    yield from self._place_steps(ex, parent, listings, trees, rebound)
+                    names = listings[parent.ino]
+                if names is not None:
+                    entry = names.get(node.name)
+                    if entry is node.entry or entry == node.entry:  # one tree decoded: one object
+                        kept.add(ino)
         kept.discard(ex.root_ino)
         return kept, rebound
 
-    def _entry_in_steps(self, node: Node, parent: Entry, rebound: dict[int, Entry]
-                        ) -> Steps[Entry | None]:
-        """The entry of ``node``'s name in directory entry ``parent`` of the reset's target
-        if ``node`` keeps its inode there (:meth:`_kept_steps`), else None; a directory
-        whose names change goes into ``rebound``."""
-        if not parent.is_dir:
-            return None
-        entry = (yield from self.trees.tree_steps(parent.ref)).get(node.name)
-        if entry is None:
-            return None
-        if node.is_dir:
-            if not entry.is_dir:
-                return None
-            if node.upper is not None or node.entry != entry:
-                rebound[node.ino] = entry
-            return entry
-        return entry if node.upper is None and node.entry == entry and not entry.link else None
+    def _place_steps(self, ex: Execution, node: Node,
+                     listings: dict[int, dict[bytes, Entry] | None],
+                     trees: dict[bytes, dict[bytes, Entry]], rebound: dict[int, Entry]
+                     ) -> Steps[None]:
+        """Place directory ``node`` of ``ex`` and its parents not placed yet in ``listings``
+        (:meth:`_kept_steps`), the directories rebound into ``rebound``."""
+        chain = []  # ``node`` and its parents not placed yet, deepest first
+        dcache = ex.dcache
+        while node.ino not in listings:
+            listings[node.ino] = None  # until placed (a loop of parents ends here)
+            if node.view is not ex or node.layer != ex.layer or \
+                    dcache.get((node.parent, node.name)) != node.ino:
+                break
+            chain.append(node)
+            parent = self.table.nodes.get(node.parent)
+            if parent is None:
+                break
+            node = parent
+        names = listings[node.ino]
+        for d in reversed(chain):
+            entry = names.get(d.name) if names is not None else None
+            if entry is None or not entry.is_dir:
+                names = None
+            else:
+                if d.upper is not None or not (d.entry is entry or d.entry == entry):
+                    rebound[d.ino] = entry
+                names = trees.get(entry.ref)
+                if names is None:
+                    names = trees[entry.ref] = yield from self.trees.tree_steps(entry.ref)
+            listings[d.ino] = names
 
     def pristine(self, ex: Execution) -> bool:
         """Whether ``ex``'s layer is as a reset leaves it: no change recorded since, no
