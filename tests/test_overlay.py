@@ -304,6 +304,45 @@ def test_reset_places_only_the_known_nodes(model, tmp_path):
     assert len(overlay.listdir(ex.root_ino)) == 201
 
 
+def test_resets_in_slices_side_by_side_keep_nothing_the_other_dropped(model, monkeypatch):
+    """A reset's plan yields to other tasks (every step here): a reset that swaps the layer
+    meanwhile makes the other plan again, so a node the first dropped is never kept; a
+    release meanwhile makes it NotFound."""
+    from rametfs.overlay import executions, slices
+    monkeypatch.setattr(slices, "SLICE_S", 0)
+    monkeypatch.setattr(executions, "RESET_STEP", 1)
+    store, overlay, ex = model
+    written = path_node(overlay, ex, "dir/a")
+    overlay.write(written, 0, b"changed")
+    kept = path_node(overlay, ex, "dir/sub/b")
+    results = []
+
+    async def both():
+        async def one():
+            results.append(await overlay.reset(ex, ex.head))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            nursery.start_soon(one)
+
+    trio.run(both)
+    assert len(results) == 2 and not overlay.is_live(written) and overlay.is_live(kept)
+    assert read_all(overlay, path_node(overlay, ex, "dir/a")) == b"a"
+    assert path_node(overlay, ex, "dir/a") is not written
+
+    async def reset_and_release():
+        async def reset():
+            with pytest.raises(NotFound):
+                await overlay.reset(ex, ex.head)
+            results.append("refused")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reset)
+            await trio.sleep(0)
+            overlay.release(ex)
+
+    trio.run(reset_and_release)
+    assert results[-1] == "refused" and not overlay.is_live(kept)
+
+
 def test_snapshot_view_is_read_only(model):
     store, overlay, ex = model
     view = overlay.snapshot_view(ex.base.id)

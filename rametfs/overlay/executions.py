@@ -29,7 +29,6 @@ from .trees import BaseTrees
 RESET_STEP = 1024  # known nodes a reset's plan places per step (rametfs.overlay.slices)
 
 
-
 class Executions:
     """The snapshot views and executions of ``store``, their nodes in ``table``; the
     executions stored are loaded at once."""
@@ -119,7 +118,7 @@ class Executions:
         """Drop the upper layer of ``ex`` and give it a fresh one over snapshot ``to``, which
         becomes its head (rametfs.core.heads): O(known nodes of ``ex``) whatever ``to`` is,
         found in slices of the trio thread (``in_slices``), ``ex`` frozen meanwhile; the old
-        layer is deleted later.
+        layer is deleted later.  NotFound (ENOENT) when ``ex`` is released meanwhile.
 
         The known nodes that lie at the same path in ``to`` keep their node and inode number
         (:meth:`_kept_steps`): a shell working in an unchanged directory carries on, and so
@@ -129,7 +128,13 @@ class Executions:
         inode number, so a bind mount of the execution stays valid.
         """
         with ex.freeze():
-            kept, rebound = await in_slices(self._kept_steps(ex, to))
+            while True:  # planned again when another reset swapped the layer meanwhile
+                layer = ex.layer
+                kept, rebound = await in_slices(self._kept_steps(ex, to))
+                if self.executions.get(ex.id) is not ex:
+                    raise NotFound(f"execution {ex.id!r} was released")
+                if ex.layer == layer:
+                    break
             stale = self._stale_entries(ex, keep_root_entry=True, kept=kept, rebound=rebound)
             old = ex.layer
             ex.failure = None
