@@ -22,7 +22,7 @@ from rametfs.control.tree import (CACHE_TIMEOUT, CONTROL, EXECUTIONS, ROOT, SNAP
                                   Entry, MountTree)
 from rametfs.errors import NotFound, RametError, ReadOnly, fs_error
 from rametfs.fuse.adapter import Operations, PlainOperations
-from rametfs.fuse.kernel import NEGATIVE_ROOT_NAMES, KernelState
+from rametfs.fuse.kernel import NEGATIVE_NAMES, KernelState
 from rametfs.overlay import Attrs, Overlay
 from rametfs.store import Store, import_tree
 
@@ -42,6 +42,7 @@ class FakeTree:
         self.raises: dict[str, BaseException] = {}
         self.listings: dict[int, list[tuple[bytes, int]]] = {}
         self.absences: dict[int, Absence] = {}
+        self.scopes: dict[int, str] = {}
         self.generations: set[int] = set()
         self.calls: list[tuple] = []
         self.failed: list[tuple[list[str], str]] = []
@@ -70,6 +71,9 @@ class FakeTree:
 
     def absence(self, parent: int) -> Absence:
         return self.absences[parent]
+
+    def scope(self, parent: int) -> str:
+        return self.scopes.get(parent, "e")
 
     async def listing(self, ino: int) -> list[tuple[bytes, int]]:
         self._call("listing", ino)
@@ -237,24 +241,34 @@ async def test_a_missing_name_is_a_negative_entry_where_its_directory_allows(fak
     assert raised.value.errno == errno.EACCES
 
 
-async def test_an_execution_roots_missing_names_are_bounded_and_dropped_at_its_reset(
+async def test_an_executions_missing_names_are_bounded_and_dropped_at_its_reset(
         fake, told):
+    """NEGATIVE_NAMES an execution, in all its directories: past them a missing name is not
+    cached, in that execution only; a reset naming a directory forgets its names."""
     ops, tree, kernel, _ = fake
     tree.raises["lookup"] = NotFound("no such name")
-    tree.absences = {5: Absence.UNTIL_RESET}
-    for i in range(NEGATIVE_ROOT_NAMES):
-        kernel.negative_entry(5, b"m%d" % i, until_reset=True)
+    tree.absences = {5: Absence.UNTIL_RESET, 6: Absence.UNTIL_RESET, 7: Absence.UNTIL_RESET}
+    tree.scopes = {7: "other"}
+    kernel.negative_entry(6, b"in-a-subdirectory", "e")
+    for i in range(NEGATIVE_NAMES - 1):
+        kernel.negative_entry(5, b"m%d" % i, "e")
     e = await ops.lookup(5, b"one-more", CTX)
     assert (e.st_ino, e.entry_timeout) == (0, 0)  # not cached: the set stays bounded
-    assert len(kernel.negative[5]) == NEGATIVE_ROOT_NAMES and b"one-more" not in kernel.negative[5]
+    e = await ops.lookup(7, b"another-execution", CTX)
+    assert (e.st_ino, e.entry_timeout) == (0, CACHE_TIMEOUT)  # its own budget
+    assert len(kernel.negative[5]) == NEGATIVE_NAMES - 1 and b"one-more" not in kernel.negative[5]
     kernel.keep_listing(5, [(b".", 5), (b"..", EXECUTIONS)])
-    # A reset names the root among the inodes: the kernel forgets its missing names too.
-    await kernel.invalidate([(5, b"kept-name")], [5, 11])
+    # A reset names the root and a rebound directory among the inodes: the kernel forgets
+    # their missing names too; another execution's stay.
+    await kernel.invalidate([(5, b"kept-name")], [5, 6, 11])
     [(entries, inodes)] = told
     assert entries[0] == (5, b"kept-name")
-    assert sorted(entries[1:]) == sorted((5, b"m%d" % i) for i in range(NEGATIVE_ROOT_NAMES))
-    assert inodes == [5, 11]
-    assert kernel.negative == {} and kernel.memory() == {"listings": 0, "listing_entries": 0}
+    assert sorted(entries[1:]) == sorted([(5, b"m%d" % i) for i in range(NEGATIVE_NAMES - 1)]
+                                         + [(6, b"in-a-subdirectory")])
+    assert inodes == [5, 6, 11]
+    assert (kernel.negative, kernel.negative_counts) == ({7: {b"another-execution"}},
+                                                         {"other": 1})
+    assert kernel.memory() == {"listings": 0, "listing_entries": 0}
     e = await ops.lookup(5, b"one-more", CTX)
     assert (e.st_ino, e.entry_timeout) == (0, CACHE_TIMEOUT)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 
 import lmdb
@@ -296,13 +297,75 @@ def test_truncate_to_zero_starts_a_new_data_file_and_hands_over_the_old_one(mode
 def test_reset_drops_the_layer(model):
     store, overlay, ex = model
     overlay.create(ex.root_ino, b"x", 0o644, 0, 0)
-    overlay.reset(ex, ex.head)
+    trio.run(overlay.reset, ex, ex.head)
     assert [n for n, _ in overlay.listdir(ex.root_ino)] == [b"big", b"dir", b"small"]
     assert diff(overlay, ex) == []
     while (batch := overlay.collect_dead_layer()) is not None:
         overlay.forget_dead_layer(batch[0])
     with store.read() as txn:
         assert store.layers.layers_holding(txn) == {ex.layer}
+
+
+def test_reset_places_only_the_known_nodes(model, tmp_path):
+    """A reset looks at the nodes the kernel knows, not at the trees: onto a snapshot of 200
+    more directories it decodes the trees on the known paths alone, keeps the known node
+    whose path and entry the snapshot has, and rebinds the directory whose entry differs."""
+    store, overlay, ex = model
+    target = tmp_path / "target"
+    for i in range(200):
+        (target / f"many{i}" / "deep").mkdir(parents=True)
+    shutil.copytree(tmp_path / "src" / "dir", target / "dir")  # the times kept
+    (target / "dir" / "new").write_bytes(b"new")
+    snap = import_tree(store, target)
+    b, d = path_node(overlay, ex, "dir/sub/b"), path_node(overlay, ex, "dir")
+    decoded = set(overlay.base_trees.trees)
+    trio.run(overlay.reset, ex, snap)
+    decoded_by_reset = set(overlay.base_trees.trees) - decoded
+    new_dir = overlay.tree(snap.root.ref)[b"dir"]
+    assert decoded_by_reset == {snap.root.ref, new_dir.ref}  # dir/sub's tree is the same
+    assert path_node(overlay, ex, "dir/sub/b") is b and overlay.is_live(b)
+    assert path_node(overlay, ex, "dir") is d and (d.entry, d.upper) == (new_dir, None)
+    assert [n for n, _ in overlay.listdir(d.ino)] == [b"a", b"new", b"small-link", b"sub"]
+    assert len(overlay.listdir(ex.root_ino)) == 201
+
+
+def test_resets_in_slices_side_by_side_keep_nothing_the_other_dropped(model, monkeypatch):
+    """A reset's plan yields to other tasks (every step here): a reset that swaps the layer
+    meanwhile makes the other plan again, so a node the first dropped is never kept; a
+    release meanwhile makes it NotFound."""
+    from rametfs.overlay import executions, slices
+    monkeypatch.setattr(slices, "SLICE_S", 0)
+    monkeypatch.setattr(executions, "RESET_STEP", 1)
+    store, overlay, ex = model
+    written = path_node(overlay, ex, "dir/a")
+    overlay.write(written, 0, b"changed")
+    kept = path_node(overlay, ex, "dir/sub/b")
+    results = []
+
+    async def both():
+        async def one():
+            results.append(await overlay.reset(ex, ex.head))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one)
+            nursery.start_soon(one)
+
+    trio.run(both)
+    assert len(results) == 2 and not overlay.is_live(written) and overlay.is_live(kept)
+    assert read_all(overlay, path_node(overlay, ex, "dir/a")) == b"a"
+    assert path_node(overlay, ex, "dir/a") is not written
+
+    async def reset_and_release():
+        async def reset():
+            with pytest.raises(NotFound):
+                await overlay.reset(ex, ex.head)
+            results.append("refused")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reset)
+            await trio.sleep(0)
+            overlay.release(ex)
+
+    trio.run(reset_and_release)
+    assert results[-1] == "refused" and not overlay.is_live(kept)
 
 
 def test_snapshot_view_is_read_only(model):

@@ -548,7 +548,7 @@ class Control:
         """Drop ``ex``'s changes and what the kernel caches of them, giving it a fresh layer
         over ``to``, its head from now on; milliseconds taken."""
         started = time.monotonic_ns()
-        await self.invalidate(*self.overlay.reset(ex, to))
+        await self.invalidate(*await self.overlay.reset(ex, to))
         return round((time.monotonic_ns() - started) / 1e6, 3)
 
     def _forget_replies(self, eid: str) -> None:

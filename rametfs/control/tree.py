@@ -86,7 +86,7 @@ class Absence(enum.Enum):
 
     UNCACHED = 0  # snapshots/, executions/, .ramet/: they gain names the kernel does not see
     CACHED = 1  # a directory of a view: every change comes through the mount
-    UNTIL_RESET = 2  # an execution's root: a reset must make the kernel forget it
+    UNTIL_RESET = 2  # an execution's directory: a reset that changes its names must make the kernel forget it
 
 
 @dataclass
@@ -238,10 +238,14 @@ class MountTree:
         """Whether the kernel may cache that a name of ``parent`` is missing, and until when."""
         if parent in self.virtual:
             return Absence.UNCACHED
-        view = self.overlay.node(parent).view
-        if isinstance(view, Execution) and parent == view.root_ino:
+        if isinstance(self.overlay.node(parent).view, Execution):
             return Absence.UNTIL_RESET
         return Absence.CACHED
+
+    def scope(self, parent: int) -> str:
+        """The id of the execution directory ``parent`` belongs to (its missing names are
+        bounded per execution)."""
+        return self.overlay.node(parent).view.id
 
     def _lookup_ino(self, parent: int, name: bytes, caller: Caller) -> int:
         v = self.virtual.get(parent)

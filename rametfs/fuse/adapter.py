@@ -149,8 +149,8 @@ class Operations(pyfuse3.Operations):
             absence = self.tree.absence(parent_inode)
             if absence is Absence.UNCACHED:
                 raise
-            return _negative(self.kernel.negative_entry(
-                parent_inode, name, until_reset=absence is Absence.UNTIL_RESET))
+            scope = self.tree.scope(parent_inode) if absence is Absence.UNTIL_RESET else None
+            return _negative(self.kernel.negative_entry(parent_inode, name, scope))
         self.kernel.looked_up(entry)
         return _entry(entry)
 

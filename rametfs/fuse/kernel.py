@@ -1,8 +1,8 @@
 """What the kernel was told, and telling it to forget: the FUSE adapter's bookkeeping.
 
 * the directory listings the kernel pages through (readdir offsets stay valid between calls);
-* the missing names of execution roots it caches (negative entries), which a reset or release
-  must make it forget: below the root, dropping the root's names does;
+* the missing names of executions' directories it caches (negative entries), which a reset
+  or release must make it forget where names change (the root, rebound directories);
 * its lookup counts of control file generations, whose last forget drops them
   (rametfs.control.tree);
 * invalidation of dentries and inodes (reset, release, commands), in a worker thread;
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
-NEGATIVE_ROOT_NAMES = 4096  # missing names cached per execution root
+NEGATIVE_NAMES = 16384  # missing names cached per execution (KernelState.negative)
 
 
 class KernelState:
@@ -39,7 +39,9 @@ class KernelState:
     def __init__(self, refused: trio.MemorySendChannel[int]):
         self.listings: OrderedDict[int, list[tuple[bytes, int]]] = OrderedDict()
         self.listing_entries = 0  # entries of every kept listing
-        self.negative: dict[int, set[bytes]] = {}  # execution root ino -> names told missing
+        self.negative: dict[int, set[bytes]] = {}  # directory ino -> names told missing
+        self.negative_scope: dict[int, str] = {}  # directory ino -> its execution's id
+        self.negative_counts: dict[str, int] = {}  # execution id -> its names in ``negative``
         self.lookups: dict[int, int] = {}  # control file generation -> the kernel's lookups
         # snapshot inode whose pages are being dropped -> a WRITE came since the drop began
         self.refused_pages: dict[int, bool] = {}
@@ -81,18 +83,40 @@ class KernelState:
             ino = entry.attrs.ino
             self.lookups[ino] = self.lookups.get(ino, 0) + 1
 
-    def negative_entry(self, parent: int, name: bytes, until_reset: bool) -> float:
+    def negative_entry(self, parent: int, name: bytes, scope: str | None) -> float:
         """The kernel is told ``name`` is missing in ``parent``: for how long it may cache
-        that (seconds).  An execution root's (``until_reset``) are remembered for the
-        reset that makes the kernel forget them, :data:`NEGATIVE_ROOT_NAMES` at most: past
-        them a name is not cached, so the set and that reset stay bounded."""
-        if not until_reset:
+        that (seconds).  A directory of an execution (``scope``, its id) keeps its names for
+        the reset that makes the kernel forget them (the root's, and a rebound directory's:
+        their names change), :data:`NEGATIVE_NAMES` an execution at most: past them a name
+        is not cached, so the sets and that reset stay bounded whatever one execution
+        looks up."""
+        if scope is None:
             return CACHE_TIMEOUT
         names = self.negative.setdefault(parent, set())
-        if len(names) < NEGATIVE_ROOT_NAMES:
-            names.add(name)
+        if name in names:
             return CACHE_TIMEOUT
+        count = self.negative_counts.get(scope, 0)
+        if count < NEGATIVE_NAMES:
+            names.add(name)
+            self.negative_scope[parent] = scope
+            self.negative_counts[scope] = count + 1
+            return CACHE_TIMEOUT
+        if not names:
+            del self.negative[parent]
         return 0
+
+    def _forget_negative(self, ino: int) -> list[tuple[int, bytes]]:
+        """The missing names of directory ``ino`` the kernel was told, forgotten here."""
+        names = self.negative.pop(ino, None)
+        if not names:
+            return []
+        scope = self.negative_scope.pop(ino)
+        left = self.negative_counts[scope] - len(names)
+        if left:
+            self.negative_counts[scope] = left
+        else:
+            del self.negative_counts[scope]
+        return [(ino, name) for name in names]
 
     def forgotten(self, inode_list: Sequence[tuple[int, int]]) -> list[int]:
         """The kernel forgot ``(ino, count)`` lookups: the control file generations it now
@@ -115,11 +139,11 @@ class KernelState:
                          inodes: Sequence[int] = ()) -> None:
         """Make the kernel forget dentries ``(parent ino, name)`` (parent 0: an execution
         root's entry in ``executions/``), inodes ``(ino, b"")`` and inodes ``inodes``, with
-        the missing names it was told of a directory among them (a reset's or release's
-        execution root).  Returns when the kernel is done."""
-        negative = [(ino, name) for ino in itertools.chain(
+        the missing names it was told of a directory among them (a reset's root and rebound
+        directories, a release's every one).  Returns when the kernel is done."""
+        negative = [key for ino in itertools.chain(
             (ino for ino, name in entries if not name), inodes, (p for p, n in entries if n))
-            if ino in self.negative for name in self.negative.pop(ino)]
+            if ino in self.negative for key in self._forget_negative(ino)]
         # The kept listings of the inodes named go now: those of a dropped layer would stay
         # until 64 others pushed them out (a reset kept a 20,000-name listing, 2 MB).
         named = [ino for ino, name in entries if not name] + list(self.listings.keys() & inodes)

@@ -3,26 +3,31 @@ head and runtime records), the freeze that holds an execution's mutations, and t
 dead layers.
 
 *Reset* gives an execution a fresh, empty layer over a snapshot and marks the old one dead:
-the old layer's nodes turn stale at once, the nodes the reset leaves as they were are kept,
-and a background task deletes the dead layer's records (:meth:`Executions.collect_dead_layer`).
+the old layer's nodes turn stale at once but those whose path the snapshot still has (the
+same file, or a directory), which keep their inode numbers, and a background task deletes
+the dead layer's records (:meth:`Executions.collect_dead_layer`).
 """
 
 from __future__ import annotations
 
 import errno
+import stat
 import time
 
 import trio
 
 from ..authority import Access, ReadIndex
 from ..errors import NotFound, RametError
-from ..store import FLAG_HAS_LINKS, Snapshot, Store
+from ..store import Entry, Snapshot, Store
 from ..store.catalog import Catalog
 from ..store.format import ExecutionRecord, UpperInode
 from ..store.names import SNAPSHOT_ID_RE
+from ..treewalk import Steps
 from .nodes import COLLECT_BATCH, RELEASED, Execution, InodeTable, Node, SnapshotView, View
+from .slices import in_slices
 from .trees import BaseTrees
 
+RESET_STEP = 1024  # known nodes a reset's plan places per step (rametfs.overlay.slices)
 
 
 class Executions:
@@ -109,68 +114,123 @@ class Executions:
         except KeyError:
             raise NotFound(f"no execution {eid!r}") from None
 
-    def reset(self, ex: Execution, to: Snapshot) -> tuple[list[tuple[int, bytes]], list[int]]:
+    async def reset(self, ex: Execution, to: Snapshot
+                    ) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Drop the upper layer of ``ex`` and give it a fresh one over snapshot ``to``, which
-        becomes its head (rametfs.core.heads): O(1) visible whatever ``to`` is; the old layer
-        is deleted later.
+        becomes its head (rametfs.core.heads): O(known nodes of ``ex``) whatever ``to`` is,
+        found in slices of the trio thread (``in_slices``), ``ex`` frozen meanwhile; the old
+        layer is deleted later.  NotFound (ENOENT) when ``ex`` is released meanwhile.
 
+        The known nodes that lie at the same path in ``to`` keep their node and inode number
+        (:meth:`_kept_steps`): a shell working in an unchanged directory carries on, and so
+        does one in a changed directory that ``to`` still has, which shows ``to``'s names.
         Returns the ``(parent ino, name)`` dentries and the inode numbers the kernel may
-        cache, for the adapter to invalidate.  The root keeps
-        its dentry and inode number, so a bind mount of the execution stays valid, and so do
-        the directories and files of the root that are the same in ``to``, with everything
-        below them (:meth:`_unchanged`): a shell working in one of them carries on.
+        cache that changed, for the adapter to invalidate.  The root keeps its dentry and
+        inode number, so a bind mount of the execution stays valid.
         """
-        kept = self._unchanged(ex, to)
-        stale = self._stale_entries(ex, keep_root_entry=True, kept=kept)
-        old = ex.layer
-        ex.failure = None
-        ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
-        self.table.drop_layer(ex, kept)
-        ex.head = ex.lower = to
-        with self.store.write() as txn:
-            self.layers.mark_dead(txn, old)
-            self._new_layer(txn, ex)
-        for ino in kept:
-            self.table.nodes[ino].layer = ex.layer
+        with ex.freeze():
+            while True:  # planned again when another reset swapped the layer meanwhile
+                layer = ex.layer
+                kept, rebound = await in_slices(self._kept_steps(ex, to))
+                if self.executions.get(ex.id) is not ex:
+                    raise NotFound(f"execution {ex.id!r} was released")
+                if ex.layer == layer:
+                    break
+            stale = self._stale_entries(ex, keep_root_entry=True, kept=kept, rebound=rebound)
+            old = ex.layer
+            ex.failure = None
+            ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
+            self.table.drop_layer(ex, kept)
+            ex.head = ex.lower = to
+            with self.store.write() as txn:
+                self.layers.mark_dead(txn, old)
+                self._new_layer(txn, ex)
+            nodes = self.table.nodes
+            for ino in kept:
+                nodes[ino].layer = ex.layer
+            for ino, entry in rebound.items():  # the old layer's record is not theirs now
+                node = nodes[ino]
+                node.entry, node.upper, node.dirty, node.record_bytes = entry, None, False, 0
         self.dead_layers.set()
         return stale
 
-    def _unchanged(self, ex: Execution, to: Snapshot) -> set[int]:
-        """The inodes of ``ex`` the kernel knows that a reset onto ``to`` leaves as they are:
-        each name of the root the kernel looked up whose node was never copied up, whose
-        base entry is ``to``'s entry of that name (so a directory's whole subtree is the
-        same: a change below it would have copied it up), and with no hard link in it, and
-        every known node below such a directory.  O(known inodes)."""
-        root = ex.root_ino
-        new = self.trees.tree(to.root.ref)
-        tops: dict[int, bool] = {}  # kept candidates among the root's names
-        for (parent, name), ino in ex.dcache.items():
-            node = self.table.nodes.get(ino)
-            if parent == root and node is not None and node.upper is None and \
-                    not node.entry.link and not node.entry.flags & FLAG_HAS_LINKS:
-                tops[ino] = new.get(name) == node.entry
-        top_of: dict[int, int | None] = {root: None}
+    def _kept_steps(self, ex: Execution, to: Snapshot) -> Steps[tuple[set[int], dict[int, Entry]]]:
+        """The known nodes of ``ex`` (``ex.inos``: those the kernel may hold) that a reset
+        onto ``to`` keeps, and the directories among them it rebinds, each to its entry in
+        ``to``: ``(kept inos, {ino: entry})``, the root left out.
 
-        def top(ino: int) -> int | None:
-            """The root's child ``ino`` lies below (None: none known)."""
-            chain = []
-            while ino not in top_of:
-                node = self.table.nodes.get(ino)
-                if node is None or node.parent == root:
-                    top_of[ino] = None if node is None else ino
-                    break
-                chain.append(ino)
-                ino = node.parent
-            for below in chain:
-                top_of[below] = top_of[ino]
-            return top_of[ino]
+        A node is kept when its parent is kept and ``to``'s directory there has its name:
+        a directory (still named where its parent knows it: one removed or moved away is
+        not) of a directory, rebound when it was copied up or its entry differs (its names
+        change); a file, symlink or device only when it was never copied up (a removal or
+        a move copies it up) and its entry is the same, and is no hard link (its group's
+        other names would get other inodes).  Only known nodes are looked at, each once: a
+        step per :data:`RESET_STEP` of them, or per batch of names of a base tree decoded
+        (``BaseTrees.tree_steps``)."""
+        nodes = self.table.nodes
+        names = yield from self.trees.tree_steps(to.root.ref)
+        # a directory placed -> the names of its tree in ``to`` (None: not kept)
+        listings: dict[int, dict[bytes, Entry] | None] = {ex.root_ino: names}
+        trees = {to.root.ref: names}  # ``to``'s trees looked in, by id
+        kept: set[int] = set()
+        rebound: dict[int, Entry] = {}
+        for i, ino in enumerate(list(ex.inos), 1):  # lookups may add nodes meanwhile
+            if i % RESET_STEP == 0:
+                yield
+            node = nodes.get(ino)
+            if node is None:
+                continue
+            upper = node.upper
+            if stat.S_ISDIR(upper.mode if upper is not None else node.entry.mode):
+                if ino not in listings:
+                    yield from self._place_steps(ex, node, listings, trees, rebound)
+                if listings[ino] is not None:
+                    kept.add(ino)
+            elif upper is None and not node.entry.link:
+                names = listings.get(node.parent, False)
+                if names is False:
+                    parent = nodes.get(node.parent)
+                    if parent is None:
+                        continue
+                    yield from self._place_steps(ex, parent, listings, trees, rebound)
+                    names = listings[parent.ino]
+                if names is not None:
+                    entry = names.get(node.name)
+                    if entry is node.entry or entry == node.entry:  # one tree decoded: one object
+                        kept.add(ino)
+        kept.discard(ex.root_ino)
+        return kept, rebound
 
-        below = {ino: top(ino) for ino in ex.inos if ino != root}
-        for ino, t in below.items():
-            node = self.table.nodes.get(ino)
-            if t in tops and (node is None or node.upper is not None or node.entry.link):
-                tops[t] = False  # not the base's after all (cannot happen without links)
-        return {ino for ino, t in below.items() if tops.get(t)}
+    def _place_steps(self, ex: Execution, node: Node,
+                     listings: dict[int, dict[bytes, Entry] | None],
+                     trees: dict[bytes, dict[bytes, Entry]], rebound: dict[int, Entry]
+                     ) -> Steps[None]:
+        """Place directory ``node`` of ``ex`` and its parents not placed yet in ``listings``
+        (:meth:`_kept_steps`), the directories rebound into ``rebound``."""
+        chain = []  # ``node`` and its parents not placed yet, deepest first
+        dcache = ex.dcache
+        while node.ino not in listings:
+            listings[node.ino] = None  # until placed (a loop of parents ends here)
+            if node.view is not ex or node.layer != ex.layer or \
+                    dcache.get((node.parent, node.name)) != node.ino:
+                break
+            chain.append(node)
+            parent = self.table.nodes.get(node.parent)
+            if parent is None:
+                break
+            node = parent
+        names = listings[node.ino]
+        for d in reversed(chain):
+            entry = names.get(d.name) if names is not None else None
+            if entry is None or not entry.is_dir:
+                names = None
+            else:
+                if d.upper is not None or not (d.entry is entry or d.entry == entry):
+                    rebound[d.ino] = entry
+                names = trees.get(entry.ref)
+                if names is None:
+                    names = trees[entry.ref] = yield from self.trees.tree_steps(entry.ref)
+            listings[d.ino] = names
 
     def pristine(self, ex: Execution) -> bool:
         """Whether ``ex``'s layer is as a reset leaves it: no change recorded since, no
@@ -201,21 +261,28 @@ class Executions:
         return stale
 
     @staticmethod
-    def _stale_entries(view: View, keep_root_entry: bool, kept: set[int] = frozenset()
+    def _stale_entries(view: View, keep_root_entry: bool, kept: set[int] = frozenset(),
+                       rebound: dict[int, Entry] | None = None
                        ) -> tuple[list[tuple[int, bytes]], list[int]]:
         # Invalidating a directory's dentry drops everything cached below it that nothing
         # holds; the inodes a process still holds (its cwd, an open file) keep their cached
-        # pages and listings until told, so every inode of the layer is told too, but those
-        # ``kept`` (a reset's unchanged ones: _unchanged) and the names of the root
-        # that lead to them.  The inodes are a flat list of numbers: a (ino, b"") pair each
-        # made 50,000 tracked tuples, and the young gc collections that traversed them held
-        # the trio thread 50 ms more during a reset.  The root's cached missing names are
-        # the adapter's to add (rametfs.fuse.kernel): the model does not know them.
+        # pages and listings until told, so every inode of the layer that is not ``kept``
+        # is told too, and so are the root and the kept directories whose names change
+        # (attributes and listings): the ``rebound`` ones, and those with a name whose node
+        # goes (a hard link).  Of the kept directories (and the root), the names whose node
+        # goes are invalidated; the missing names the kernel was told of the directories
+        # told (the root, the rebound ones) are the adapter's to add (rametfs.fuse.kernel):
+        # the model does not know them.  The inodes are a flat list of numbers: a (ino, b"")
+        # pair each made 50,000 tracked tuples, and the young gc collections that traversed
+        # them held the trio thread 50 ms more during a reset.
         root = view.root_ino
-        entries = [key for key, ino in view.dcache.items() if key[0] == root and ino not in kept]
+        rebound = rebound or {}
+        entries = [key for key, ino in view.dcache.items()
+                   if (key[0] == root or key[0] in kept) and ino not in kept]
         if not keep_root_entry:
             entries += [key for key in view.dcache if key[0] == 0]
-        return entries, list(view.inos - kept) if kept else list(view.inos)
+        inodes = list(view.inos - kept) if kept else list(view.inos)
+        return entries, inodes + list(rebound.keys() | {p for p, _ in entries if p in kept})
 
     def set_head(self, ex: Execution, snap: Snapshot) -> None:
         """Make ``snap`` the head of ``ex`` (a promote of it); its layer stays."""

@@ -269,9 +269,10 @@ class InodeTable:
         return node
 
     def drop_layer(self, view: View, kept: set[int] = frozenset()) -> None:
-        """Forget the nodes of ``view``'s current layer but ``kept`` (a reset's unchanged
-        ones, which the caller moves to the new layer): O(1) now for the others, as their
-        layer no longer matches; :meth:`drop_stale_nodes` frees them later, in batches."""
+        """Forget the nodes of ``view``'s current layer but ``kept`` (those a reset keeps,
+        which the caller moves to the new layer): O(1) now for the others, as their layer
+        no longer matches;
+        :meth:`drop_stale_nodes` frees them later, in batches."""
         self.stale_inos.append(view.inos - kept if kept else view.inos)
         dcache = {key: ino for key, ino in view.dcache.items()
                   if ino in kept and (key[0] in kept or key[0] == view.root_ino)}
