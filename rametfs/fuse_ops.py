@@ -789,6 +789,23 @@ class Operations(pyfuse3.Operations):
         await self._hold(node)
         return self.overlay.write(node, off, buf)
 
+    @_errors
+    async def fallocate(self, fh, mode, off, length):
+        if fh in self.virtual:
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # as sysfs: no fallocate there
+        node = self.overlay.node(fh)
+        await self._hold(node)
+        self.overlay.fallocate(node, mode, off, length)
+
+    @_errors
+    async def lseek(self, fh, off, whence):
+        v = self.virtual.get(fh)
+        if v is None:
+            return self.overlay.seek(self.overlay.node(fh), off, whence)
+        if not 0 <= off < len(v.content):  # a control file is data to its end
+            raise pyfuse3.FUSEError(errno.ENXIO)
+        return off if whence == os.SEEK_DATA else len(v.content)
+
     async def _drop_refused_pages(self, ino: int) -> None:
         try:
             while True:
