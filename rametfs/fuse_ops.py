@@ -17,7 +17,9 @@ Open-less mode (:data:`OPEN_LESS`, with the pyfuse3 patch, tools/pyfuse3/README.
 opendir answer ENOSYS, so the kernel stops sending open, release, opendir and releasedir,
 keeps every file's pages and every directory's listing cached, and the handlers get the inode
 number where a file handle was.  Without the patch the same handlers run with the inode number
-as the file handle.  Either way there is no per-open state: a file's upper data descriptor is
+as the file handle.  The patch also binds fallocate and lseek (SEEK_DATA/SEEK_HOLE), which
+stock pyfuse3 does not: without it the kernel answers fallocate EOPNOTSUPP and reports every
+file as data.  Either way there is no per-open state: a file's upper data descriptor is
 cached (``FileData.upper_fds``), dirty inode records are stored by the daemon every second
 (``daemon._store_dirty_records``) and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 from pathlib import Path
 
@@ -229,6 +230,22 @@ def test_refusals_and_limits(own_daemon, tmp_path):
     proc = run("fallocate", "-o", str(MIB // 2), "-l", str(MIB // 2), ex / "g", check=False)
     assert "Disk quota exceeded" in proc.stderr  # the records took some of the 1 MiB
     assert (ex / "f").read_bytes() == b"x" * 100
+
+
+def test_pages_the_kernel_holds_show_the_zeros(daemon, tmp_path):
+    """A punch or a zero range drops the kernel's cached pages of the range (read, written
+    or mapped before), so reads and a shared mapping see the zeros at once."""
+    snap = daemon.snapshot(fresh(tmp_path, "src", BASE))
+    ex = daemon.exec_path(daemon.create(snap))
+    assert (ex / "base").read_bytes() == BASE["base"]  # cached now
+    xfs_io(ex / "base", "fzero -k 1000 5000")
+    assert (ex / "base").read_bytes()[:7000] == b"b" * 1000 + bytes(5000) + b"b" * 1000
+    (ex / "new").write_bytes(b"q" * 20000)
+    with open(ex / "new", "r+b") as f, mmap.mmap(f.fileno(), 20000) as m:
+        assert m[:10] == b"q" * 10
+        xfs_io(ex / "new", "fpunch 0 4096", "fzero 10000 100")
+        assert (m[:4097], m[9999:10101]) == (bytes(4096) + b"q", b"q" + bytes(100) + b"q")
+    assert (ex / "new").read_bytes() == bytes(4096) + b"q" * 5904 + bytes(100) + b"q" * 9900
 
 
 def test_plain_mode_answers_them_too(own_daemon, tmp_path):
