@@ -229,7 +229,9 @@ def test_refusals_and_limits(own_daemon, tmp_path):
     assert os.stat(ex / "g").st_blocks == 1024
     proc = run("fallocate", "-o", str(MIB // 2), "-l", str(MIB // 2), ex / "g", check=False)
     assert "Disk quota exceeded" in proc.stderr  # the records took some of the 1 MiB
-    assert (ex / "f").read_bytes() == b"x" * 100
+    proc = run("fallocate", "-z", "-l", str(2 * MIB), ex / "f", check=False)
+    assert "Disk quota exceeded" in proc.stderr
+    assert (ex / "f").read_bytes() == b"x" * 100  # nothing zeroed before the refusal
 
 
 def test_pages_the_kernel_holds_show_the_zeros(daemon, tmp_path):

@@ -443,27 +443,27 @@ class FileData:
         if punch or zero or grows:
             self._bytes_change(node, u)
         fd = self._upper_fd(node)
+        # What to allocate, and the room it needs before anything changes: the upper data
+        # file's parts of the range (all of it for a zero range, whose punch masks the base).
+        ranges = [] if punch else [(off, end)] if zero else self._upper_ranges(node, u, off, end)
         try:
+            self.upper.check_room(ex, sum(b - a - allocated_bytes(fd, a, b) for a, b in ranges))
             if punch or zero:
                 self._punch(node, u, fd, off, min(end, u.size))
-            if not punch:
-                ranges = [(off, end)] if zero else self._upper_ranges(node, u, off, end)
-                wanted = sum(b - a - allocated_bytes(fd, a, b) for a, b in ranges)
-                self.upper.check_room(ex, wanted)
-                for a, b in ranges:
-                    fallocate(fd, keep, a, b - a)
+            for a, b in ranges:
+                fallocate(fd, keep, a, b - a)
         except OSError as exc:
             raise RametError(f"fallocate of the upper data failed: {exc.strerror}",
                              exc.errno) from None
         finally:
             self._allocated(node, fd)
+            self.upper.mark_dirty(node)  # pages a failed punch masked or copied up, too
         now = time.time_ns()
         if grows:
             u.size = end
         if punch or zero or grows:
             u.mtime_ns = now
         u.ctime_ns = now
-        self.upper.mark_dirty(node)
 
     def _punch(self, node: Node, u: UpperInode, fd: int, off: int, end: int) -> None:
         """Make bytes ``[off, end)`` of ``node`` read as zeros (:meth:`fallocate`)."""
