@@ -23,6 +23,10 @@ file as data.  Either way there is no per-open state: a file's upper data descri
 cached (``FileData.upper_fds``), dirty inode records are stored by the daemon every second
 (``daemon._store_dirty_records``) and on fsync, promote and unmount, and an unlinked inode is deleted when the kernel forgets it.
 
+File handles (export support): a lookup of ``.`` or ``..`` names the inode itself or its
+parent, which the kernel asks for when it opens a handle of an inode it has forgotten; every
+entry carries a generation drawn at the start, so handles of an earlier run are stale.
+
 Who may do what (rametfs.authority; docs/architecture.md, "Authority"): ``snapshots/`` and
 ``executions/`` are 0711, so only the harness lists them; ``executions/<id>`` is answered at
 entry timeout 0 (in lookups and listings), so every path walk through that name comes here
@@ -47,6 +51,7 @@ import itertools
 import logging
 import os
 import re
+import secrets
 import stat
 import time
 from collections import OrderedDict
@@ -186,7 +191,7 @@ def _errors(fn):
 class Operations(pyfuse3.Operations):
     """pyfuse3 handlers over one Overlay."""
 
-    supports_dot_lookup = False
+    supports_dot_lookup = True  # file handles: the kernel finds an inode it forgot by "."
     enable_writeback_cache = False
     enable_acl = False
 
@@ -194,6 +199,9 @@ class Operations(pyfuse3.Operations):
                  max_answer_bytes: int = protocol.MAX_ANSWER_BYTES):
         super().__init__()
         self.overlay = overlay
+        # In every entry, so in every file handle the kernel makes: a handle from an earlier
+        # run is stale (an inode number lookups gave out may be given again after a crash).
+        self.generation = secrets.randbits(32)
         self.control = Control(overlay, mountpoint, self._invalidate, open_less=OPEN_LESS,
                                faults=faults, max_answer_bytes=max_answer_bytes)
         self.control.snapshots_dir_ino = SNAPSHOTS
@@ -282,6 +290,7 @@ class Operations(pyfuse3.Operations):
         e.st_mtime_ns = a.mtime_ns
         e.st_ctime_ns = a.ctime_ns
         e.entry_timeout = e.attr_timeout = timeout
+        e.generation = self.generation
         return e
 
     def _virtual_attrs(self, v: Virtual) -> pyfuse3.EntryAttributes:
@@ -496,7 +505,9 @@ class Operations(pyfuse3.Operations):
         caller = HARNESS if ctx is None else Caller(ctx.uid, ctx.gid, ctx.pid)
         try:
             v = self.virtual.get(parent_inode)
-            if v is not None and name in v.files:  # a control file: its content made now
+            if name in (b".", b".."):  # a file handle's inode or its parent (export support)
+                ino = self._dot_lookup(parent_inode, name)
+            elif v is not None and name in v.files:  # a control file: its content made now
                 ino = (await self._control_file(v.files[name], caller)).ino
             else:
                 await self.overlay.prefetch(parent_inode)
@@ -507,6 +518,18 @@ class Operations(pyfuse3.Operations):
             return self._negative_entry(parent_inode, name)
         self._looked_up(ino)
         return self._entry_in(parent_inode, ino)
+
+    def _dot_lookup(self, ino: int, name: bytes) -> int:
+        """``.`` or ``..`` of inode ``ino``: the kernel asks when it decodes a file handle
+        (open_by_handle_at(2), NFS export) of an inode it no longer holds, and for the
+        parent of a directory it reconnects.  Nodes stay while the daemon runs, so any
+        inode number it gave is found; one unlinked since, or of a dropped layer (reset,
+        release), or of an earlier run that was never copied up, is ESTALE."""
+        if ino not in self.virtual:
+            node = self.overlay.node(ino)  # ESTALE: unknown, or of a dropped layer
+            if node.upper is not None and node.upper.nlink == 0:
+                raise pyfuse3.FUSEError(errno.ESTALE)
+        return ino if name == b"." else self._parent_ino(ino)
 
     def _entry_in(self, parent_inode: int, ino: int) -> pyfuse3.EntryAttributes:
         """The entry of ``ino`` in directory ``parent_inode``, for a lookup or a listing:
