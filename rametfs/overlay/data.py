@@ -24,9 +24,9 @@ import trio
 from ..errors import NoSpace, RametError, fs_error
 from ..precreate import Precreated
 from ..store import PAGE_SIZE, Store
+from ..store.chunks import page_count
 from ..store.extents import (FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE,
                               allocated_bytes, data_extents, fallocate)
-from ..store.chunks import page_count
 from ..store.format import UpperInode, inode_key, page_key, page_of_key
 from .lookup import Lookup
 from .nodes import NO_PAGES, Attrs, Execution, Node
