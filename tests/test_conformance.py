@@ -655,25 +655,6 @@ def test_limits_under_fuse_are_the_documented_ones(executions, tmp_path):
     # O_TMPFILE: pyfuse3 has no tmpfile handler; callers such as tmpfile(3) fall back.
     assert errno_of(os.open, ex, os.O_TMPFILE | os.O_RDWR, 0o600) == errno.errorcode[
         errno.EOPNOTSUPP]
-    # fallocate(2): no handler; posix_fallocate(3) falls back to writing zeros.
-    fd = os.open(ex / "alloc", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, 100_000)
-        assert (os.fstat(fd).st_size, os.pread(fd, 200_000, 0)) == (100_000, bytes(100_000))
-    finally:
-        os.close(fd)
-    proc = run("fallocate", "-l", "1M", ex / "alloc", check=False,
-               env={"PATH": os.environ["PATH"], "LC_ALL": "C"})
-    assert (proc.returncode, proc.stderr) == (
-        1, "fallocate: fallocate failed: Operation not supported\n")
-    # No lseek handler: the kernel reports the whole file as data, holes included (POSIX
-    # allows it); the bytes read are exact.
-    fd = os.open(ex / "sparse", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.ftruncate(fd, 1 << 20)
-        assert (os.lseek(fd, 0, os.SEEK_DATA), os.lseek(fd, 0, os.SEEK_HOLE)) == (0, 1 << 20)
-    finally:
-        os.close(fd)
     # The kernel marks FUSE inodes S_NOATIME and serves cached reads itself: reads never
     # move atime (explicit utimensat does, see case 9).
     (ex / "read-me").write_bytes(b"data\n")

@@ -14,6 +14,10 @@ invalidate what the kernel may hold (``Control.invalidate``).
 Every route that changes an execution waits first while a promote captures it (the freeze,
 ``Overlay.wait_thawed``); writes to control files are commands (rametfs.control.commands).
 
+File handles (export support): a lookup of ``.`` or ``..`` names the inode itself or its
+parent, which the kernel asks for when it opens a handle of an inode it has forgotten; every
+entry carries a generation drawn at the start, so handles of an earlier run are stale.
+
 Who may do what (rametfs.authority; docs/architecture.md, "Authority"): ``snapshots/`` and
 ``executions/`` are 0711, so only the harness lists them; ``executions/<id>`` is answered at
 entry timeout 0 (in lookups and listings), so every path walk through that name comes here
@@ -86,7 +90,8 @@ class Absence(enum.Enum):
 
     UNCACHED = 0  # snapshots/, executions/, .ramet/: they gain names the kernel does not see
     CACHED = 1  # a directory of a view: every change comes through the mount
-    UNTIL_RESET = 2  # an execution's directory: a reset that changes its names must make the kernel forget it
+    UNTIL_RESET = 2  # an execution's directory: a reset that changes its names makes the
+    # kernel forget them
 
 
 @dataclass
@@ -227,12 +232,26 @@ class MountTree:
         """The entry of ``name`` in ``parent`` for ``caller``; a control file's content is
         made now.  NotFound where there is none (:meth:`absence`: may the kernel cache it)."""
         v = self.virtual.get(parent)
-        if v is not None and name in v.files:
+        if name in (b".", b".."):  # a file handle's inode or its parent (export support)
+            ino = self._dot_lookup(parent, name)
+        elif v is not None and name in v.files:
             ino = (await self._control_file(v.files[name], caller)).ino
         else:
             await self.overlay.prefetch(parent)
             ino = self._lookup_ino(parent, name, caller)
         return self.entry_in(parent, ino)
+
+    def _dot_lookup(self, ino: int, name: bytes) -> int:
+        """``.`` or ``..`` of inode ``ino``: the kernel asks when it decodes a file handle
+        (open_by_handle_at(2), NFS export) of an inode it no longer holds, and for the
+        parent of a directory it reconnects.  Nodes stay while the daemon runs, so any
+        inode number it gave is found; one unlinked since, or of a dropped layer (reset,
+        release), or of an earlier run that was never copied up, is ESTALE."""
+        if ino not in self.virtual:
+            node = self.overlay.node(ino)  # ESTALE: unknown, or of a dropped layer
+            if node.upper is not None and node.upper.nlink == 0:
+                raise fs_error(errno.ESTALE)
+        return ino if name == b"." else self._parent_ino(ino)
 
     def absence(self, parent: int) -> Absence:
         """Whether the kernel may cache that a name of ``parent`` is missing, and until when."""
@@ -459,6 +478,25 @@ class MountTree:
         node = self.overlay.node(ino)
         await self.overlay.wait_thawed(node)
         return self.overlay.write(node, off, buf)
+
+    async def fallocate(self, ino: int, mode: int, off: int, length: int) -> None:
+        """fallocate(2) of ``length`` bytes at ``off`` (``FileData.fallocate``);
+        EOPNOTSUPP on a control file, as sysfs answers."""
+        if ino in self.virtual:
+            raise fs_error(errno.EOPNOTSUPP)
+        node = self.overlay.node(ino)
+        await self.overlay.wait_thawed(node)
+        self.overlay.fallocate(node, mode, off, length)
+
+    def seek(self, ino: int, off: int, whence: int) -> int:
+        """SEEK_DATA or SEEK_HOLE from ``off`` (``FileData.seek``); a control file is data
+        to its end.  ENXIO at or past the end."""
+        v = self.virtual.get(ino)
+        if v is None:
+            return self.overlay.seek(self.overlay.node(ino), off, whence)
+        if not 0 <= off < len(v.content):
+            raise fs_error(errno.ENXIO)
+        return off if whence == os.SEEK_DATA else len(v.content)
 
     async def fsync(self, ino: int) -> None:
         if ino in self.virtual:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import secrets
 import stat
 
 import pyfuse3
@@ -44,8 +45,9 @@ log = logging.getLogger(__name__)
 READDIR_STEP = 128
 
 
-def _entry(e: Entry) -> pyfuse3.EntryAttributes:
-    """What the kernel is told of ``e``."""
+def _entry(e: Entry, generation: int) -> pyfuse3.EntryAttributes:
+    """What the kernel is told of ``e``; ``generation`` goes in every file handle the
+    kernel makes of it."""
     a = e.attrs
     out = pyfuse3.EntryAttributes()
     out.st_ino = a.ino
@@ -62,6 +64,7 @@ def _entry(e: Entry) -> pyfuse3.EntryAttributes:
     out.st_ctime_ns = a.ctime_ns
     out.attr_timeout = e.attr_timeout
     out.entry_timeout = e.entry_timeout
+    out.generation = generation
     return out
 
 
@@ -130,7 +133,7 @@ def _caller(ctx) -> Caller:
 class Operations(pyfuse3.Operations):
     """pyfuse3 handlers over a MountTree, in open-less mode (no open or opendir)."""
 
-    supports_dot_lookup = False
+    supports_dot_lookup = True  # file handles: the kernel finds an inode it forgot by "."
     enable_writeback_cache = False
     enable_acl = False
 
@@ -138,6 +141,12 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.tree = tree
         self.kernel = kernel
+        # In every entry, so in every file handle the kernel makes: a handle from an earlier
+        # run is stale (an inode number lookups gave out may be given again after a crash).
+        self.generation = secrets.randbits(32)
+
+    def _entry(self, e: Entry) -> pyfuse3.EntryAttributes:
+        return _entry(e, self.generation)
 
     # -- namespace -----------------------------------------------------------------------
 
@@ -152,11 +161,11 @@ class Operations(pyfuse3.Operations):
             scope = self.tree.scope(parent_inode) if absence is Absence.UNTIL_RESET else None
             return _negative(self.kernel.negative_entry(parent_inode, name, scope))
         self.kernel.looked_up(entry)
-        return _entry(entry)
+        return self._entry(entry)
 
     @_translate
     async def getattr(self, inode, ctx=None):
-        return _entry(self.tree.getattr(inode))
+        return self._entry(self.tree.getattr(inode))
 
     @_translate
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -173,7 +182,7 @@ class Operations(pyfuse3.Operations):
             changes["atime_ns"] = attr.st_atime_ns
         if fields.update_mtime:
             changes["mtime_ns"] = attr.st_mtime_ns
-        return _entry(await self.tree.setattr(inode, changes))
+        return self._entry(await self.tree.setattr(inode, changes))
 
     @_translate
     async def readlink(self, inode, ctx):
@@ -181,19 +190,19 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return _entry(await self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return self._entry(await self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_translate
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return _entry(await self.tree.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+        return self._entry(await self.tree.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
 
     @_translate
     async def symlink(self, parent_inode, name, target, ctx):
-        return _entry(await self.tree.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        return self._entry(await self.tree.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @_translate
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return _entry(await self.tree.link(inode, new_parent_inode, new_name))
+        return self._entry(await self.tree.link(inode, new_parent_inode, new_name))
 
     @_translate
     async def unlink(self, parent_inode, name, ctx):
@@ -226,7 +235,7 @@ class Operations(pyfuse3.Operations):
             name, ino = listing[i]
             entry = self.tree.entry_in(fh, ino) if i >= 2 else None
             if not pyfuse3.readdir_reply(token, name, _dot(ino) if entry is None
-                                         else _entry(entry), i + 1):
+                                         else self._entry(entry), i + 1):
                 break
             if entry is not None:
                 self.kernel.looked_up(entry)
@@ -242,7 +251,7 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def create(self, parent_inode, name, mode, flags, ctx):
         entry = await self.tree.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-        return pyfuse3.FileInfo(fh=entry.attrs.ino, keep_cache=True), _entry(entry)
+        return pyfuse3.FileInfo(fh=entry.attrs.ino, keep_cache=True), self._entry(entry)
 
     @_translate
     async def read(self, fh, off, size):
@@ -259,6 +268,14 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def fsync(self, fh, datasync):
         await self.tree.fsync(fh)
+
+    @_translate
+    async def fallocate(self, fh, mode, off, length):
+        await self.tree.fallocate(fh, mode, off, length)
+
+    @_translate
+    async def lseek(self, fh, off, whence):
+        return self.tree.seek(fh, off, whence)
 
     @_translate
     async def statfs(self, ctx):

@@ -30,7 +30,8 @@ The model is split by job: each job is one component, in a module of its own, an
 ``lookup``      lookup, the merged listing, attributes, symlink targets, extended attributes
 ``changes``     the change clock and git's fsmonitor tokens
 ``upper``       copy-up, what a layer uses and may use, storing upper records
-``data``        page maps, reads, copy-on-write writes, truncation, fsync, upper data files
+``data``        page maps, reads, copy-on-write writes, truncation, fallocate, SEEK_DATA/HOLE,
+                fsync, upper data files
 ``hydrate``     base content in the shared hydration cache
 ``names``       namespace changes, one transaction each, undone in memory on failure
 ``attributes``  setattr and extended attributes
@@ -125,10 +126,12 @@ class Overlay:
             upper.check_not_failed, upper.fail, upper.copy_up, upper.charge, upper.save,
             upper.flush_view, upper.flush_steps, upper.flush_all, upper.flush_all_steps,
             upper.count_usage, upper.mark_dirty)
-        (self.read, self.write, self.truncate, self.sync_data, self.sync_store,
-         self.base_only, self.take_unlinked_fds, self._pages, self._upper_path) = (
-            data.read, data.write, data.truncate, data.sync_data, data.sync_store,
-            data.base_only, data.take_unlinked_fds, data.pages, data.upper_path)
+        (self.read, self.write, self.truncate, self.fallocate, self.seek, self.sync_data,
+         self.sync_store, self.base_only, self.take_unlinked_fds, self._pages,
+         self._upper_path) = (
+            data.read, data.write, data.truncate, data.fallocate, data.seek, data.sync_data,
+            data.sync_store, data.base_only, data.take_unlinked_fds, data.pages,
+            data.upper_path)
         self.base_fd = self.hydrator.base_fd
         (self.mkdir, self.mknod, self.create, self.symlink, self.link, self.unlink,
          self.rmdir, self.rename, self.rename_in_slices) = (

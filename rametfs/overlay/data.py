@@ -12,17 +12,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import heapq
 import os
 import stat
 import time
 from collections import OrderedDict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterator
 
 import trio
 
 from ..errors import NoSpace, RametError, fs_error
 from ..precreate import Precreated
 from ..store import PAGE_SIZE, Store
+from ..store.chunks import page_count
+from ..store.extents import (FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE,
+                              allocated_bytes, data_extents, fallocate)
 from ..store.format import UpperInode
 from .lookup import Lookup
 from .nodes import NO_PAGES, Attrs, Execution, Node
@@ -348,24 +352,9 @@ class FileData:
         fd = self._upper_fd(node)
         data = data[:self.upper.room(ex, len(data))]  # a short write up to the limit
         end = off + len(data)
-        touched = range(off // PAGE_SIZE, (min(end, u.base_limit) - 1) // PAGE_SIZE + 1) \
-            if off < u.base_limit else range(0)  # the pages that may still be the base's
         pages = self.pages(node)
-        whole = []  # base pages this write covers whole: not copied, theirs once written
         try:
-            for page in touched:
-                if page in pages:
-                    continue
-                start = page * PAGE_SIZE
-                limit = min(start + PAGE_SIZE, u.base_limit)
-                if off <= start and end >= limit:
-                    whole.append((page, limit))
-                    continue
-                raw = self.store.read_page(u.base.ref, page)[: limit - start]  # copy up
-                if os.pwrite(fd, raw, start) < len(raw):
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                pages.add(page)
-                _add_new_page(node, page)
+            whole = self._copy_up_pages(node, u, fd, off, end)  # theirs once written
             done = off + os.pwrite(fd, data, off)
         except OSError as exc:
             raise RametError(f"upper data write failed: {exc.strerror}", exc.errno) from None
@@ -383,6 +372,173 @@ class FileData:
         u.mtime_ns = u.ctime_ns = time.time_ns()
         self.upper.mark_dirty(node)
         return done - off
+
+    def _copy_up_pages(self, node: Node, u: UpperInode, fd: int, off: int, end: int,
+                       holes: bool = False) -> list[tuple[int, int]]:
+        """Copy up into ``fd`` the base pages that bytes ``[off, end)`` of ``node`` touch in
+        part, adding them to its page map, and return ``(page, end of its base bytes)`` of
+        those they cover whole, which are not copied: the caller decides when they join the
+        map.  With ``holes``, a base page that is a hole is returned too, covered or not
+        (the caller makes it a hole of ``fd``).  Raises OSError (ENOSPC on a short write)."""
+        if off >= u.base_limit:
+            return []
+        pages = self.pages(node)
+        content = self.store.content(u.base.ref) if holes else None
+        whole = []
+        for page in range(off // PAGE_SIZE, (min(end, u.base_limit) - 1) // PAGE_SIZE + 1):
+            if page in pages:
+                continue
+            start = page * PAGE_SIZE
+            limit = min(start + PAGE_SIZE, u.base_limit)
+            if off <= start and end >= limit or content is not None and \
+                    content.chunk(page) is None:
+                whole.append((page, limit))
+                continue
+            raw = self.store.read_page(u.base.ref, page)[: limit - start]
+            if os.pwrite(fd, raw, start) < len(raw):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            pages.add(page)
+            _add_new_page(node, page)
+        return whole
+
+    def fallocate(self, node: Node, mode: int, off: int, length: int) -> None:
+        """fallocate(2) of bytes ``[off, off + length)`` of file ``node``.
+
+        Mode 0 allocates them in the upper data file and extends the size to ``off +
+        length``; ``FALLOC_FL_KEEP_SIZE`` leaves the size.  Base pages the range leaves
+        unchanged keep their bytes in the store: an allocation does not copy them up (a
+        later write does, as ever).  ``FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE`` makes
+        the bytes (up to the size) read as zeros and frees them: the upper data file gets a
+        hole there, and a base page the range covers whole (or that is a hole of the base)
+        joins the page map uncopied, masked by that hole; one covered in part is copied up
+        first.  ``FALLOC_FL_ZERO_RANGE`` (with or without KEEP_SIZE) is a punch and then an
+        allocation.  ``st_blocks`` follows (:meth:`stored_bytes`).
+
+        Errors as ext4 gives them: EOPNOTSUPP for any other mode, EINVAL for ``off < 0``
+        or ``length <= 0``, EFBIG past :attr:`max_file_size`, EROFS on a snapshot, EDQUOT
+        when the bytes it may allocate pass the execution's ``--max-bytes`` (nothing is
+        allocated then), ENOSPC when the disk is full.
+        """
+        ex = self.upper.writable(node)
+        punch, zero, keep = (mode & FALLOC_FL_PUNCH_HOLE, mode & FALLOC_FL_ZERO_RANGE,
+                             mode & FALLOC_FL_KEEP_SIZE)
+        if mode & ~(FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE) or \
+                punch and (zero or not keep):
+            raise fs_error(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not supported "
+                                             f"(0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE, ZERO_RANGE)")
+        if off < 0 or length <= 0:
+            raise fs_error(errno.EINVAL, f"fallocate of {length} bytes at {off}")
+        end = off + length
+        if end > self.max_file_size:
+            raise fs_error(errno.EFBIG, f"fallocate to byte {end}: a file holds at most "
+                                        f"{self.max_file_size} bytes")
+        u = self.upper.copy_up(node)
+        grows = not keep and end > u.size
+        if punch or zero or grows:
+            self._bytes_change(node, u)
+        fd = self._upper_fd(node)
+        # What to allocate, and the room it needs before anything changes: the upper data
+        # file's parts of the range (all of it for a zero range, whose punch masks the base).
+        ranges = [] if punch else [(off, end)] if zero else self._upper_ranges(node, u, off, end)
+        try:
+            self.upper.check_room(ex, sum(b - a - allocated_bytes(fd, a, b) for a, b in ranges))
+            if punch or zero:
+                self._punch(node, u, fd, off, min(end, u.size))
+            for a, b in ranges:
+                fallocate(fd, keep, a, b - a)
+        except OSError as exc:
+            raise RametError(f"fallocate of the upper data failed: {exc.strerror}",
+                             exc.errno) from None
+        finally:
+            self._allocated(node, fd)
+            self.upper.mark_dirty(node)  # pages a failed punch masked or copied up, too
+        now = time.time_ns()
+        if grows:
+            u.size = end
+        if punch or zero or grows:
+            u.mtime_ns = now
+        u.ctime_ns = now
+
+    def _punch(self, node: Node, u: UpperInode, fd: int, off: int, end: int) -> None:
+        """Make bytes ``[off, end)`` of ``node`` read as zeros (:meth:`fallocate`)."""
+        if off >= end:
+            return
+        for page, limit in self._copy_up_pages(node, u, fd, off, end, holes=True):
+            start = page * PAGE_SIZE
+            fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, start, limit - start)
+            self.pages(node).add(page)
+            _add_new_page(node, page)
+        fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off, end - off)
+
+    def _upper_ranges(self, node: Node, u: UpperInode, off: int, end: int
+                      ) -> list[tuple[int, int]]:
+        """The byte ranges within ``[off, end)`` of ``node`` its upper data file serves
+        (pages of its page map, and from ``base_limit`` on), ascending."""
+        pages, ranges, pos = self.pages(node), [], off
+        while pos < end:
+            page_end = min(end, (pos // PAGE_SIZE + 1) * PAGE_SIZE)
+            if pos >= u.base_limit:
+                piece, page_end = (pos, end), end
+            elif pos // PAGE_SIZE in pages:
+                piece = (pos, page_end)
+            else:
+                pos = min(page_end, u.base_limit)  # the base's bytes
+                continue
+            if ranges and ranges[-1][1] == piece[0]:
+                ranges[-1] = (ranges[-1][0], piece[1])
+            else:
+                ranges.append(piece)
+            pos = page_end
+        return ranges
+
+    def seek(self, node: Node, off: int, whence: int) -> int:
+        """lseek(2) ``SEEK_DATA`` or ``SEEK_HOLE`` (``whence``) of file ``node`` from byte
+        ``off``: the first byte at or after it that may hold data, or that is in a hole (the
+        size, if none is).  Base pages are data or holes whole (64 KiB), the upper data file
+        as its file system reports it (unwritten extents are holes).  ENXIO when ``off`` is
+        at or past the size, or negative, or for SEEK_DATA when only a hole follows."""
+        size = node.size
+        if off < 0 or off >= size:
+            raise fs_error(errno.ENXIO, f"offset {off} is not below the size, {size}")
+        pos = off
+        for start, stop in self._data_ranges(node, off, size):
+            if whence == os.SEEK_DATA:
+                return max(start, off)
+            if start > pos:
+                return pos
+            pos = max(pos, stop)
+        if whence == os.SEEK_DATA:
+            raise fs_error(errno.ENXIO, f"no data after offset {off}")
+        return min(pos, size)
+
+    def _data_ranges(self, node: Node, off: int, size: int) -> Iterator[tuple[int, int]]:
+        """Byte ranges of ``node`` below ``size`` that end after ``off`` and may hold data,
+        ascending by start (they may touch or overlap)."""
+        u, cid = node.upper, node.base_content
+        base_limit = min(u.base_limit if u is not None else size, size)
+        pages = self.pages(node) if u is not None else NO_PAGES
+        base: Iterator[tuple[int, int]] = iter(())
+        if cid and base_limit > off:
+            base = ((p * PAGE_SIZE, min((p + 1) * PAGE_SIZE, base_limit))
+                    for p, _ in self.store.content(cid).pages(page_count(base_limit),
+                                                              off // PAGE_SIZE)
+                    if p not in pages)
+        upper: Iterator[tuple[int, int]] = iter(())
+        if u is not None and u.size:
+            fd = self.upper_fds.get(node)
+            if fd is not None or os.path.exists(self.upper_path(node.view, node.ino)):
+                upper = self._upper_data(node, u, self._upper_fd(node), off, size)
+        return heapq.merge(base, upper)
+
+    def _upper_data(self, node: Node, u: UpperInode, fd: int, off: int, size: int
+                    ) -> Iterator[tuple[int, int]]:
+        """The data extents of ``node``'s upper data file within ``[off, size)`` that it
+        serves (:meth:`_upper_ranges`), ascending."""
+        for a, b in data_extents(fd, off, size):
+            if a >= u.base_limit:
+                yield a, b
+                continue
+            yield from self._upper_ranges(node, u, a, b)
 
     def _bytes_change(self, node: Node, u: UpperInode) -> None:
         """``node``'s bytes are about to change: forget the content id a capture found them

@@ -194,13 +194,14 @@ class Content:
         cid = self.ids[at:at + ID_BYTES]
         return None if self._is_zero_chunk(page, cid) else cid
 
-    def pages(self, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
-        """``(page, chunk id)`` of every page holding data below page ``stop`` (all when
-        None), ascending."""
+    def pages(self, stop: int | None = None, first: int = 0) -> Iterator[tuple[int, bytes]]:
+        """``(page, chunk id)`` of every page holding data from page ``first`` on and below
+        page ``stop`` (all when None), ascending."""
         ids = self.ids
-        for (start, count), offset in zip(self.runs, self._offsets):
+        skip = max(0, bisect.bisect_right(self._starts, first) - 1)  # runs wholly before it
+        for (start, count), offset in zip(self.runs[skip:], self._offsets[skip:]):
             end = start + count if stop is None else min(start + count, stop)
-            for page in range(start, end):
+            for page in range(max(start, first), end):
                 at = (offset + page - start) * ID_BYTES
                 cid = ids[at:at + ID_BYTES]
                 if not self._is_zero_chunk(page, cid):
