@@ -187,6 +187,10 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
     enable_acl = False
+    # With the patch, in open-less mode (FUSE_HANDLE_KILLPRIV_V2): the kernel sends no GETATTR
+    # before each chown and no security.capability GETXATTR before each write of a file that
+    # has none, and leaves clearing set-user-ID and set-group-ID bits to us (_kill_suidgid).
+    handle_killpriv_v2 = True
 
     def __init__(self, overlay: Overlay, mountpoint: str, *, faults: bool = False,
                  max_answer_bytes: int = protocol.MAX_ANSWER_BYTES):
@@ -594,6 +598,12 @@ class Operations(pyfuse3.Operations):
         node = self.overlay.node(inode)
         await self._hold(node)
         kw = {}
+        # A setattr that changes nothing is the kernel's own kill of set-ID bits: a chown(2)
+        # to -1, -1, or a write by a caller without CAP_FSETID (file_remove_privs).
+        changes = (fields.update_mode, fields.update_uid, fields.update_gid, fields.update_size,
+                   fields.update_atime, fields.update_mtime)
+        if getattr(fields, "kill_suidgid", False) or not any(changes):
+            kw = self._kill_suidgid(node, Caller(ctx.uid, ctx.gid, ctx.pid))
         if fields.update_mode:
             kw["mode"] = attr.st_mode
         if fields.update_uid:
@@ -771,8 +781,23 @@ class Operations(pyfuse3.Operations):
         base_fd = await self.overlay.base_fd(node)
         return self.overlay.read(self.overlay.node(fh), off, size, base_fd)
 
+    def _kill_suidgid(self, node: Node, caller: Caller | None = None) -> dict[str, int]:
+        """The ``mode`` that clears ``node``'s set-user-ID bit, and its set-group-ID bit if
+        it has group execute or ``caller`` (when known) is neither root nor in the file's
+        group, as the kernel decides on ext4 (a set-group-ID without group execute marks
+        mandatory locking); as a setattr keyword, empty if nothing is to clear or ``node`` is
+        a directory."""
+        mode = node.mode
+        if stat.S_ISDIR(mode):
+            return {}
+        kill = stat.S_ISUID
+        if mode & stat.S_IXGRP or caller is not None and caller.uid != 0 \
+                and mode & stat.S_ISGID and self.overlay.attrs(node).gid not in caller.groups:
+            kill |= stat.S_ISGID
+        return {"mode": mode & ~kill} if mode & kill else {}
+
     @_errors
-    async def write(self, fh, off, buf):
+    async def write(self, fh, off, buf, kill_suidgid=False):
         v = self.virtual.get(fh)
         if v is not None:
             return await self._control_write(v, buf)
@@ -787,6 +812,12 @@ class Operations(pyfuse3.Operations):
                 self.refused_pages[fh] = False
                 trio.lowlevel.spawn_system_task(self._drop_refused_pages, fh)
         await self._hold(node)
+        if kill_suidgid and (kill := self._kill_suidgid(node)):
+            # The writer lacks CAP_FSETID (FUSE_WRITE_KILL_SUIDGID).  The kernel's own empty
+            # setattr before the write (file_remove_privs) has cleared the bits already and
+            # taken the new mode from its reply; this is what the protocol asks for.  (An
+            # invalidation of the inode here would wait for this very write: a deadlock.)
+            self.overlay.setattr(node, **kill)
         return self.overlay.write(node, off, buf)
 
     async def _drop_refused_pages(self, ino: int) -> None:
