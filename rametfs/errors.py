@@ -1,7 +1,7 @@
 """Domain errors: each carries the errno the FUSE adapter answers and the CLI maps to an exit code.
 
 Raised by the store, the overlay and the control commands; caught in exactly one place per
-boundary (``fuse_ops`` turns them into ``FUSEError(e.errno)``, ``control`` into a JSON reply).
+boundary (``fuse.adapter`` turns them into ``FUSEError(e.errno)``, ``control.commands`` into a JSON reply).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .. import policy as _policy
 from .. import protocol
+from ..core import policy as _policy
 from ..core import pools as core
+from ..core import status
 from ..errors import NotFound
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class Pools:
     def verified(self, execution: str, verification: dict) -> None:
         """An explicit verification (rametfs.core.pools.verification_json): a ready member
         that differs from its base is quarantined and replaced."""
-        settled = self.rules.verified(execution, core.quarantine_reason(verification))
+        settled = self.rules.verified(execution, status.quarantine_reason(verification))
         if settled is not None:
             self._make(settled.new)
 
@@ -127,8 +128,8 @@ class Pools:
         try:
             verification = self.engine.verification(eid, mode)
         except core.VERIFICATION_FAILURES as exc:
-            return reset_ms, None, core.failure_reason(mode, exc)
-        return reset_ms, verification, core.quarantine_reason(verification)
+            return reset_ms, None, status.failure_reason(mode, exc)
+        return reset_ms, verification, status.quarantine_reason(verification)
 
     def _make(self, new: tuple[core.NewMember, ...]) -> None:
         """Create the executions of ``new`` members and record them; one its pool no longer
