@@ -78,9 +78,10 @@ class FuseTrace:
     Raises :class:`Unsupported` without root or without the tracepoints (older kernels);
     :meth:`run` raises BenchError when the buffer overflowed (events lost)."""
 
-    def __init__(self, mountpoint: Path, name: str = "rametfs-bench"):
+    def __init__(self, mountpoint: Path, name: str | None = None):
         self.mountpoint = mountpoint
-        self.name = name
+        # One instance per process: benchmarks run at the same time must not share one.
+        self.name = name or f"rametfs-bench-{os.getpid()}"
         self.mounted_tracefs = False
         self.instance: Path | None = None
 

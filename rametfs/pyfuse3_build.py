@@ -38,7 +38,8 @@ OUTPUT_LINES = 20  # of a failed step's output shown
 HAS_PATCH = ("import pyfuse3, sys; "
              "sys.exit(0 if hasattr(pyfuse3.FileInfo(), 'cache_readdir') and "
              "hasattr(pyfuse3.Operations, 'fallocate') and "
-             "hasattr(pyfuse3.Operations, 'lseek') else 1)")
+             "hasattr(pyfuse3.Operations, 'lseek') and "
+             "hasattr(pyfuse3, 'handles_killpriv_v2') else 1)")
 
 
 class BuildError(Exception):

@@ -421,6 +421,8 @@ PERMISSION_STEPS = [
     "touch sg/f && mkdir sg/d && mkdir sg/d/inner && ln -s f sg/l && mkfifo sg/p",
     "echo y >> w/suid",  # a write by another user clears set-user-ID
     "echo y >> w/sgid",  # and set-group-ID with group execute
+    "echo y >> w/sgid-nox",  # without it too, the writer not being in the file's group
+    "truncate -s 1 w/suid-trunc",  # a truncate by another user clears both
     "rm sticky/rootfile",
     "rm sticky/mine",
     "touch -d @100 w/rootfile",  # explicit times: owner only
@@ -439,12 +441,14 @@ def test_other_user_permission_checks_match_ext4(other_users, tmp_path):
     new, ext4_base = other_users
     src = write_tree(tmp_path / "src", {
         "sg/keep": b"", "w/suid": b"x\n", "w/sgid": b"x\n", "w/suid-kept": b"x\n",
+        "w/sgid-nox": b"x\n", "w/suid-trunc": b"x\n",
         "w/rootfile": b"x\n", "w/mine": b"x\n", "w/mine100": b"x\n",
         "sticky/rootfile": b"x\n", "sticky/mine": b"x\n"})
     os.chmod(src, 0o755)
     os.chown(src / "sg", 0, 100)
     for rel, mode in [("sg", 0o2777), ("w", 0o777), ("sticky", 0o1777), ("w/suid", 0o4777),
                       ("w/sgid", 0o2777), ("w/suid-kept", 0o4755), ("w/rootfile", 0o666),
+                      ("w/sgid-nox", 0o2766), ("w/suid-trunc", 0o6777),
                       ("sticky/rootfile", 0o666)]:
         os.chmod(src / rel, mode)
     os.chown(src / "w" / "sgid", 0, 100)
@@ -459,16 +463,58 @@ def test_other_user_permission_checks_match_ext4(other_users, tmp_path):
 
     got = steps(ex)
     assert got == steps(ext4)
-    assert [row[1] for row in got] == [0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 1, 0, 0, 1]
+    assert [row[1] for row in got] == [0, 0, 0, 0, 0, 1, 0, 1, 0, 1, 1, 1, 1, 0, 0, 1]
     sig = tree_signature(ex, times=False)
     assert {rel: " ".join(sig[rel].split()[:3]) for rel in [
-        "sg/f", "sg/d", "sg/d/inner", "sg/l", "w/suid", "w/sgid", "w/mine100", "w/hl"]} == {
+        "sg/f", "sg/d", "sg/d/inner", "sg/l", "w/suid", "w/sgid", "w/sgid-nox", "w/suid-trunc",
+        "w/mine100", "w/hl"]} == {
         "sg/f": "file 0644 65534:100", "sg/d": "dir 2755 65534:100",
         "sg/d/inner": "dir 2755 65534:100", "sg/l": "link 0777 65534:100",
         "w/suid": "file 0777 0:0", "w/sgid": "file 0777 0:100",
+        "w/sgid-nox": "file 0766 0:0", "w/suid-trunc": "file 0777 0:0",
         "w/mine100": "file 0755 65534:100", "w/hl": "file 0666 0:0"}
     assert sorted(os.listdir(ex / "sticky")) == ["rootfile"]
     assert sig == tree_signature(ext4, times=False)
+
+
+# Each: a file's mode before, and what changes it.  Root keeps the set-ID bits on a write or a
+# truncate (CAP_FSETID), root without CAP_FSETID does not; a chown of a file clears them for
+# anyone, set-group-ID only with group execute, a directory's never.
+SET_ID_STEPS = [
+    ("write", 0o6777, "echo y >> f"),
+    ("truncate", 0o6777, "truncate -s 0 f"),
+    ("o-trunc", 0o6777, "echo y > f"),
+    ("write-no-fsetid", 0o6777, "setpriv --bounding-set=-fsetid sh -c 'echo y >> f'"),
+    ("truncate-no-fsetid", 0o6777, "setpriv --bounding-set=-fsetid truncate -s 0 f"),
+    ("o-trunc-no-fsetid", 0o6775, "setpriv --bounding-set=-fsetid sh -c 'echo y > f'"),
+    ("write-no-fsetid-sgid-nox", 0o2766, "setpriv --bounding-set=-fsetid sh -c 'echo y >> f'"),
+    ("chown", 0o6755, "chown 0:0 f"),
+    ("chown-sgid-nox", 0o2745, "chown 0:0 f"),
+    ("chown-minus-one", 0o6755, "python3 -c 'import os; os.chown(\"f\", -1, -1)'"),
+    ("chown-dir", 0o2755, "mkdir -p d && chmod 2755 d && chown 0:0 d && stat -c %a d > f"),
+]
+
+
+def test_set_id_bits_on_write_truncate_and_chown_match_ext4(executions, tmp_path):
+    src = write_tree(tmp_path / "src", {f"{name}/f": b"x\n" for name, _, _ in SET_ID_STEPS})
+    for name, mode, _ in SET_ID_STEPS:
+        os.chmod(src / name / "f", mode)
+    ex, ext4 = executions(src), ext4_copy(src, tmp_path / "ext4")
+
+    def steps(root: Path) -> dict:
+        for name, _, line in SET_ID_STEPS:
+            run("sh", "-c", line, cwd=root / name)
+        return {name: oct(stat.S_IMODE((root / name / "f").stat().st_mode))
+                for name, _, _ in SET_ID_STEPS}
+
+    got = steps(ex)
+    assert got == steps(ext4)
+    assert got == {"write": "0o6777", "truncate": "0o6777", "o-trunc": "0o6777",
+                   "write-no-fsetid": "0o777", "truncate-no-fsetid": "0o777",
+                   "o-trunc-no-fsetid": "0o775", "write-no-fsetid-sgid-nox": "0o2766",
+                   "chown": "0o755", "chown-sgid-nox": "0o2745", "chown-minus-one": "0o755",
+                   "chown-dir": "0o2755"}
+    assert (ex / "chown-dir" / "f").read_text() == "2755\n"
 
 
 # ----- case 8: large directories ------------------------------------------------------------------

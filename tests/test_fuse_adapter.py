@@ -83,7 +83,7 @@ class FakeTree:
         self._call("mkdir", parent, name, mode, uid, gid)
         return entry(200, stat.S_IFDIR | mode)
 
-    async def write(self, ino: int, off: int, buf: bytes) -> int:
+    async def write(self, ino: int, off: int, buf: bytes, kill_suidgid: bool = False) -> int:
         self._call("write", ino, off, buf)
         return len(buf)
 

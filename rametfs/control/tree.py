@@ -315,10 +315,12 @@ class MountTree:
             return v.content
         return self.overlay.readlink(self.overlay.node(ino))
 
-    async def setattr(self, ino: int, changes: dict[str, int]) -> Entry:
+    async def setattr(self, ino: int, changes: dict[str, int],
+                      kill_suidgid: Caller | None = None) -> Entry:
         """Set what ``changes`` names (``mode``, ``uid``, ``gid``, ``size``, ``atime_ns``,
         ``mtime_ns``) of ``ino``; a control file takes only the truncation of a command
-        written to it."""
+        written to it.  ``kill_suidgid``: the caller for whom the set-ID bits are also
+        cleared (:meth:`_kill_suidgid`)."""
         v = self.virtual.get(ino)
         if v is not None:
             sized = "size" in changes
@@ -330,9 +332,26 @@ class MountTree:
             raise fs_error(errno.EACCES if sized else errno.EPERM)
         node = self.overlay.node(ino)
         await self.overlay.wait_thawed(node)
+        if kill_suidgid is not None:
+            changes = {**self._kill_suidgid(node, kill_suidgid), **changes}
         self.overlay.setattr(node, **changes)
         await self._close_unlinked()
         return self._node_entry(node)
+
+    def _kill_suidgid(self, node: Node, caller: Caller | None = None) -> dict[str, int]:
+        """The ``mode`` that clears ``node``'s set-user-ID bit, and its set-group-ID bit if
+        it has group execute or ``caller`` (when known) is neither root nor in the file's
+        group, as the kernel decides on ext4 (a set-group-ID without group execute marks
+        mandatory locking); as a setattr keyword, empty if nothing is to clear or ``node`` is
+        a directory."""
+        mode = node.mode
+        if stat.S_ISDIR(mode):
+            return {}
+        kill = stat.S_ISUID
+        if mode & stat.S_IXGRP or caller is not None and caller.uid != 0 \
+                and mode & stat.S_ISGID and self.overlay.attrs(node).gid not in caller.groups:
+            kill |= stat.S_ISGID
+        return {"mode": mode & ~kill} if mode & kill else {}
 
     async def _parent(self, parent: int) -> Node:
         """Directory ``parent`` of a change, once its execution is not frozen; the
@@ -470,13 +489,20 @@ class MountTree:
         """Whether ``ino`` is a snapshot's node (its writes are refused, EROFS)."""
         return ino not in self.virtual and self.overlay.node(ino).view.read_only
 
-    async def write(self, ino: int, off: int, buf: bytes) -> int:
-        """Write ``buf`` at ``off``; to a control file, one write is one command."""
+    async def write(self, ino: int, off: int, buf: bytes, kill_suidgid: bool = False) -> int:
+        """Write ``buf`` at ``off``; to a control file, one write is one command.
+        ``kill_suidgid``: the writer lacks CAP_FSETID, the set-ID bits go first."""
         v = self.virtual.get(ino)
         if v is not None:
             return await self._control_write(v, buf)
         node = self.overlay.node(ino)
         await self.overlay.wait_thawed(node)
+        if kill_suidgid and (kill := self._kill_suidgid(node)):
+            # FUSE_WRITE_KILL_SUIDGID.  The kernel's own empty setattr before the write
+            # (file_remove_privs) has cleared the bits already and taken the new mode from its
+            # reply; this is what the protocol asks for.  (An invalidation of the inode here
+            # would wait for this very write: a deadlock.)
+            self.overlay.setattr(node, **kill)
         return self.overlay.write(node, off, buf)
 
     async def fallocate(self, ino: int, mode: int, off: int, length: int) -> None:

@@ -136,6 +136,10 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = True  # file handles: the kernel finds an inode it forgot by "."
     enable_writeback_cache = False
     enable_acl = False
+    # With the patch, open-less (FUSE_HANDLE_KILLPRIV_V2): the kernel sends no GETATTR before
+    # each chown and no security.capability GETXATTR before each write of a file that has
+    # none, and leaves clearing set-user-ID and set-group-ID bits to the tree.
+    handle_killpriv_v2 = True
 
     def __init__(self, tree: MountTree, kernel: KernelState):
         super().__init__()
@@ -182,7 +186,10 @@ class Operations(pyfuse3.Operations):
             changes["atime_ns"] = attr.st_atime_ns
         if fields.update_mtime:
             changes["mtime_ns"] = attr.st_mtime_ns
-        return self._entry(await self.tree.setattr(inode, changes))
+        # A setattr that changes nothing is the kernel's own kill of set-ID bits: a chown(2)
+        # to -1, -1, or a write by a caller without CAP_FSETID (file_remove_privs).
+        kill = getattr(fields, "kill_suidgid", False) or not changes
+        return self._entry(await self.tree.setattr(inode, changes, _caller(ctx) if kill else None))
 
     @_translate
     async def readlink(self, inode, ctx):
@@ -258,9 +265,9 @@ class Operations(pyfuse3.Operations):
         return await self.tree.read(fh, off, size)
 
     @_translate
-    async def write(self, fh, off, buf):
+    async def write(self, fh, off, buf, kill_suidgid=False):
         try:
-            return await self.tree.write(fh, off, buf)
+            return await self.tree.write(fh, off, buf, kill_suidgid)
         except ReadOnly:  # a snapshot file's: its pages the kernel changed must go
             self.kernel.refused_write_back(fh)
             raise
