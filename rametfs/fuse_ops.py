@@ -61,6 +61,7 @@ from .errors import NotFound, RametError, ReadOnly
 from .faults import FAULTS
 from .overlay import (COLLECT_BATCH, Attrs, Execution, Node, Overlay, close_all, in_slices,
                       unlink_upper_files)
+from .store import Snapshot
 from .store.names import HEX_REF, SNAPSHOT_ID_RE
 
 log = logging.getLogger(__name__)
@@ -496,6 +497,8 @@ class Operations(pyfuse3.Operations):
             v = self.virtual.get(parent_inode)
             if v is not None and name in v.files:  # a control file: its content made now
                 ino = (await self._control_file(v.files[name], caller)).ino
+            elif parent_inode == SNAPSHOTS:
+                ino = await self._snapshot_entry(name)
             else:
                 await self.overlay.prefetch(parent_inode)
                 ino = self._lookup_ino(parent_inode, name, caller)
@@ -505,6 +508,20 @@ class Operations(pyfuse3.Operations):
             return self._negative_entry(parent_inode, name)
         self._looked_up(ino)
         return self._entry_in(parent_inode, ino)
+
+    async def _snapshot_entry(self, name: bytes) -> int:
+        """``snapshots/<name>``: the view of a full id, or the symlink of a unique id prefix
+        or a name (:meth:`_snapshot_link`).  One found nowhere here is looked up in the
+        remote's catalog, if any, in a worker thread (``Overlay.resolve_entry``: bounded,
+        EAGAIN past its bound).  NotFound (ENOENT) when nothing matches."""
+        ref = name.decode("ascii", "replace")
+        if HEX_REF.fullmatch(ref) and not (SNAPSHOT_ID_RE.fullmatch(ref)
+                                           or SNAPSHOT_PREFIX_RE.fullmatch(ref)):
+            raise NotFound(f"no snapshot {ref!r}")  # ids are spelt in lower case only
+        snap = await self.overlay.resolve_entry(ref)  # NotFound: none, or several
+        if snap.id == ref:
+            return self.overlay.snapshot_view(ref).root_ino
+        return self._snapshot_link(snap)
 
     def _entry_in(self, parent_inode: int, ino: int) -> pyfuse3.EntryAttributes:
         """The entry of ``ino`` in directory ``parent_inode``, for a lookup or a listing:
@@ -539,13 +556,6 @@ class Operations(pyfuse3.Operations):
     def _lookup_ino(self, parent: int, name: bytes, caller: Caller) -> int:
         v = self.virtual.get(parent)
         if v is not None:
-            if parent == SNAPSHOTS:
-                ref = name.decode("ascii", "replace")
-                if SNAPSHOT_ID_RE.fullmatch(ref):
-                    return self.overlay.snapshot_view(ref).root_ino
-                if SNAPSHOT_PREFIX_RE.fullmatch(ref) or not HEX_REF.fullmatch(ref):
-                    return self._snapshot_link(ref)
-                raise NotFound(f"no snapshot {ref!r}")  # ids are spelt in lower case only
             if parent == EXECUTIONS:
                 ex = self.overlay.execution(name.decode("utf-8", "replace"))
                 if not ex.access.allows(caller, X):
@@ -562,12 +572,12 @@ class Operations(pyfuse3.Operations):
                 return self._exec_control_dir(node.view).ino
         return self.overlay.lookup(parent, name).ino
 
-    def _snapshot_link(self, ref: str) -> int:
+    def _snapshot_link(self, snap: Snapshot) -> int:
         """``snapshots/<ref>`` of a unique id prefix (as ``rametfs ls`` shows ids) or a
-        snapshot name: a symlink to the full id, never a second view of the snapshot (one
-        view per id).  One inode per snapshot, looked up at entry timeout 0: a new snapshot
-        can make a prefix ambiguous (then ENOENT, as for no match), a name can move."""
-        snap = self.overlay.store.snapshot(ref)  # NotFound: none, or several
+        snapshot name, ``snap`` the snapshot it names: a symlink to the full id, never a
+        second view of the snapshot (one view per id).  One inode per snapshot, looked up at
+        entry timeout 0: a new snapshot can make a prefix ambiguous (then ENOENT, as for no
+        match), a name can move."""
         ino = self.snapshot_links.get(snap.id)
         if ino is None:
             ino = self.overlay._alloc_ino()

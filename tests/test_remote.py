@@ -428,3 +428,153 @@ def test_kills_during_publish_never_list_a_snapshot_with_missing_objects(tmp_pat
     # The three roots and small/ (shared); 299 small chunks and 3 x 192 of 64 KiB.
     assert proc.stderr.startswith("3 published snapshots, 4 trees, 302 contents, 875 chunks, "
                                   ), proc.stderr
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a catalog host
+    that hangs: libpq waits out its connect_timeout); ``accepted`` counts connections."""
+
+    def __init__(self):
+        import socket
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.held: list = []
+        self.first = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.held.append(conn)
+            self.accepted += 1
+            self.first.set()
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_catalog_lookups_never_hold_the_daemon(tmp_path):
+    """A daemon whose catalog hangs (each call waits out 3 connection timeouts of 2 s): many
+    lookups of unknown hex names under ``snapshots/`` and a ``create`` of one, all at once,
+    run in worker threads, so a bystander execution's stat/create/write/read rounds are all
+    served while the first lookup still waits; then every lookup fails EIO, and the create
+    EIO naming the catalog."""
+    require_fuse()
+    pytest.importorskip("psycopg")
+    pytest.importorskip("boto3")
+    import errno
+    import threading
+    from conftest import ctl_command
+    silent = SilentServer()
+    env = {"RAMET_REMOTE": "s3://bucket/pfx", "RAMET_CATALOG":
+           f"host=127.0.0.1 port={silent.port} user=ramet dbname=ramet",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}", "AWS_ACCESS_KEY_ID": "k",
+           "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("base\n")
+    d = Daemon(tmp_path / "data", tmp_path / "mnt", env=env)
+    d.start()
+    try:
+        ex = d.create(d.snapshot(tmp_path / "src"))  # a full id found here: no catalog call
+        path = d.exec_path(ex)
+        lookups = 80
+        names = [uuid.uuid4().hex[:8 + i % 40] for i in range(lookups)]
+        errnos: dict[str, int] = {}
+        create: dict = {}
+
+        def look(name: str) -> None:
+            try:
+                os.stat(d.mnt / "snapshots" / name)
+                errnos[name] = 0
+            except OSError as exc:
+                errnos[name] = exc.errno
+
+        unknown = uuid.uuid4().hex[:16]
+
+        def create_unknown() -> None:
+            try:
+                ctl_command(d.mnt / ".ramet" / "ctl", f"create {unknown}")
+            except OSError as exc:
+                create.update(errno=exc.errno, reply=exc.reply)
+
+        threads = [threading.Thread(target=look, args=(n,)) for n in names]
+        threads.append(threading.Thread(target=create_unknown))
+        for t in threads:
+            t.start()
+        assert silent.first.wait(60), "no lookup reached the catalog"
+        for i in range(20):  # the bystander, while lookups wait for the catalog
+            f = path / f"round{i}"
+            f.write_text(f"round {i}\n")
+            assert f.read_text() == f"round {i}\n"
+            assert os.stat(f).st_size == len(f"round {i}\n")
+            assert (path / "f").read_text() == "base\n"
+        pending = sum(t.is_alive() for t in threads)
+        for t in threads:
+            t.join(120)
+        # Each lookup waits out 3 connection timeouts of 2 s (then the others fail at once),
+        # so the bystander's rounds were served while lookups waited.
+        assert pending == lookups + 1, pending
+        # The kernel sends the lookups of one directory one at a time (no parallel dirops),
+        # so none finds CATALOG_WAITING others waiting (that bound: the test below).
+        assert list(errnos.values()) == [errno.EIO] * lookups
+        assert create["errno"] == errno.EIO
+        assert create["reply"]["error"] == (
+            f"catalog user=ramet dbname=ramet host=127.0.0.1 port={silent.port}: find snapshot "
+            f"{unknown}: connection timeout expired"), create
+        # The catalog answered nothing: a lookup now is as prompt an EIO (it is not retried
+        # for a while), and a name found here is served at once.
+        with pytest.raises(OSError) as again:
+            os.stat(d.mnt / "snapshots" / uuid.uuid4().hex[:12])
+        assert again.value.errno == errno.EIO
+        assert (path / "round19").read_text() == "round 19\n"
+    finally:
+        d.stop()
+        silent.close()
+    check_log(d.log_text(), [], repr(d))
+
+
+def test_lookups_waiting_for_the_catalog_are_bounded(tmp_path, monkeypatch):
+    """Lookups of ``snapshots/`` entries that wait for a catalog that hangs: at most
+    CATALOG_WAITING wait (each then fails EIO), the others fail at once, EAGAIN."""
+    pytest.importorskip("psycopg")
+    pytest.importorskip("boto3")
+    import errno
+    import trio
+    from rametfs.errors import RametError
+    from rametfs.overlay.resolve import CATALOG_WAITING, Resolver
+    from rametfs.store import Store
+    from rametfs.store.remote import Remote
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    silent = SilentServer()
+    store = Store(tmp_path / "data")
+    store.remote = Remote("s3://bucket/pfx", f"host=127.0.0.1 port={silent.port} user=r")
+    resolver = Resolver(store)
+    failed: list[int] = []
+
+    async def look(ref: str) -> None:
+        try:
+            await resolver.entry(ref)
+        except RametError as exc:
+            failed.append(exc.errno)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(CATALOG_WAITING + 16):
+                nursery.start_soon(look, uuid.uuid4().hex[:16])
+
+    try:
+        trio.run(main)
+    finally:
+        store.remote.close()
+        store.close()
+        silent.close()
+    assert sorted(failed) == [errno.EIO] * CATALOG_WAITING + [errno.EAGAIN] * 16
