@@ -578,3 +578,241 @@ def test_lookups_waiting_for_the_catalog_are_bounded(tmp_path, monkeypatch):
         store.close()
         silent.close()
     assert sorted(failed) == [errno.EIO] * CATALOG_WAITING + [errno.EAGAIN] * 16
+
+
+def catalog_rows(remote: dict) -> dict[str, int]:
+    """Rows of the test's catalog: objects by kind name, packs, snapshots, names."""
+    import psycopg
+    with psycopg.connect(remote["RAMET_CATALOG"]) as conn:
+        kinds = dict(conn.execute("SELECT kind, count(*) FROM rametfs_objects GROUP BY kind"))
+        counts = {t: conn.execute(f"SELECT count(*) FROM rametfs_{t}").fetchone()[0]
+                  for t in ("packs", "snapshots", "names", "publishes")}
+    return {**{n: kinds.get(k, 0) for k, n in ((0, "chunks"), (1, "contents"), (2, "trees"))},
+            **counts}
+
+
+def bucket_packs(remote: dict) -> set[str]:
+    bucket = remote["RAMET_REMOTE"][5:].split("/")[0]
+    listed = remote["s3"].list_objects_v2(Bucket=bucket, Prefix="pfx/packs/")
+    return {o["Key"].rsplit("/", 1)[1] for o in listed.get("Contents", ())}
+
+
+def test_names_rm_and_forget_on_the_remote(tmp_path, remote):
+    """``name --remote`` names a published snapshot for every worker (a worker's own name
+    of the same spelling comes first there; a moved name is seen at once); ``rm --remote``
+    refuses a named snapshot without --force; ``forget --remote`` keeps what its rules keep;
+    ``gc --remote`` then deletes what only the delisted snapshots reached, and what stays
+    is whole (fsck --remote) and read equal to its source by another worker."""
+    require_fuse()
+    env = environ(remote)
+    src = tmp_path / "src"
+    make_tree(src)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snaps = []
+        for n in range(3):
+            (src / "version").write_text(f"{n}\n")
+            (src / f"only{n}.bin").write_bytes(os.urandom(200000))
+            snaps.append(one.snapshot(src, label=f"v{n}"))
+            rametfs("publish", "--data", str(one.data_dir), snaps[-1], env=env)
+            (src / f"only{n}.bin").unlink()
+        one.ctl(f"name base {snaps[0]}")  # worker 1's own name
+    finally:
+        one.stop()
+    assert rametfs("name", "--remote", "base", snaps[0][:10], env=env).stdout == \
+        f"base -> {snaps[0]}\n"
+    bad = rametfs("name", "--remote", "0123abcd99", snaps[0], env=env, check=False)
+    assert bad.returncode == 4 and "ambiguous with a snapshot id prefix" in bad.stderr
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=env)
+    two.start()
+    try:
+        ex = two.create("base")
+        assert (two.exec_path(ex) / "version").read_text() == "0\n"
+        assert os.readlink(two.mnt / "snapshots" / "base") == snaps[0]
+        assert rametfs("name", "--remote", "base", snaps[1], env=env).stdout == \
+            f"base -> {snaps[1]} (was {snaps[0]})\n"
+        assert (two.exec_path(two.create("base")) / "version").read_text() == "1\n"
+        assert os.readlink(two.mnt / "snapshots" / "base") == snaps[1]
+        two.ctl(f"name base {snaps[2]}")  # its own name comes first
+        assert (two.exec_path(two.create("base")) / "version").read_text() == "2\n"
+    finally:
+        two.stop()
+    listed = json.loads(rametfs("ls", "--remote", "--json", env=env).stdout)["snapshots"]
+    assert [s["names"] for s in listed] == [[], ["base"], []]
+    refused = rametfs("rm", "--remote", "base", env=env, check=False)
+    assert refused.returncode == 5, refused
+    assert refused.stderr == (f"rametfs: rm --remote: snapshot {snaps[1][:12]}: name 'base' "
+                              "points at it: --force deletes the names\n")
+    assert rametfs("rm", "--remote", snaps[0], env=env).stdout == f"delisted {snaps[0]}\n"
+    assert rametfs("rm", "--remote", snaps[0], env=env, check=False).returncode == 3
+    planned = json.loads(rametfs("forget", "--remote", "--keep-last", "1", "--json",
+                                 env=env).stdout)
+    assert (planned["removed"], planned["names"]) == ([snaps[1]], ["base"])
+    assert [k["snapshot"] for k in planned["kept"]] == [snaps[2]]
+    assert catalog_rows(remote)["snapshots"] == 1 and catalog_rows(remote)["names"] == 0
+    before, packs = catalog_rows(remote), bucket_packs(remote)
+    report = json.loads(rametfs("gc", "--remote", "--json", env=env).stdout)
+    # What only the delisted two reached went: each one's root tree, its version file (a
+    # record and a chunk) and its 200,000 bytes (a record and 4 chunks); so did the pack of
+    # the second, holding nothing else (the first's holds what the third still reaches).
+    assert report["deleted"] == {"chunk": 2 * 5, "content": 2 * 2, "tree": 2}, report
+    after = catalog_rows(remote)
+    assert after["chunks"] == before["chunks"] - 10
+    assert report["packs"] == 1 and len(bucket_packs(remote)) == len(packs) - 1
+    assert after["packs"] == before["packs"] - 1
+    proc = rametfs("fsck", env=env)
+    assert proc.stderr.startswith("1 published snapshots, "), proc.stderr
+    again = json.loads(rametfs("gc", "--remote", "--json", env=env).stdout)
+    assert again["deleted"] == {"chunk": 0, "content": 0, "tree": 0} and again["packs"] == 0
+    three = Daemon(tmp_path / "data3", tmp_path / "mnt3", env=env)
+    three.start()
+    try:
+        path = three.exec_path(three.create(snaps[2]))
+        assert (path / "version").read_text() == "2\n"
+        assert (path / "only2.bin").stat().st_size == 200000
+        assert tar_of(path / "src") == tar_of(src / "src")
+        proc = run("cat", path / "only1.bin", check=False)
+        assert proc.returncode == 1 and "No such file" in proc.stderr
+    finally:
+        three.stop()
+
+
+def test_remote_gc_is_safe_against_publishes_at_the_same_time(tmp_path, remote, monkeypatch):
+    """Interleavings of a remote gc and publishes relying on objects only a delisted snapshot
+    reaches: (1) a publish that has asked what is published: the gc waits for it, then keeps
+    what it listed; (2) one not seen within the gc's grace period: the gc takes it for dead
+    and deletes, and the publish then fails and lists nothing, and runs again whole; (3) a
+    publish that runs whole between the gc's mark and its sweep: the gc marks it too.  After
+    each, fsck --remote finds every listed snapshot whole, and a worker reads them all."""
+    require_fuse()
+    import threading
+    from rametfs.errors import Busy, RametError
+    from rametfs.store import Store
+    from rametfs.store import publish as publishing
+    from rametfs.store.remote import Remote
+    from rametfs.store.remote_fsck import check
+    from rametfs.store.remote_gc import collect
+    for key, value in environ(remote).items():
+        monkeypatch.setenv(key, value)
+    src = tmp_path / "src"
+    make_tree(src)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snaps = []
+        for n in range(4):  # each the base and a file of its own
+            (src / "own").write_text(f"{n}\n")
+            snaps.append(one.snapshot(src, label=f"v{n}"))
+    finally:
+        one.stop()
+    store = Store.open_read_only(one.data_dir)
+    where = Remote(remote["RAMET_REMOTE"], remote["RAMET_CATALOG"])
+    walked, resume = threading.Event(), threading.Event()
+    real_missing_trees = publishing._missing_trees
+
+    def paused_missing_trees(*args):  # the publish has asked what is published
+        found = real_missing_trees(*args)
+        walked.set()
+        assert resume.wait(120)
+        return found
+
+    def publish_paused(sid: str, outcome: dict) -> threading.Thread:
+        walked.clear()
+        resume.clear()
+
+        def run() -> None:
+            other = Remote(remote["RAMET_REMOTE"], remote["RAMET_CATALOG"])
+            try:
+                outcome["done"] = publishing.publish(store, other, sid)
+            except RametError as exc:
+                outcome["error"] = exc
+            finally:
+                other.close()
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert walked.wait(120)
+        return thread
+
+    def whole(count: int) -> None:
+        report = check(where)
+        assert (report.snapshots, report.problems) == (count, []), report
+
+    try:
+        publishing.publish(store, where, snaps[0])
+        rametfs("rm", "--remote", snaps[0], env=environ(remote))  # its base: unreached now
+        monkeypatch.setattr(publishing, "_missing_trees", paused_missing_trees)
+
+        # (1) The publish of v1 found the base's trees published, and skips them.
+        outcome: dict = {}
+        thread = publish_paused(snaps[1], outcome)
+        rows = catalog_rows(remote)
+        with pytest.raises(Busy):
+            collect(where, grace_s=3600, wait_s=2)
+        assert catalog_rows(remote) == rows  # nothing deleted
+        gc_report: dict = {}
+        gc = threading.Thread(target=lambda: gc_report.update(
+            collect(where, grace_s=3600, wait_s=120).to_json()))
+        gc.start()
+        resume.set()
+        thread.join(120)
+        gc.join(120)
+        assert "error" not in outcome and not outcome["done"].already
+        # v0's own file went (its record and chunk; its root tree); v1 kept the rest.
+        assert gc_report["deleted"] == {"chunk": 1, "content": 1, "tree": 1}, gc_report
+        assert gc_report["snapshots"] == 1
+        whole(1)
+
+        # (2) The publish of v2 is not seen for longer than the grace period (0 s here).
+        rametfs("rm", "--remote", snaps[1], env=environ(remote))
+        outcome = {}
+        thread = publish_paused(snaps[2], outcome)
+        report = collect(where, grace_s=0, wait_s=0)
+        assert report.stale_publishes == 1
+        # All of v1: it relied on the base, which went too (its own file: a record and a
+        # chunk, then the base's 123 records, 126 chunks and 4 trees).
+        assert report.deleted == {"chunk": 1 + 126, "content": 1 + 123, "tree": 4}, report
+        resume.set()
+        thread.join(120)
+        assert "done" not in outcome
+        assert str(outcome["error"]).startswith("a remote gc took this publish for dead")
+        assert catalog_rows(remote)["snapshots"] == 0
+        whole(0)
+        monkeypatch.setattr(publishing, "_missing_trees", real_missing_trees)
+        again = publishing.publish(store, where, snaps[2])
+        assert (again.trees, again.contents, again.chunks) == (4, 124, 127)
+        whole(1)
+
+        # (3) v3 is published whole between the gc's mark and its sweep.
+        real_publishes = where.catalog.publishes
+        calls = []
+
+        def publish_first(grace_s: float) -> int:
+            if not calls:
+                other = Remote(remote["RAMET_REMOTE"], remote["RAMET_CATALOG"])
+                try:
+                    publishing.publish(store, other, snaps[3])
+                finally:
+                    other.close()
+            calls.append(grace_s)
+            return real_publishes(grace_s)
+        monkeypatch.setattr(where.catalog, "publishes", publish_first)
+        rametfs("rm", "--remote", snaps[2], env=environ(remote))
+        report = collect(where, grace_s=3600, wait_s=60)
+        assert (report.rounds, report.snapshots) == (2, 1)
+        assert report.deleted == {"chunk": 1, "content": 1, "tree": 1}, report
+        whole(1)
+    finally:
+        resume.set()
+        where.close()
+        store.close()
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=environ(remote))
+    two.start()
+    try:
+        path = two.exec_path(two.create(snaps[3]))
+        assert (path / "own").read_text() == "3\n"
+        assert tar_of(path / "src") == tar_of(src / "src")
+        for f in ("big.bin", "big-hardlink", "sparse", "empty", "script.sh"):
+            run("cmp", src / f, path / f)
+    finally:
+        two.stop()

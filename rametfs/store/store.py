@@ -28,7 +28,7 @@ from typing import Iterator
 import lmdb
 import msgpack
 
-from ..errors import IntegrityError, NoSpace, NotFound, RametError
+from ..errors import IntegrityError, InvalidArgument, NoSpace, NotFound, RametError
 from . import chunks
 from .cache import HydrationCache
 from .chunks import Content
@@ -468,16 +468,23 @@ class Store:
 
     def asks_remote(self, ref: str) -> bool:
         """Whether :meth:`snapshot` asks the remote's catalog for ``ref`` when it is found
-        nowhere here: an id or id prefix, with a remote attached."""
-        return self.remote is not None and HEX_REF.fullmatch(ref) is not None
+        nowhere here: an id, an id prefix or a valid name, with a remote attached."""
+        if self.remote is None:
+            return False
+        try:
+            check_name(ref)
+        except InvalidArgument:
+            return HEX_REF.fullmatch(ref) is not None
+        return True
 
     def published_snapshot(self, ref: str) -> Snapshot:
-        """The published snapshot whose id or id prefix is ``ref``, looked up in the remote's
-        catalog (:meth:`asks_remote` must be true); its record is checked and kept here, so
-        the snapshot is local from then on.  Blocking (a query, retried while the catalog
-        is unreachable).  Raises NotFound (ENOENT) when none or several match, RametError
-        (EIO) when the catalog fails, IntegrityError (EIO) when the record does not match
-        its id."""
+        """The published snapshot whose id or id prefix is ``ref``, or that the catalog's
+        name ``ref`` points at, looked up in the remote's catalog (:meth:`asks_remote` must
+        be true); its record is checked and kept here, so the snapshot is local from then
+        on (a name is not: it is asked again, since another worker may move it).
+        Blocking (a query, retried while the catalog is unreachable).  Raises NotFound
+        (ENOENT) when none or several match, RametError (EIO) when the catalog fails,
+        IntegrityError (EIO) when the record does not match its id."""
         found = self.remote.snapshot(ref)
         if len(found) != 1:
             raise NotFound(f"no snapshot {ref!r} here nor published" if not found
