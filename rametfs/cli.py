@@ -276,8 +276,7 @@ def published_id(cat, ref: str) -> bytes:
     """The id of the published snapshot ``ref`` names (an id, a unique prefix, a name of the
     catalog); NotFound (ENOENT) otherwise."""
     from rametfs import errors
-    from rametfs.store.names import HEX_REF
-    found = cat.snapshot(ref) if HEX_REF.fullmatch(ref) else cat.named(ref)
+    found = cat.snapshot(ref)
     if len(found) != 1:
         raise errors.NotFound(f"no published snapshot {ref!r}" if not found
                               else f"snapshot prefix {ref!r} is ambiguous")

@@ -31,7 +31,6 @@ import msgpack
 from ..errors import IntegrityError, InvalidArgument, RametError
 from . import chunks
 from .chunks import Content
-from .names import HEX_REF
 from .remote_catalog import Catalog
 
 log = logging.getLogger(__name__)
@@ -335,9 +334,7 @@ class Remote:
     def snapshot(self, ref: str) -> list[tuple[bytes, bytes]]:
         """``(id, record)`` of the published snapshots whose id starts with ``ref`` (at most
         two), or that the catalog's name ``ref`` points at."""
-        if HEX_REF.fullmatch(ref):
-            return self.catalog.snapshot(ref)
-        return self.catalog.named(ref)
+        return self.catalog.snapshot(ref)
 
 
 _DB = {KIND_CHUNK: "chunks", KIND_CONTENT: "contents", KIND_TREE: "trees"}

@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 from ..errors import Busy, InvalidArgument, NotFound, RametError
+from .names import HEX_REF
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +259,10 @@ class Catalog:
 
     def snapshot(self, ref: str) -> list[tuple[bytes, bytes]]:
         """``(id, record)`` of the published snapshots whose hex id starts with ``ref`` (at
-        most two: enough to tell one from several)."""
+        most two: enough to tell one from several), or that the name ``ref`` points at
+        (anything but 8 or more hex digits)."""
+        if not HEX_REF.fullmatch(ref):
+            return self.named(ref)
         # A range of the primary key (the whole bytes of the prefix), then the odd digit.
         low = bytes.fromhex(ref[:len(ref) // 2 * 2])
         end = int.from_bytes(low, "big") + 1
