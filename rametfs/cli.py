@@ -1410,7 +1410,11 @@ def gc(dry_run: bool, compact: bool, as_json: bool, grace: float | None, wait: f
     publishes, up to --wait): docs/remote.md.
     """
     if remote:
+        if compact:
+            raise click.UsageError("--compact is of a local store: not with --remote")
         return _gc_remote(catalog, dry_run, grace, wait, as_json)
+    if grace is not None or wait is not None:
+        raise click.UsageError("--grace and --wait go with --remote")
     _gc_local(dry_run=dry_run, compact=compact, as_json=as_json, **where)
 
 
