@@ -14,7 +14,15 @@ directory, then:
   (fresh) runs ``git status`` on it;
 * the same ``find``, read and ``git status`` on worker 1, from a fresh execution (its
   hydration cache holds nothing of the tree: the import and the 1% change hydrated
-  nothing).
+  nothing);
+* the requests of each operation, counted in this process on a remote of its own (another
+  prefix and catalog schema) through the store's own calls: the publish of both snapshots,
+  then on a fresh store the lookup of the first (what ``create`` does), its first tree
+  lookup (``Store.tree`` of the root: the fetch that brings the trees below), the first read
+  of one file (``Store.hydrate``), the read of every file, and ``rm --remote`` of the first
+  snapshot then ``gc --remote``: S3 requests by operation (PutObject, GetObject,
+  HeadObject, DeleteObjects, ListObjectsV2) and catalog calls (one query or transaction
+  each).
 
 Prints one JSON document (and writes it to ``--out``/remote.json).  Needs root (the Ceph
 daemons, PostgreSQL's cluster) and /dev/fuse.
@@ -60,6 +68,87 @@ def sh(cmd: str, cwd: Path) -> None:
 def read_all(path: Path) -> float:
     """Seconds to read every regular file below ``path`` (cat to /dev/null)."""
     return timed(lambda: sh("find . -type f -print0 | xargs -0 cat > /dev/null", path))[0]
+
+
+class Counted:
+    """A remote whose S3 requests (by operation) and catalog calls are counted."""
+
+    OPERATIONS = ("put_object", "get_object", "head_object", "delete_objects",
+                  "list_objects_v2")
+
+    def __init__(self, remote):
+        self.remote = remote
+        self.counts: dict[str, int] = dict.fromkeys(self.OPERATIONS + ("catalog",), 0)
+        client = remote.objects.client
+        for name in self.OPERATIONS:
+            setattr(client, name, self._counting(name, getattr(client, name)))
+        remote.catalog._call = self._counting("catalog", remote.catalog._call)
+
+    def _counting(self, name: str, fn):
+        def call(*args, **kwargs):
+            self.counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    def of(self, fn) -> dict:
+        """What ``fn()`` asked: the counts that are not 0, and its seconds."""
+        before = dict(self.counts)
+        t, _ = timed(fn)
+        return {**{k: v - before[k] for k, v in self.counts.items() if v != before[k]},
+                "seconds": round(t, 2)}
+
+
+def count_requests(env: dict, scratch: Path, snap: str, snap2: str) -> dict:
+    """The requests of publish, create, first lookup, first read, read all and gc
+    (module docstring), on the remote s3://bench/count with the catalog schema ``count``."""
+    import psycopg
+    from rametfs.store import Store
+    from rametfs.store.publish import publish
+    from rametfs.store.remote import Remote
+    from rametfs.store.remote_gc import collect
+    with psycopg.connect(env["RAMET_CATALOG"], autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA count")
+    dsn = f"{env['RAMET_CATALOG']} options=-csearch_path=count"
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                "AWS_DEFAULT_REGION"):
+        os.environ[key] = env[key]
+    remote = Remote("s3://bench/count", dsn)
+    counted = Counted(remote)
+    figures: dict = {}
+    try:
+        source = Store.open_read_only(scratch / "data-one")
+        try:
+            figures["publish"] = counted.of(lambda: publish(source, remote, snap))
+            figures["publish_1pct"] = counted.of(lambda: publish(source, remote, snap2))
+        finally:
+            source.close()
+        store = Store(scratch / "data-count")
+        store.remote = remote
+        try:
+            figures["create"] = counted.of(lambda: store.snapshot(snap))
+            root = store.snapshot(snap).root.ref
+            figures["first_lookup"] = counted.of(lambda: store.tree(root))
+            files = []  # content ids, breadth first
+            level = [root]
+            while level:
+                below = []
+                for tid in level:
+                    entries = store.tree(tid)
+                    files += [e.ref for e in entries.values() if e.is_reg and e.size]
+                    below += [e.ref for e in entries.values() if e.is_dir]
+                level = below
+            files = list(dict.fromkeys(files))
+            figures["first_read"] = counted.of(lambda: store.hydrate(files[len(files) // 2]))
+            figures["read_all"] = counted.of(lambda: [store.hydrate(c) for c in files])
+            figures["files"] = len(files)
+        finally:
+            store.close()
+        figures["rm"] = counted.of(lambda: remote.catalog.remove_snapshots(
+            [bytes.fromhex(snap)], force=True))
+        figures["gc"] = counted.of(lambda: collect(remote, grace_s=3600, wait_s=60))
+    finally:
+        remote.close()
+    return figures
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -141,6 +230,7 @@ def main(size: str, out: Path) -> None:
             "read_all_s": round(read_all(w1), 1),
             "git_status_s": round(timed(lambda: sh("git status --porcelain > /dev/null",
                                                    w1))[0], 1)}
+        figures["requests"] = count_requests(env, scratch, snap, snap2)
     finally:
         for mnt in mounts:
             subprocess.run([sys.executable, "-m", "rametfs", "umount", str(mnt)],

@@ -242,6 +242,47 @@ def open_remote(remote: str | None, catalog: str | None):
         raise RametError(exc.errno, str(exc)) from None
 
 
+def remote_flag(command):
+    """Give ``command`` --remote (a flag: act on the catalog, not on a mount; ``remote``)
+    and --catalog, besides -m/--mount, --data and --mode (``**where``, for the local
+    command)."""
+    for option in reversed(_RAMET_OPTIONS):
+        command = option(command)
+    command = click.option("--catalog", envvar=CATALOG_ENV, show_envvar=True, metavar="DSN",
+                           help="With --remote: the catalog (a libpq DSN).")(command)
+    return click.option("--remote", "remote", is_flag=True,
+                        help="Act on the remote's catalog --catalog names (docs/remote.md), "
+                             "not on a mount.")(command)
+
+
+@contextlib.contextmanager
+def remote_catalog(catalog: str | None, command: str) -> Iterator:
+    """The :class:`rametfs.store.remote_catalog.Catalog` --catalog names, closed after; its
+    errors become exit codes, the message prefixed with ``command``."""
+    from rametfs import errors
+    from rametfs.store.remote_catalog import Catalog
+    if catalog is None:
+        raise click.UsageError(f"{command} --remote needs --catalog (or ${CATALOG_ENV}).")
+    cat = Catalog(catalog, None)
+    try:
+        yield cat
+    except errors.RametError as exc:
+        raise RametError(exc.errno, f"{command} --remote: {exc}") from None
+    finally:
+        cat.close()
+
+
+def published_id(cat, ref: str) -> bytes:
+    """The id of the published snapshot ``ref`` names (an id, a unique prefix, a name of the
+    catalog); NotFound (ENOENT) otherwise."""
+    from rametfs import errors
+    found = cat.snapshot(ref)
+    if len(found) != 1:
+        raise errors.NotFound(f"no published snapshot {ref!r}" if not found
+                              else f"snapshot prefix {ref!r} is ambiguous")
+    return found[0][0]
+
+
 @main.command()
 @click.argument("snapshot")
 @click.option("--data", required=True, type=click.Path(file_okay=False),
@@ -293,7 +334,11 @@ def list_remote(catalog: str | None, as_json: bool) -> None:
         raise click.UsageError("ls --remote needs --catalog (or $RAMET_CATALOG).")
     cat = Catalog(catalog, None)
     try:
-        snaps = [Store._snapshot(sid, value).to_json() for sid, value in cat.snapshots()]
+        names: dict[str, list[str]] = {}
+        for name, sid in cat.names().items():
+            names.setdefault(sid, []).append(name)
+        snaps = [{**Store._snapshot(sid, value).to_json(), "names": names.get(sid.hex(), [])}
+                 for sid, value in cat.snapshots()]
     except errors.RametError as exc:
         raise RametError(exc.errno, str(exc)) from None
     finally:
@@ -306,8 +351,9 @@ def list_remote(catalog: str | None, as_json: bool) -> None:
     click.echo(f"remote: {cat.recorded_remote or '-'}  catalog: {cat.where}")
     click.echo()
     click.echo(format_table(
-        ("SNAPSHOT", "TREE", "LABEL", "FILES", "BYTES", "AGE"),
-        [(s["id"][:12], s["tree"][:12], printable(s["label"] or ""), str(s.get("files", "-")),
+        ("SNAPSHOT", "TREE", "NAMES", "LABEL", "FILES", "BYTES", "AGE"),
+        [(s["id"][:12], s["tree"][:12], ",".join(s["names"]) or "-",
+          printable(s["label"] or ""), str(s.get("files", "-")),
           human_bytes(s["bytes"]) if "bytes" in s else "-", human_age(now - s["created_ns"]))
          for s in snaps]))
 
@@ -1257,16 +1303,43 @@ def log(ramet: Ramet, ref: str) -> None:
 @click.argument("name")
 @click.argument("snapshot", required=False)
 @click.option("--delete", is_flag=True, help="Delete the name NAME (SNAPSHOT not given).")
-@ramet_options
-def name_(ramet: Ramet, name: str, snapshot: str | None, delete: bool) -> None:
+@remote_flag
+def name_(name: str, snapshot: str | None, delete: bool, remote: bool, catalog: str | None,
+          **where) -> None:
     """Point the snapshot name NAME at SNAPSHOT, or move it there (like a git branch).
 
     SNAPSHOT is an id, a unique prefix of at least 8 hex digits, or a name; from then on
     every command that takes a snapshot takes NAME.  A name follows git's ref rules and is
     never 8 or more hex digits alone (docs/lifecycle.md).  Prints the id it points at.
+
+    With --remote, the name is the catalog's, seen by every worker served with that
+    remote: SNAPSHOT is a published snapshot (id, prefix or catalog name), and the mount's
+    own names are left as they are (a worker's own name of the same spelling comes first
+    there).  docs/remote.md.
     """
     if delete == (snapshot is not None):
         raise click.UsageError("give NAME SNAPSHOT, or --delete NAME")
+    if remote:
+        return _name_remote(name, snapshot, catalog)
+    return _name_local(name=name, snapshot=snapshot, delete=delete, **where)
+
+
+def _name_remote(name: str, snapshot: str | None, catalog: str | None) -> None:
+    """``rametfs name --remote``."""
+    from rametfs.store.names import check_name
+    with remote_catalog(catalog, "name") as cat:
+        if snapshot is None:
+            click.echo(f"deleted published name {name} (was {cat.delete_name(name)})")
+            return
+        check_name(name)
+        sid = published_id(cat, snapshot)
+        previous = cat.set_name(name, sid)
+    moved = f" (was {previous})" if previous not in (None, sid.hex()) else ""
+    click.echo(f"{name} -> {sid.hex()}{moved}")
+
+
+@ramet_options
+def _name_local(ramet: Ramet, name: str, snapshot: str | None, delete: bool) -> None:
     if delete:
         click.echo(f"deleted name {name} (was {ramet.unname(name)})")
         return
@@ -1281,14 +1354,33 @@ def name_(ramet: Ramet, name: str, snapshot: str | None, delete: bool) -> None:
 @click.option("--force", is_flag=True,
               help="Delete the names pointing at them and detach the executions whose head "
                    "they are.")
-@ramet_options
-def rm(ramet: Ramet, snapshots: tuple[str, ...], force: bool) -> None:
+@remote_flag
+def rm(snapshots: tuple[str, ...], force: bool, remote: bool, catalog: str | None,
+       **where) -> None:
     """Forget snapshots: their records go, their data stays until rametfs gc.
 
     Refused (exit 5, saying why) while a snapshot is an execution's base or head (reset
     returns to it) or a pool's base, and, unless --force, while a name points at it.  A snapshot that is only another's parent is forgotten like any other.  They
     go one at a time, in order: the first refused stops the rest.  docs/lifecycle.md.
+
+    With --remote: delist published snapshots from the catalog, all or none (refused while
+    a catalog name points at one, unless --force); their objects stay until gc --remote.
+    Workers keep what they fetched of them.
     """
+    if remote:
+        with remote_catalog(catalog, "rm") as cat:
+            ids = list(dict.fromkeys(published_id(cat, ref) for ref in snapshots))
+            names = cat.remove_snapshots(ids, force)
+        for sid in ids:
+            click.echo(f"delisted {sid.hex()}")
+        for name in names:
+            click.echo(f"deleted published name {name}")
+        return
+    _rm_local(snapshots=snapshots, force=force, **where)
+
+
+@ramet_options
+def _rm_local(ramet: Ramet, snapshots: tuple[str, ...], force: bool) -> None:
     ids = [ramet.resolve(ref) for ref in snapshots]  # ENOENT before anything goes
     for sid in dict.fromkeys(ids):
         reply = ramet.rm(sid, force=force)
@@ -1301,15 +1393,82 @@ def rm(ramet: Ramet, snapshots: tuple[str, ...], force: bool) -> None:
               help="Then rewrite the metadata file without its free pages (offline: --data of "
                    "a data directory no daemon serves).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@ramet_options
-def gc(ramet: Ramet, dry_run: bool, compact: bool, as_json: bool) -> None:
+@click.option("--grace", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="With --remote: a publish not seen for this long is taken for dead (and "
+                   "fails when it comes back); default 3600.")
+@click.option("--wait", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="With --remote: how long to wait for running publishes to end; default "
+                   "600.")
+@remote_flag
+def gc(dry_run: bool, compact: bool, as_json: bool, grace: float | None, wait: float | None,
+       remote: bool, catalog: str | None, **where) -> None:
     """Delete every chunk, content and tree that no snapshot, execution or pool reaches.
 
     What rm forgot, what a failed or killed import left: gone, and the space reused by the
     store (its free pages); --compact also gives it back to the file system.  Runs in the
     daemon while executions, promotes and imports go on (fallback mode: in this process);
     progress on stderr.  docs/lifecycle.md.
+
+    With --remote: the remote's objects no listed snapshot reaches, their catalog rows and
+    then the packs left with none; safe while workers publish (it waits for running
+    publishes, up to --wait): docs/remote.md.
     """
+    if remote:
+        if compact:
+            raise click.UsageError("--compact is of a local store: not with --remote")
+        return _gc_remote(catalog, dry_run, grace, wait, as_json)
+    if grace is not None or wait is not None:
+        raise click.UsageError("--grace and --wait go with --remote")
+    _gc_local(dry_run=dry_run, compact=compact, as_json=as_json, **where)
+
+
+def _gc_remote(catalog: str | None, dry_run: bool, grace: float | None, wait: float | None,
+               as_json: bool) -> None:
+    """``rametfs gc --remote``."""
+    report = _run_gc_remote(catalog, dry_run, grace, wait)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        _print_gc_remote(report)
+
+
+def _run_gc_remote(catalog: str | None, dry_run: bool, grace: float | None = None,
+                   wait: float | None = None) -> dict:
+    """The report of a gc of the remote the catalog belongs to
+    (rametfs.store.remote_gc.collect; ``grace``, ``wait``: None for its defaults)."""
+    from rametfs import errors
+    from rametfs.store.remote import Remote
+    from rametfs.store.remote_gc import GRACE_S, WAIT_S, collect
+    with remote_catalog(catalog, "gc") as cat:
+        cat.snapshots()  # reads the remote the catalog records
+        url = cat.recorded_remote
+    if url is None:
+        raise RametError(errno.ENOENT, "gc --remote: the catalog records no remote: nothing "
+                                       "was published to it")
+    where = Remote(url, catalog)
+    try:
+        with _progress_bar() as progress:
+            return collect(where, dry_run, GRACE_S if grace is None else grace,
+                           WAIT_S if wait is None else wait, progress).to_json()
+    except errors.RametError as exc:
+        raise RametError(exc.errno, f"gc --remote: {exc}") from None
+    finally:
+        where.close()
+
+
+def _print_gc_remote(report: dict) -> None:
+    kinds = ("chunk", "content", "tree")
+    click.echo(f"{'would delete' if report['dry_run'] else 'deleted'} "
+               + ", ".join(f"{report['deleted'][k]} {k}s" for k in kinds)
+               + f"; {report['packs']} packs ({human_bytes(report['bytes'])})"
+               + ("" if report["dry_run"]
+                  else f", and {report['stray_packs']} packs no catalog row named"))
+    click.echo("kept " + ", ".join(f"{report['kept'][k]} {k}s" for k in kinds)
+               + f" reached from {report['snapshots']} published snapshots")
+
+
+@ramet_options
+def _gc_local(ramet: Ramet, dry_run: bool, compact: bool, as_json: bool) -> None:
     if compact:
         if ramet.mode != "fallback":
             raise click.UsageError("--compact is offline: give --mode fallback --data DIR of a "
@@ -1363,23 +1522,61 @@ def _print_gc(report: dict) -> None:
               "change nothing.")
 @click.option("--prune", is_flag=True, help="Then run gc, which frees their data.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
-@ramet_options
-def forget(ramet: Ramet, keep_last: int | None, keep_within: str | None,
-           keep_name: str | None, dry_run: bool, prune: bool, as_json: bool) -> None:
+@remote_flag
+def forget(keep_last: int | None, keep_within: str | None, keep_name: str | None,
+           dry_run: bool, prune: bool, as_json: bool, remote: bool, catalog: str | None,
+           **where) -> None:
     """Forget the snapshots no rule keeps (restic's forget); --prune then runs gc.
 
     A snapshot any rule keeps stays, and so does every execution's base and head and every
     pool's base; the names pointing at a forgotten snapshot are deleted.  One line per
     snapshot, newest first, as restic prints them: id, label, why it is kept.
     docs/lifecycle.md.
+
+    With --remote: the same rules over the published snapshots, which are delisted, with
+    the catalog names pointing at them; --prune then runs gc --remote.
     """
-    labels = {s["id"]: printable(s["label"] or "") for s in ramet.snapshots()}
-    with _progress_bar() as progress:
-        reply = ramet.forget(keep_last, keep_within, keep_name, dry_run=dry_run, prune=prune,
-                             progress=progress)
+    if remote:
+        return _forget_remote(catalog, keep_last, keep_within, keep_name, dry_run, prune,
+                              as_json)
+    _forget_local(keep_last=keep_last, keep_within=keep_within, keep_name=keep_name,
+                  dry_run=dry_run, prune=prune, as_json=as_json, **where)
+
+
+def _forget_remote(catalog: str | None, keep_last: int | None, keep_within: str | None,
+                   keep_name: str | None, dry_run: bool, prune: bool, as_json: bool) -> None:
+    """``rametfs forget --remote``: retention.plan over the listed snapshots."""
+    import msgpack
+    from rametfs.core import retention
+    with remote_catalog(catalog, "forget") as cat:
+        policy = retention.policy_of({"keep-last": None if keep_last is None
+                                      else str(keep_last), "keep-within": keep_within,
+                                      "keep-name": keep_name})
+        records = {sid.hex(): msgpack.unpackb(value) for sid, value in cat.snapshots()}
+        names = cat.names()
+        decided = retention.plan([(sid, r["created_ns"]) for sid, r in records.items()],
+                                 names, {}, policy)
+        gone = sorted(n for n, sid in names.items() if sid in set(decided.forget))
+        if decided.forget and not dry_run:
+            cat.remove_snapshots([bytes.fromhex(sid) for sid in decided.forget], force=True)
+    reply = {"ok": True, "dry_run": dry_run,
+             "kept": [{"snapshot": sid, "reasons": why} for sid, why in decided.keep.items()],
+             "removed": decided.forget, "names": gone}
+    if prune and not dry_run:
+        reply["gc"] = _run_gc_remote(catalog, False)
     if as_json:
         click.echo(json.dumps(reply, indent=2, sort_keys=True))
         return
+    _print_forget(reply, {sid: printable(r["label"] or "") for sid, r in records.items()},
+                  dry_run)
+    if prune and dry_run:
+        click.echo("gc not run in a dry run: nothing was forgotten")
+    elif prune:
+        _print_gc_remote(reply["gc"])
+
+
+def _print_forget(reply: dict, labels: dict[str, str], dry_run: bool) -> None:
+    """What forget kept and removed, for people."""
     click.echo(f"keep {len(reply['kept'])} snapshots:")
     for k in reply["kept"]:
         click.echo(f"  {k['snapshot'][:12]}  {labels.get(k['snapshot']) or '-'}  "
@@ -1389,6 +1586,19 @@ def forget(ramet: Ramet, keep_last: int | None, keep_within: str | None,
         click.echo(f"  {sid[:12]}  {labels.get(sid) or '-'}")
     for name in reply["names"]:
         click.echo(f"{'would delete' if dry_run else 'deleted'} name {name}")
+
+
+@ramet_options
+def _forget_local(ramet: Ramet, keep_last: int | None, keep_within: str | None,
+                  keep_name: str | None, dry_run: bool, prune: bool, as_json: bool) -> None:
+    labels = {s["id"]: printable(s["label"] or "") for s in ramet.snapshots()}
+    with _progress_bar() as progress:
+        reply = ramet.forget(keep_last, keep_within, keep_name, dry_run=dry_run, prune=prune,
+                             progress=progress)
+    if as_json:
+        click.echo(json.dumps(reply, indent=2, sort_keys=True))
+        return
+    _print_forget(reply, labels, dry_run)
     if prune and dry_run:
         click.echo("gc not run in a dry run: nothing was forgotten")
     elif prune:

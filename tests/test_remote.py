@@ -428,3 +428,391 @@ def test_kills_during_publish_never_list_a_snapshot_with_missing_objects(tmp_pat
     # The three roots and small/ (shared); 299 small chunks and 3 x 192 of 64 KiB.
     assert proc.stderr.startswith("3 published snapshots, 4 trees, 302 contents, 875 chunks, "
                                   ), proc.stderr
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a catalog host
+    that hangs: libpq waits out its connect_timeout); ``accepted`` counts connections."""
+
+    def __init__(self):
+        import socket
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.held: list = []
+        self.first = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.held.append(conn)
+            self.accepted += 1
+            self.first.set()
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_catalog_lookups_never_hold_the_daemon(tmp_path):
+    """A daemon whose catalog hangs (each call waits out 3 connection timeouts of 2 s): many
+    lookups of unknown hex names under ``snapshots/`` and a ``create`` of one, all at once,
+    run in worker threads, so a bystander execution's stat/create/write/read rounds are all
+    served while the first lookup still waits; then every lookup fails EIO, and the create
+    EIO naming the catalog."""
+    require_fuse()
+    pytest.importorskip("psycopg")
+    pytest.importorskip("boto3")
+    import errno
+    import threading
+    from conftest import ctl_command
+    silent = SilentServer()
+    env = {"RAMET_REMOTE": "s3://bucket/pfx", "RAMET_CATALOG":
+           f"host=127.0.0.1 port={silent.port} user=ramet dbname=ramet",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port()}", "AWS_ACCESS_KEY_ID": "k",
+           "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_text("base\n")
+    d = Daemon(tmp_path / "data", tmp_path / "mnt", env=env)
+    d.start()
+    try:
+        ex = d.create(d.snapshot(tmp_path / "src"))  # a full id found here: no catalog call
+        path = d.exec_path(ex)
+        lookups = 80
+        names = [uuid.uuid4().hex[:8 + i % 40] for i in range(lookups)]
+        errnos: dict[str, int] = {}
+        create: dict = {}
+
+        def look(name: str) -> None:
+            try:
+                os.stat(d.mnt / "snapshots" / name)
+                errnos[name] = 0
+            except OSError as exc:
+                errnos[name] = exc.errno
+
+        unknown = uuid.uuid4().hex[:16]
+
+        def create_unknown() -> None:
+            try:
+                ctl_command(d.mnt / ".ramet" / "ctl", f"create {unknown}")
+            except OSError as exc:
+                create.update(errno=exc.errno, reply=exc.reply)
+
+        threads = [threading.Thread(target=look, args=(n,)) for n in names]
+        threads.append(threading.Thread(target=create_unknown))
+        for t in threads:
+            t.start()
+        assert silent.first.wait(60), "no lookup reached the catalog"
+        for i in range(20):  # the bystander, while lookups wait for the catalog
+            f = path / f"round{i}"
+            f.write_text(f"round {i}\n")
+            assert f.read_text() == f"round {i}\n"
+            assert os.stat(f).st_size == len(f"round {i}\n")
+            assert (path / "f").read_text() == "base\n"
+        pending = sum(t.is_alive() for t in threads)
+        for t in threads:
+            t.join(120)
+        # Each lookup waits out 3 connection timeouts of 2 s (then the others fail at once),
+        # so the bystander's rounds were served while lookups waited.
+        assert pending == lookups + 1, pending
+        # The kernel sends the lookups of one directory one at a time (no parallel dirops),
+        # so none finds CATALOG_WAITING others waiting (that bound: the test below).
+        assert list(errnos.values()) == [errno.EIO] * lookups
+        assert create["errno"] == errno.EIO
+        assert create["reply"]["error"] == (
+            f"catalog user=ramet dbname=ramet host=127.0.0.1 port={silent.port}: find snapshot "
+            f"{unknown}: connection timeout expired"), create
+        # The catalog answered nothing: a lookup now is as prompt an EIO (it is not retried
+        # for a while), and a name found here is served at once.
+        with pytest.raises(OSError) as again:
+            os.stat(d.mnt / "snapshots" / uuid.uuid4().hex[:12])
+        assert again.value.errno == errno.EIO
+        assert (path / "round19").read_text() == "round 19\n"
+    finally:
+        d.stop()
+        silent.close()
+    check_log(d.log_text(), [], repr(d))
+
+
+def test_lookups_waiting_for_the_catalog_are_bounded(tmp_path, monkeypatch):
+    """Lookups of ``snapshots/`` entries that wait for a catalog that hangs: at most
+    CATALOG_WAITING wait (each then fails EIO), the others fail at once, EAGAIN."""
+    pytest.importorskip("psycopg")
+    pytest.importorskip("boto3")
+    import errno
+    import trio
+    from rametfs.errors import RametError
+    from rametfs.overlay.resolve import CATALOG_WAITING, Resolver
+    from rametfs.store import Store
+    from rametfs.store.remote import Remote
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    silent = SilentServer()
+    store = Store(tmp_path / "data")
+    store.remote = Remote("s3://bucket/pfx", f"host=127.0.0.1 port={silent.port} user=r")
+    resolver = Resolver(store)
+    failed: list[int] = []
+
+    async def look(ref: str) -> None:
+        try:
+            await resolver.entry(ref)
+        except RametError as exc:
+            failed.append(exc.errno)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(CATALOG_WAITING + 16):
+                nursery.start_soon(look, uuid.uuid4().hex[:16])
+
+    try:
+        trio.run(main)
+    finally:
+        store.remote.close()
+        store.close()
+        silent.close()
+    assert sorted(failed) == [errno.EIO] * CATALOG_WAITING + [errno.EAGAIN] * 16
+
+
+def catalog_rows(remote: dict) -> dict[str, int]:
+    """Rows of the test's catalog: objects by kind name, packs, snapshots, names."""
+    import psycopg
+    with psycopg.connect(remote["RAMET_CATALOG"]) as conn:
+        kinds = dict(conn.execute("SELECT kind, count(*) FROM rametfs_objects GROUP BY kind"))
+        counts = {t: conn.execute(f"SELECT count(*) FROM rametfs_{t}").fetchone()[0]
+                  for t in ("packs", "snapshots", "names", "publishes")}
+    return {**{n: kinds.get(k, 0) for k, n in ((0, "chunks"), (1, "contents"), (2, "trees"))},
+            **counts}
+
+
+def bucket_packs(remote: dict) -> set[str]:
+    bucket = remote["RAMET_REMOTE"][5:].split("/")[0]
+    listed = remote["s3"].list_objects_v2(Bucket=bucket, Prefix="pfx/packs/")
+    return {o["Key"].rsplit("/", 1)[1] for o in listed.get("Contents", ())}
+
+
+def test_names_rm_and_forget_on_the_remote(tmp_path, remote):
+    """``name --remote`` names a published snapshot for every worker (a worker's own name
+    of the same spelling comes first there; a moved name is seen at once); ``rm --remote``
+    refuses a named snapshot without --force; ``forget --remote`` keeps what its rules keep;
+    ``gc --remote`` then deletes what only the delisted snapshots reached, and what stays
+    is whole (fsck --remote) and read equal to its source by another worker."""
+    require_fuse()
+    env = environ(remote)
+    src = tmp_path / "src"
+    make_tree(src)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snaps = []
+        for n in range(3):
+            (src / "version").write_text(f"{n}\n")
+            (src / f"only{n}.bin").write_bytes(os.urandom(200000))
+            snaps.append(one.snapshot(src, label=f"v{n}"))
+            rametfs("publish", "--data", str(one.data_dir), snaps[-1], env=env)
+            (src / f"only{n}.bin").unlink()
+        one.ctl(f"name base {snaps[0]}")  # worker 1's own name
+    finally:
+        one.stop()
+    assert rametfs("name", "--remote", "base", snaps[0][:10], env=env).stdout == \
+        f"base -> {snaps[0]}\n"
+    bad = rametfs("name", "--remote", "0123abcd99", snaps[0], env=env, check=False)
+    assert bad.returncode == 4 and "ambiguous with a snapshot id prefix" in bad.stderr
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=env)
+    two.start()
+    try:
+        ex = two.create("base")
+        assert (two.exec_path(ex) / "version").read_text() == "0\n"
+        assert os.readlink(two.mnt / "snapshots" / "base") == snaps[0]
+        assert rametfs("name", "--remote", "base", snaps[1], env=env).stdout == \
+            f"base -> {snaps[1]} (was {snaps[0]})\n"
+        assert (two.exec_path(two.create("base")) / "version").read_text() == "1\n"
+        assert os.readlink(two.mnt / "snapshots" / "base") == snaps[1]
+        two.ctl(f"name base {snaps[2]}")  # its own name comes first
+        assert (two.exec_path(two.create("base")) / "version").read_text() == "2\n"
+    finally:
+        two.stop()
+    listed = json.loads(rametfs("ls", "--remote", "--json", env=env).stdout)["snapshots"]
+    assert [s["names"] for s in listed] == [[], ["base"], []]
+    refused = rametfs("rm", "--remote", "base", env=env, check=False)
+    assert refused.returncode == 5, refused
+    assert refused.stderr == (f"rametfs: rm --remote: snapshot {snaps[1][:12]}: name 'base' "
+                              "points at it: --force deletes the names\n")
+    assert rametfs("rm", "--remote", snaps[0], env=env).stdout == f"delisted {snaps[0]}\n"
+    assert rametfs("rm", "--remote", snaps[0], env=env, check=False).returncode == 3
+    planned = json.loads(rametfs("forget", "--remote", "--keep-last", "1", "--json",
+                                 env=env).stdout)
+    assert (planned["removed"], planned["names"]) == ([snaps[1]], ["base"])
+    assert [k["snapshot"] for k in planned["kept"]] == [snaps[2]]
+    assert catalog_rows(remote)["snapshots"] == 1 and catalog_rows(remote)["names"] == 0
+    before, packs = catalog_rows(remote), bucket_packs(remote)
+    report = json.loads(rametfs("gc", "--remote", "--json", env=env).stdout)
+    # What only the delisted two reached went: each one's root tree, its version file (a
+    # record and a chunk) and its 200,000 bytes (a record and 4 chunks); so did the pack of
+    # the second, holding nothing else (the first's holds what the third still reaches).
+    assert report["deleted"] == {"chunk": 2 * 5, "content": 2 * 2, "tree": 2}, report
+    after = catalog_rows(remote)
+    assert after["chunks"] == before["chunks"] - 10
+    assert report["packs"] == 1 and len(bucket_packs(remote)) == len(packs) - 1
+    assert after["packs"] == before["packs"] - 1
+    proc = rametfs("fsck", env=env)
+    assert proc.stderr.startswith("1 published snapshots, "), proc.stderr
+    again = json.loads(rametfs("gc", "--remote", "--json", env=env).stdout)
+    assert again["deleted"] == {"chunk": 0, "content": 0, "tree": 0} and again["packs"] == 0
+    three = Daemon(tmp_path / "data3", tmp_path / "mnt3", env=env)
+    three.start()
+    try:
+        path = three.exec_path(three.create(snaps[2]))
+        assert (path / "version").read_text() == "2\n"
+        assert (path / "only2.bin").stat().st_size == 200000
+        assert tar_of(path / "src") == tar_of(src / "src")
+        proc = run("cat", path / "only1.bin", check=False)
+        assert proc.returncode == 1 and "No such file" in proc.stderr
+    finally:
+        three.stop()
+
+
+def test_remote_gc_is_safe_against_publishes_at_the_same_time(tmp_path, remote, monkeypatch):
+    """Interleavings of a remote gc and publishes relying on objects only a delisted snapshot
+    reaches: (1) a publish that has asked what is published: the gc waits for it, then keeps
+    what it listed; (2) one not seen within the gc's grace period: the gc takes it for dead
+    and deletes, and the publish then fails and lists nothing, and runs again whole; (3) a
+    publish that runs whole between the gc's mark and its sweep: the gc marks it too.  After
+    each, fsck --remote finds every listed snapshot whole, and a worker reads them all."""
+    require_fuse()
+    import threading
+    from rametfs.errors import Busy, RametError
+    from rametfs.store import Store
+    from rametfs.store import publish as publishing
+    from rametfs.store.remote import Remote
+    from rametfs.store.remote_fsck import check
+    from rametfs.store.remote_gc import collect
+    for key, value in environ(remote).items():
+        monkeypatch.setenv(key, value)
+    src = tmp_path / "src"
+    make_tree(src)
+    one = Daemon(tmp_path / "data1", tmp_path / "mnt1")
+    one.start()
+    try:
+        snaps = []
+        for n in range(4):  # each the base and a file of its own
+            (src / "own").write_text(f"{n}\n")
+            snaps.append(one.snapshot(src, label=f"v{n}"))
+    finally:
+        one.stop()
+    store = Store.open_read_only(one.data_dir)
+    where = Remote(remote["RAMET_REMOTE"], remote["RAMET_CATALOG"])
+    walked, resume = threading.Event(), threading.Event()
+    real_missing_trees = publishing._missing_trees
+
+    def paused_missing_trees(*args):  # the publish has asked what is published
+        found = real_missing_trees(*args)
+        walked.set()
+        assert resume.wait(120)
+        return found
+
+    def publish_paused(sid: str, outcome: dict) -> threading.Thread:
+        walked.clear()
+        resume.clear()
+
+        def run() -> None:
+            other = Remote(remote["RAMET_REMOTE"], remote["RAMET_CATALOG"])
+            try:
+                outcome["done"] = publishing.publish(store, other, sid)
+            except RametError as exc:
+                outcome["error"] = exc
+            finally:
+                other.close()
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert walked.wait(120)
+        return thread
+
+    def whole(count: int) -> None:
+        report = check(where)
+        assert (report.snapshots, report.problems) == (count, []), report
+
+    try:
+        publishing.publish(store, where, snaps[0])
+        rametfs("rm", "--remote", snaps[0], env=environ(remote))  # its base: unreached now
+        monkeypatch.setattr(publishing, "_missing_trees", paused_missing_trees)
+
+        # (1) The publish of v1 found the base's trees published, and skips them.
+        outcome: dict = {}
+        thread = publish_paused(snaps[1], outcome)
+        rows = catalog_rows(remote)
+        with pytest.raises(Busy):
+            collect(where, grace_s=3600, wait_s=2)
+        assert catalog_rows(remote) == rows  # nothing deleted
+        gc_report: dict = {}
+        gc = threading.Thread(target=lambda: gc_report.update(
+            collect(where, grace_s=3600, wait_s=120).to_json()))
+        gc.start()
+        resume.set()
+        thread.join(120)
+        gc.join(120)
+        assert "error" not in outcome and not outcome["done"].already
+        # v0's own file went (its record and chunk; its root tree); v1 kept the rest.
+        assert gc_report["deleted"] == {"chunk": 1, "content": 1, "tree": 1}, gc_report
+        assert gc_report["snapshots"] == 1
+        whole(1)
+
+        # (2) The publish of v2 is not seen for longer than the grace period (0 s here).
+        rametfs("rm", "--remote", snaps[1], env=environ(remote))
+        outcome = {}
+        thread = publish_paused(snaps[2], outcome)
+        report = collect(where, grace_s=0, wait_s=0)
+        assert report.stale_publishes == 1
+        # All of v1: it relied on the base, which went too (its own file: a record and a
+        # chunk, then the base's 123 records, 126 chunks and 4 trees).
+        assert report.deleted == {"chunk": 1 + 126, "content": 1 + 123, "tree": 4}, report
+        resume.set()
+        thread.join(120)
+        assert "done" not in outcome
+        assert str(outcome["error"]).startswith("a remote gc took this publish for dead")
+        assert catalog_rows(remote)["snapshots"] == 0
+        whole(0)
+        monkeypatch.setattr(publishing, "_missing_trees", real_missing_trees)
+        again = publishing.publish(store, where, snaps[2])
+        assert (again.trees, again.contents, again.chunks) == (4, 124, 127)
+        whole(1)
+
+        # (3) v3 is published whole between the gc's mark and its sweep.
+        real_publishes = where.catalog.publishes
+        calls = []
+
+        def publish_first(grace_s: float) -> int:
+            if not calls:
+                other = Remote(remote["RAMET_REMOTE"], remote["RAMET_CATALOG"])
+                try:
+                    publishing.publish(store, other, snaps[3])
+                finally:
+                    other.close()
+            calls.append(grace_s)
+            return real_publishes(grace_s)
+        monkeypatch.setattr(where.catalog, "publishes", publish_first)
+        rametfs("rm", "--remote", snaps[2], env=environ(remote))
+        report = collect(where, grace_s=3600, wait_s=60)
+        assert (report.rounds, report.snapshots) == (2, 1)
+        assert report.deleted == {"chunk": 1, "content": 1, "tree": 1}, report
+        whole(1)
+    finally:
+        resume.set()
+        where.close()
+        store.close()
+    two = Daemon(tmp_path / "data2", tmp_path / "mnt2", env=environ(remote))
+    two.start()
+    try:
+        path = two.exec_path(two.create(snaps[3]))
+        assert (path / "own").read_text() == "3\n"
+        assert tar_of(path / "src") == tar_of(src / "src")
+        for f in ("big.bin", "big-hardlink", "sparse", "empty", "script.sh"):
+            run("cmp", src / f, path / f)
+    finally:
+        two.stop()

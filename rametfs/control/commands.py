@@ -378,7 +378,7 @@ class Control:
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _create(self, args: dict) -> dict:
-        snap = self.overlay.store.snapshot(args["snapshot"])
+        snap = await self.overlay.resolve(args["snapshot"])
         eid = args["name"] if "name" in args else secrets.token_hex(6)  # "": EINVAL below
         if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
             raise InvalidArgument(f"create: execution name {eid!r} must match "
@@ -423,7 +423,8 @@ class Control:
     # -- snapshot lifecycle (rametfs.core.lifecycle, docs/lifecycle.md) --------------------
 
     async def _name(self, args: dict) -> dict:
-        snap, previous = self.overlay.store.set_name(args["name"], args["snapshot"])
+        snap = await self.overlay.resolve(args["snapshot"])
+        snap, previous = self.overlay.store.set_name(args["name"], snap.id)
         self._listing_changes += 1
         return {"ok": True, "name": args["name"], "snapshot": snap.id, "previous": previous}
 
@@ -433,7 +434,7 @@ class Control:
         return {"ok": True, "name": args["name"], "snapshot": sid}
 
     async def _resolve(self, args: dict) -> dict:
-        return {"ok": True, "snapshot": self.overlay.store.snapshot(args["snapshot"]).id}
+        return {"ok": True, "snapshot": (await self.overlay.resolve(args["snapshot"])).id}
 
     async def _rm(self, args: dict) -> dict:
         force = protocol.yes_no("rm", "force", args.get("force"))
@@ -510,7 +511,7 @@ class Control:
         return reply
 
     async def _publish(self, args: dict) -> dict:
-        snap = self.overlay.store.snapshot(args["snapshot"])
+        snap = await self.overlay.resolve(args["snapshot"])
         return {"ok": True, "snapshot": snap.id, "published": await self._published(snap.id)}
 
     async def _published(self, sid: str) -> dict:
@@ -541,7 +542,7 @@ class Control:
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     async def _reset(self, ex: Execution, args: dict) -> dict:
-        to = self.overlay.store.snapshot(heads.reset_target(args, ex.base.id, ex.head.id))
+        to = await self.overlay.resolve(heads.reset_target(args, ex.base.id, ex.head.id))
         return {"ok": True, "snapshot": to.id, "reset_ms": await self._reset_layer(ex, to)}
 
     async def _reset_layer(self, ex: Execution, to: Snapshot) -> float:
@@ -601,7 +602,7 @@ class Control:
     # -- pools and leases (the rules: rametfs.core.pools) ----------------------------------
 
     async def _pool(self, args: dict) -> dict:
-        snap = self.overlay.store.snapshot(args["snapshot"])
+        snap = await self.overlay.resolve(args["snapshot"])
         size = protocol.parse_count(args["size"], "--size")
         keep = args.get("keep-last")
         opened = self.pools.open(args.get("name"), snap.id, size, args,
@@ -620,7 +621,7 @@ class Control:
         """Create the executions of ``new`` members and record them; one its pool no longer
         wants (dropped meanwhile) is released again."""
         for member in new:
-            ex = self.overlay.create_execution(self.overlay.store.snapshot(member.base),
+            ex = self.overlay.create_execution(await self.overlay.resolve(member.base),
                                                member.execution, member.access, member.policy)
             if not self.pools.add_member(member, time.time_ns()):
                 await self._release({"execution": ex.id})

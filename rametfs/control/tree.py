@@ -52,6 +52,7 @@ from .. import protocol
 from ..authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
 from ..errors import NotFound, RametError, ReadOnly, fs_error
 from ..overlay import Attrs, Execution, Node, Overlay, close_all, in_slices
+from ..store import Snapshot
 from ..store.names import HEX_REF, SNAPSHOT_ID_RE
 from .commands import FSMONITOR_HOOK, Control
 
@@ -236,10 +237,26 @@ class MountTree:
             ino = self._dot_lookup(parent, name)
         elif v is not None and name in v.files:
             ino = (await self._control_file(v.files[name], caller)).ino
+        elif parent == SNAPSHOTS:
+            ino = await self._snapshot_entry(name)
         else:
             await self.overlay.prefetch(parent)
             ino = self._lookup_ino(parent, name, caller)
         return self.entry_in(parent, ino)
+
+    async def _snapshot_entry(self, name: bytes) -> int:
+        """``snapshots/<name>``: the view of a full id, or the symlink of a unique id prefix
+        or a name (:meth:`_snapshot_link`).  One found nowhere here is looked up in the
+        remote's catalog, if any, in a worker thread (``Overlay.resolve_entry``: bounded,
+        EAGAIN past its bound).  NotFound (ENOENT) when nothing matches."""
+        ref = name.decode("ascii", "replace")
+        if HEX_REF.fullmatch(ref) and not (SNAPSHOT_ID_RE.fullmatch(ref)
+                                           or SNAPSHOT_PREFIX_RE.fullmatch(ref)):
+            raise NotFound(f"no snapshot {ref!r}")  # ids are spelt in lower case only
+        snap = await self.overlay.resolve_entry(ref)  # NotFound: none, or several
+        if snap.id == ref:
+            return self.overlay.snapshot_view(ref).root_ino
+        return self._snapshot_link(snap)
 
     def _dot_lookup(self, ino: int, name: bytes) -> int:
         """``.`` or ``..`` of inode ``ino``: the kernel asks when it decodes a file handle
@@ -269,13 +286,6 @@ class MountTree:
     def _lookup_ino(self, parent: int, name: bytes, caller: Caller) -> int:
         v = self.virtual.get(parent)
         if v is not None:
-            if parent == SNAPSHOTS:
-                ref = name.decode("ascii", "replace")
-                if SNAPSHOT_ID_RE.fullmatch(ref):
-                    return self.overlay.snapshot_view(ref).root_ino
-                if SNAPSHOT_PREFIX_RE.fullmatch(ref) or not HEX_REF.fullmatch(ref):
-                    return self._snapshot_link(ref)
-                raise NotFound(f"no snapshot {ref!r}")  # ids are spelt in lower case only
             if parent == EXECUTIONS:
                 ex = self.overlay.execution(name.decode("utf-8", "replace"))
                 if not ex.access.allows(caller, X):
@@ -293,12 +303,12 @@ class MountTree:
                 return self._exec_control_dir(node.view).ino
         return self.overlay.lookup(parent, name).ino
 
-    def _snapshot_link(self, ref: str) -> int:
+    def _snapshot_link(self, snap: Snapshot) -> int:
         """``snapshots/<ref>`` of a unique id prefix (as ``rametfs ls`` shows ids) or a
-        snapshot name: a symlink to the full id, never a second view of the snapshot (one
-        view per id).  One inode per snapshot, looked up at entry timeout 0: a new snapshot
-        can make a prefix ambiguous (then ENOENT, as for no match), a name can move."""
-        snap = self.overlay.store.snapshot(ref)  # NotFound: none, or several
+        snapshot name, ``snap`` the snapshot it names: a symlink to the full id, never a
+        second view of the snapshot (one view per id).  One inode per snapshot, looked up at
+        entry timeout 0: a new snapshot can make a prefix ambiguous (then ENOENT, as for no
+        match), a name can move."""
         ino = self.snapshot_links.get(snap.id)
         if ino is None:
             ino = self.overlay._alloc_ino()

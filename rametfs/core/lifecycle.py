@@ -63,7 +63,7 @@ def uses(store: Store, txn, executions: Executions) -> list[Use]:
 
 def remove_snapshots(store: Store, refs: Iterable[str], force: bool,
                      executions: Executions) -> dict:
-    """Forget the snapshots ``refs`` (ids, prefixes or names: Store.snapshot) in one
+    """Forget the snapshots ``refs`` (ids, prefixes or names: Store.local_snapshot) in one
     transaction, all or none; ``executions`` as :func:`uses` takes them, every execution of
     the caller's mode.  Returns the reply ``{"ok", "removed": [ids], "names": [names
     deleted]}``.
@@ -71,7 +71,7 @@ def remove_snapshots(store: Store, refs: Iterable[str], force: bool,
     Raises NotFound (ENOENT) for a reference that names nothing, Busy (EBUSY) naming every use
     that refuses it (names only without ``force``).
     """
-    wanted = {store.snapshot(ref).id: ref for ref in refs}
+    wanted = {store.local_snapshot(ref).id: ref for ref in refs}
     with store.write() as txn:
         names = {n: sid for n, sid in store.names(txn).items() if sid in wanted}
         used = [u for u in uses(store, txn, executions) if u.snapshot in wanted]

@@ -37,6 +37,7 @@ The model is split by job: each job is one component, in a module of its own, an
 ``attributes``  setattr and extended attributes
 ``reclaim``     forgotten unlinked inodes and orphans
 ``executions``  snapshot views, the executions' lifecycle, freezes, dead layers
+``resolve``     snapshot references, a published one's catalog lookup in a worker thread
 ``slices``      long walks in slices of the trio thread
 """
 
@@ -52,6 +53,7 @@ from .lookup import Lookup, walk_names
 from .names import Names
 from .nodes import COLLECT_BATCH, Attrs, Execution, InodeTable, Node
 from .reclaim import Reclaimer, unlink_upper_files
+from .resolve import Resolver
 from .slices import in_slices, yield_to_requests
 from .trees import BaseTrees
 from .upper import Upper
@@ -98,6 +100,8 @@ class Overlay:
         self.upper = upper = Upper(store, table, views.executions, self.upper_root)
         self.data = data = FileData(store, upper, upper_fds, self.upper_root)
         self.hydrator = Hydrator(store)
+        resolver = Resolver(store)
+        self.resolve, self.resolve_entry = resolver.snapshot, resolver.entry
         self.names = names = Names(store, table, trees, lookups, upper)
         self.attributes = attributes = Attributes(upper, data)
         self.reclaimer = reclaimer = Reclaimer(store, table, upper, data, views.executions)

@@ -13,6 +13,7 @@ upload it; the catalog keeps the first row, so every reader fetches one copy.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,7 +21,8 @@ from dataclasses import asdict, dataclass
 from . import remote as rm
 from .remote import KIND_CHUNK, KIND_CONTENT, KIND_TREE, PackWriter, Remote
 from .chunks import Content
-from .store import EMPTY_CONTENT, Store
+from ..errors import RametError
+from .store import EMPTY_CONTENT, Snapshot, Store
 from .trees import decode_tree
 
 
@@ -61,6 +63,25 @@ def publish(store: Store, remote: Remote, ref: str,
     if remote.catalog.has_snapshot(sid):
         done.already = True
         return done
+    # Registered before the first question of what is published: no remote gc deletes what
+    # the answers say is there while this runs (rametfs.store.remote_gc).
+    publishing = remote.catalog.begin_publish(sid)
+    try:
+        _upload(store, remote, snap, done, publishing, progress, started, requests0)
+    finally:  # a registration left (the catalog gone) is stale after the gc's grace
+        with contextlib.suppress(RametError):
+            remote.catalog.end_publish(publishing)
+    done.requests = remote.objects.requests - requests0
+    done.seconds = time.monotonic() - started
+    return done
+
+
+def _upload(store: Store, remote: Remote, snap: Snapshot, done: Published, publishing: int,
+            progress: Callable[[Published], None] | None, started: float,
+            requests0: int) -> None:
+    """What ``snap`` needs that the remote lacks, uploaded, then the snapshot listed; the
+    figures in ``done`` (``started``: monotonic s, ``requests0``: the count then)."""
+    sid = bytes.fromhex(snap.id)
     trees, in_path_order = _missing_trees(store, remote, snap.root.ref)
     contents = remote.catalog.missing(KIND_CONTENT, dict.fromkeys(in_path_order))
     with store.read() as txn:
@@ -76,7 +97,7 @@ def publish(store: Store, remote: Remote, ref: str,
         nonlocal pack
         if not pack.rows:
             return
-        _, size = remote.upload(pack)
+        _, size = remote.upload(pack, publishing)
         done.packs += 1
         done.bytes += size
         for kind, *_ in pack.rows:
@@ -113,10 +134,7 @@ def publish(store: Store, remote: Remote, ref: str,
     with store.read() as txn:
         record = bytes(txn.get(sid, db=store.db["snapshots"]))
     done.already = not remote.catalog.add_snapshot(sid, record, snap.label, snap.created_ns,
-                                                   snap.root.ref, KIND_TREE)
-    done.requests = remote.objects.requests - requests0
-    done.seconds = time.monotonic() - started
-    return done
+                                                   snap.root.ref, KIND_TREE, publishing)
 
 
 def _missing(what: str, oid: bytes):

@@ -135,6 +135,42 @@ class ObjectStore:
         return data
 
 
+    def delete(self, packs: list[str]) -> None:
+        """Delete packs ``packs`` (absent ones too), 1,000 a request.  RametError (EIO) on
+        failure."""
+        import botocore.exceptions
+        for at in range(0, len(packs), 1000):
+            keys = [{"Key": self.key(p)} for p in packs[at:at + 1000]]
+            try:
+                reply = self.client.delete_objects(Bucket=self.bucket, Delete={
+                    "Objects": keys, "Quiet": True})
+            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+                raise self._error(f"{self.prefix}packs/", exc) from None
+            finally:
+                with self._count:
+                    self.requests += 1
+            if reply.get("Errors"):
+                e = reply["Errors"][0]
+                raise RametError(f"s3://{self.bucket}/{e.get('Key')}: delete: "
+                                 f"{e.get('Code')} {e.get('Message')}", errno.EIO)
+
+    def list_packs(self) -> list[tuple[str, float]]:
+        """``(name, last modified: epoch seconds)`` of every pack object, 1,000 a request.
+        RametError (EIO) on failure."""
+        import botocore.exceptions
+        found = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=f"{self.prefix}packs/"):
+                with self._count:
+                    self.requests += 1
+                found += [(o["Key"].rsplit("/", 1)[1], o["LastModified"].timestamp())
+                          for o in page.get("Contents", ())]
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise self._error(f"{self.prefix}packs/", exc) from None
+        return found
+
+
 class PackWriter:
     """Objects for one pack: :meth:`add` them, then :meth:`finish`."""
 
@@ -198,11 +234,12 @@ class Remote:
 
     # -- publishing ------------------------------------------------------------------------
 
-    def upload(self, pack: PackWriter) -> tuple[str, int]:
-        """PUT ``pack``, then record its objects in the catalog; ``(name, bytes)``."""
+    def upload(self, pack: PackWriter, publishing: int) -> tuple[str, int]:
+        """PUT ``pack``, then record its objects in the catalog for the registered publish
+        ``publishing`` (``Catalog.begin_publish``); ``(name, bytes)``."""
         name, data = pack.finish()
         self.objects.put(name, data)
-        self.catalog.add_pack(name, len(data), pack.rows)
+        self.catalog.add_pack(name, len(data), pack.rows, publishing)
         return name, len(data)
 
     # -- reading ---------------------------------------------------------------------------
@@ -296,7 +333,7 @@ class Remote:
 
     def snapshot(self, ref: str) -> list[tuple[bytes, bytes]]:
         """``(id, record)`` of the published snapshots whose id starts with ``ref`` (at most
-        two)."""
+        two), or that the catalog's name ``ref`` points at."""
         return self.catalog.snapshot(ref)
 
 

@@ -28,7 +28,7 @@ from typing import Iterator
 import lmdb
 import msgpack
 
-from ..errors import IntegrityError, NoSpace, NotFound, RametError
+from ..errors import IntegrityError, InvalidArgument, NoSpace, NotFound, RametError
 from . import chunks
 from .cache import HydrationCache
 from .chunks import Content
@@ -455,31 +455,54 @@ class Store:
     def snapshot(self, ref: str) -> Snapshot:
         """The snapshot ``ref`` names: its id, a unique id prefix (>= 8 hex digits) or a
         snapshot name (:mod:`rametfs.store.names`).  The one resolver of snapshot
-        references: every command that takes a snapshot comes here.
-
-        With a remote, an id or prefix found nowhere here is looked up among the published
-        snapshots, and the record of the one found is kept here.
+        references: every command that takes a snapshot comes here, here
+        (:meth:`local_snapshot`) and then, when :meth:`asks_remote`, in the catalog
+        (:meth:`published_snapshot`: blocking, a worker thread's call).
 
         Raises NotFound (ENOENT) when none or several match; RametError (EIO) when the remote
         is asked and fails.
         """
         try:
-            return self._local_snapshot(ref)
+            return self.local_snapshot(ref)
         except NotFound:
-            if self.remote is None or not HEX_REF.fullmatch(ref):
+            if not self.asks_remote(ref):
                 raise
-            found = self.remote.snapshot(ref)
-            if len(found) != 1:
-                raise NotFound(f"no snapshot {ref!r} here nor published" if not found
-                               else f"snapshot prefix {ref!r} is ambiguous") from None
-            sid, value = found[0]
-            if chunks.chunk_id(value) != sid:
-                raise IntegrityError(f"published snapshot {sid.hex()} does not match its id")
-            with self.write() as txn:
-                txn.put(sid, value, db=self.db["snapshots"], overwrite=False)
-            return self._snapshot(sid, value)
+        return self.published_snapshot(ref)
 
-    def _local_snapshot(self, ref: str) -> Snapshot:
+    def asks_remote(self, ref: str) -> bool:
+        """Whether :meth:`snapshot` asks the remote's catalog for ``ref`` when it is found
+        nowhere here: an id, an id prefix or a valid name, with a remote attached."""
+        if self.remote is None:
+            return False
+        try:
+            check_name(ref)
+        except InvalidArgument:
+            return HEX_REF.fullmatch(ref) is not None
+        return True
+
+    def published_snapshot(self, ref: str) -> Snapshot:
+        """The published snapshot whose id or id prefix is ``ref``, or that the catalog's
+        name ``ref`` points at, looked up in the remote's catalog (:meth:`asks_remote` must
+        be true); its record is checked and kept here, so the snapshot is local from then
+        on (a name is not: it is asked again, since another worker may move it).
+        Blocking (a query, retried while the catalog is unreachable).  Raises NotFound
+        (ENOENT) when none or several match, RametError (EIO) when the catalog fails,
+        IntegrityError (EIO) when the record does not match its id."""
+        found = self.remote.snapshot(ref)
+        if len(found) != 1:
+            raise NotFound(f"no snapshot {ref!r} here nor published" if not found
+                           else f"snapshot prefix {ref!r} is ambiguous")
+        sid, value = found[0]
+        if chunks.chunk_id(value) != sid:
+            raise IntegrityError(f"published snapshot {sid.hex()} does not match its id")
+        with self.write() as txn:
+            txn.put(sid, value, db=self.db["snapshots"], overwrite=False)
+        return self._snapshot(sid, value)
+
+    def local_snapshot(self, ref: str) -> Snapshot:
+        """:meth:`snapshot` of what this store holds only (never the remote: what ``rm`` and
+        ``forget`` act on, and what the trio thread may look up).  NotFound (ENOENT) when
+        none or several match."""
         if not HEX_REF.fullmatch(ref):
             return self._named(ref)
         prefix = bytes.fromhex(ref[: len(ref) // 2 * 2])
