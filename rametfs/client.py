@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rametfs import errors, protocol
+from rametfs.types import ExecutionId, SnapshotId
 
 MOUNT_ENV = "RAMET_MOUNT"
 DATA_ENV = "RAMET_DATA"
@@ -151,7 +152,7 @@ class Ramet:
         return f"Ramet({str(self.mount)!r})"
 
     def snapshot(self, source: str | os.PathLike, label: str | None = None,
-                 message: str | None = None, on_change: str | None = None) -> str:
+                 message: str | None = None, on_change: str | None = None) -> SnapshotId:
         """Import the directory tree at ``source`` as a new snapshot; return its id (64 hex).
         An entry that changes while it is imported fails the import (``on_change="fail"``,
         the default) or is left out (``"skip"``, counted in the snapshot's ``skipped``).
@@ -166,7 +167,7 @@ class Ramet:
 
     def snapshot_git(self, repo: str | os.PathLike, rev: str | None = None,
                      with_git_dir: bool = False, label: str | None = None,
-                     message: str | None = None) -> str:
+                     message: str | None = None) -> SnapshotId:
         """Import the tree of revision ``rev`` (default ``HEAD``) of the git repository at
         ``repo`` as a new snapshot, from the repository's objects (no checkout); return its
         id.  ``with_git_dir`` takes the repository's ``.git`` directory along, so its local
@@ -481,7 +482,7 @@ class Execution:
     """
 
     ramet: Ramet
-    id: str
+    id: ExecutionId
 
     @property
     def path(self) -> Path:
@@ -490,7 +491,7 @@ class Execution:
         return self.ramet._backend.execution_path(self.id)
 
     def promote(self, label: str | None = None, message: str | None = None,
-                policy: str | os.PathLike | None = None, publish: bool = False) -> str:
+                policy: str | os.PathLike | None = None, publish: bool = False) -> SnapshotId:
         """Save the current tree as a new snapshot and carry on from it; return its id.
 
         The persistence policy applied is ``policy`` (a TOML file, ``"tree"``: the tree's
@@ -511,7 +512,7 @@ class Execution:
         return reply["snapshot"]
 
     def checkpoint(self, label: str | None = None, message: str | None = None,
-                   policy: str | os.PathLike | None = None) -> str:
+                   policy: str | os.PathLike | None = None) -> SnapshotId:
         """Save the current tree as a new snapshot without moving the head; return its id.
         Everything is kept unless a ``policy`` is given (as :meth:`promote` takes it)."""
         reply = self.ramet._backend.command(self.id, "checkpoint", label=label,

@@ -49,6 +49,7 @@ from ..errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
 from ..store import Store
 from ..store.catalog import LEASED, QUARANTINED, READY, Catalog, Lease, Member, PoolRecord
 from ..treewalk import Steps, mapped_steps, run_steps
+from ..types import ExecutionId, PoolName
 
 __all__ = ["LEASED", "QUARANTINED", "READY", "VERIFICATION_FAILURES", "Acquired", "NewMember",
            "Opened", "Pools", "Settled", "failure_reason", "quarantine_reason", "return_reply",
@@ -171,7 +172,7 @@ class Pools:
             self.catalog.put_member(txn, Member(new.execution, new.pool, returned_ns=now_ns))
         return True
 
-    def drop(self, name: str) -> dict:
+    def drop(self, name: PoolName) -> dict:
         """Forget pool ``name`` and its members; the ``drop`` command's reply, ``{"ok",
         "pool", "executions"}``, names the members' executions, which the driver releases.
         Raises NotFound (ENOENT) when there is no such pool."""
@@ -196,7 +197,7 @@ class Pools:
 
     # -- leases --------------------------------------------------------------------------
 
-    def acquire(self, name: str, holder: str, pid: int, host: str, ttl_ns: int, now_ns: int,
+    def acquire(self, name: PoolName, holder: str, pid: int, host: str, ttl_ns: int, now_ns: int,
                 *, take_expired: bool = False) -> Acquired:
         """Lease the last returned ready member of pool ``name`` to ``holder`` (``pid`` on
         ``host``) from ``now_ns`` for ``ttl_ns``; with none ready and ``take_expired``, the
@@ -229,7 +230,7 @@ class Pools:
         return {"ok": True, "execution": member.execution, "pool": member.pool,
                 "snapshot": acquired.base, "path": path, "lease": member.lease.to_json()}
 
-    def held(self, eid: str, holder: str) -> Member:
+    def held(self, eid: ExecutionId, holder: str) -> Member:
         """The member ``eid`` leased by ``holder``.  Raises NotFound (ENOENT) when ``eid`` is
         no pool member, InvalidArgument (EINVAL) when it is not leased, Busy (EBUSY) when
         another holder has it."""
@@ -242,7 +243,7 @@ class Pools:
             member = self.catalog.member(txn, eid)
         return None if member is None else member.lease
 
-    def renew(self, eid: str, holder: str, ttl_ns: int, now_ns: int) -> dict:
+    def renew(self, eid: ExecutionId, holder: str, ttl_ns: int, now_ns: int) -> dict:
         """Extend ``holder``'s lease on ``eid`` to ``ttl_ns`` from ``now_ns``; the ``renew``
         command's reply, ``{"ok", "execution", "lease"}``.  Errors: those of :meth:`held`,
         and InvalidArgument (EINVAL) when the lease has ended (an ended lease holds nothing:
@@ -255,7 +256,7 @@ class Pools:
             self.catalog.put_member(txn, member)
         return {"ok": True, "execution": eid, "lease": member.lease.to_json()}
 
-    def returned(self, eid: str, holder: str, reason: str, now_ns: int) -> Settled:
+    def returned(self, eid: ExecutionId, holder: str, reason: str, now_ns: int) -> Settled:
         """``holder``'s member ``eid`` was reset and verified: back to the pool, ready, when
         ``reason`` is empty, else quarantined with ``reason`` (:func:`quarantine_reason`,
         :func:`failure_reason`) and :attr:`Settled.new` its replacement.  Errors: those of
@@ -281,7 +282,7 @@ class Pools:
                 return None
             return self._quarantine(txn, member, reason)
 
-    def forget(self, eid: str, now_ns: int) -> None:
+    def forget(self, eid: ExecutionId, now_ns: int) -> None:
         """Execution ``eid`` is being released: it leaves its pool, which shrinks by one
         (unless it was quarantined).  Raises Busy (EBUSY) while a lease on it runs
         (a lease that has ended at ``now_ns`` holds nothing)."""

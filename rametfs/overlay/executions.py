@@ -19,6 +19,7 @@ from ..errors import NotFound, RametError
 from ..store import FLAG_HAS_LINKS, Snapshot, Store
 from ..store.format import ExecutionRecord, UpperInode, from_u64, inode_key, u64
 from ..store.names import SNAPSHOT_ID_RE
+from ..types import ExecutionId
 from .nodes import COLLECT_BATCH, RELEASED, Execution, InodeTable, Node, SnapshotView, View
 from .trees import BaseTrees
 
@@ -84,7 +85,7 @@ class Executions:
         node = self.table.add(Node(ex.root_ino, ex, ex.lower.root, root, 0, ex.id.encode()))
         node.record_bytes = len(packed)  # the root's record is not counted in upper_bytes
 
-    def create_execution(self, snap: Snapshot, eid: str, access: Access = Access(),
+    def create_execution(self, snap: Snapshot, eid: ExecutionId, access: Access = Access(),
                          policy: dict | None = None) -> Execution:
         """A new execution of ``snap`` named ``eid`` with ``access``: one record, O(1) in the
         tree size; ``policy`` is stored with it (``Execution.policy``).
@@ -102,7 +103,7 @@ class Executions:
         self.readers.add(eid, ex.access)
         return ex
 
-    def execution(self, eid: str) -> Execution:
+    def execution(self, eid: ExecutionId) -> Execution:
         try:
             return self.executions[eid]
         except KeyError:

@@ -35,6 +35,7 @@ from .chunks import Content
 from .gc_guard import GcGuard
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
 from ..treewalk import Steps, run_steps
+from ..types import ChunkId, ContentId, Layer, SnapshotId, TreeId
 from .names import HEX_REF, MIN_ID_PREFIX, check_name
 from .remote import KIND_CHUNK, KIND_CONTENT, KIND_TREE
 from .trees import TREE_STEP, Entry, decode_tree_steps, encode_tree
@@ -55,9 +56,9 @@ class Snapshot:
     ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.policy), and
     ``runtime`` the sandbox recorded for the execution promoted (None: none)."""
 
-    id: str
+    id: SnapshotId
     root: Entry
-    parents: tuple[str, ...]
+    parents: tuple[SnapshotId, ...]
     created_ns: int
     label: str
     message: str
@@ -213,11 +214,11 @@ class Store:
 
     # -- chunks and contents -------------------------------------------------------------
 
-    def has_chunk(self, cid: bytes) -> bool:
+    def has_chunk(self, cid: ChunkId) -> bool:
         with self.env.begin(db=self.db["chunks"]) as txn:
             return txn.get(cid) is not None
 
-    def chunk(self, cid: bytes) -> bytes:
+    def chunk(self, cid: ChunkId) -> bytes:
         """Raw bytes of chunk ``cid``; IntegrityError (EIO) when missing or corrupt."""
         with self.env.begin(db=self.db["chunks"], buffers=True) as txn:
             envelope = txn.get(cid)
@@ -227,7 +228,7 @@ class Store:
             return self.chunk(cid)
         raise IntegrityError(f"chunk {cid.hex()} is missing")
 
-    def content(self, cid: bytes) -> Content:
+    def content(self, cid: ContentId) -> Content:
         """The content record ``cid``; IntegrityError (EIO) when missing or malformed."""
         if cid == EMPTY_CONTENT:
             return _EMPTY
@@ -249,7 +250,7 @@ class Store:
         with self.env.begin(db=self.db[db]) as txn:
             return txn.get(ids[0]) is not None
 
-    def put_content(self, txn: lmdb.Transaction, content: Content) -> bytes:
+    def put_content(self, txn: lmdb.Transaction, content: Content) -> ContentId:
         """Record ``content`` (its chunks already stored) in ``txn``; returns its id."""
         cid = content.id
         if cid != EMPTY_CONTENT:
@@ -257,7 +258,7 @@ class Store:
             txn.put(cid, content.pack(), db=self.db["contents"], overwrite=False)
         return cid
 
-    def hydrate(self, cid: bytes) -> str:
+    def hydrate(self, cid: ContentId) -> str:
         """Path of the decompressed content ``cid`` in the shared cache
         (:mod:`rametfs.store.cache`), building it if absent.  Blocking (reads every chunk
         holding data): call it from a worker thread.  Raises IntegrityError (EIO), NoSpace
@@ -265,7 +266,7 @@ class Store:
         self._hydrated(cid, hold=False)
         return self.cache.path(cid)
 
-    def open_hydrated(self, cid: bytes) -> int:
+    def open_hydrated(self, cid: ContentId) -> int:
         """A descriptor (O_RDONLY) of the hydrated content ``cid``, hydrating it first if
         absent; the cache never removes the content while it is held: call
         ``cache.release(cid)`` after closing it.  Blocking; raises as :meth:`hydrate`."""
@@ -325,7 +326,7 @@ class Store:
         """Where the hydrated copy of content ``cid`` lives (it may not exist yet)."""
         return self.cache.path(cid)
 
-    def read_page(self, cid: bytes, page: int) -> bytes:
+    def read_page(self, cid: ContentId, page: int) -> bytes:
         """Raw bytes of page ``page`` of content ``cid``: zeros for a hole, b"" past the end.
         Blocking."""
         try:
@@ -344,11 +345,11 @@ class Store:
 
     # -- trees ---------------------------------------------------------------------------
 
-    def tree(self, tid: bytes) -> dict[bytes, Entry]:
+    def tree(self, tid: TreeId) -> dict[bytes, Entry]:
         """Entries of tree ``tid`` by name; IntegrityError (EIO) when missing."""
         return run_steps(self.tree_steps(tid))
 
-    def tree_steps(self, tid: bytes) -> Steps[dict[bytes, Entry]]:
+    def tree_steps(self, tid: TreeId) -> Steps[dict[bytes, Entry]]:
         """:meth:`tree` as steps (``trees.decode_tree_steps``); no transaction is held
         across a step."""
         with self.env.begin(db=self.db["trees"]) as txn:
@@ -370,7 +371,7 @@ class Store:
                 return 0 if self.remote is None else REMOTE_TREE_BYTES
             return len(value)
 
-    def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
+    def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> TreeId:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
         tid, value = encode_tree(entries)
         self.put_encoded_tree(txn, tid, value, lambda: run_steps(
@@ -560,6 +561,6 @@ class Store:
 
     # -- maintenance ---------------------------------------------------------------------
 
-    def remove_upper_dir(self, layer: int) -> None:
+    def remove_upper_dir(self, layer: Layer) -> None:
         """Delete an upper layer's data files. Blocking."""
         shutil.rmtree(self.root / "upper" / str(layer), ignore_errors=True)
