@@ -718,8 +718,9 @@ def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
         if stat.S_ISREG(n.mode):
             total += n.size
             if total > MAX_INPUT_BYTES:
-                raise RametError(f"promote stopped by the policy: recipe input {path} holds "
-                                 f"more than {MAX_INPUT_BYTES} bytes", errno.EFBIG)
+                raise RametError(errno.EFBIG,
+                                 f"promote stopped by the policy: recipe input {path} holds "
+                                 f"more than {MAX_INPUT_BYTES} bytes")
             return ("f", _node_job(overlay, ex, n))
         if stat.S_ISLNK(n.mode):
             return ("l", overlay.readlink(n))

@@ -46,7 +46,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rametfs import errors, protocol
+from rametfs import protocol
+from rametfs.errors import RametError
 from rametfs.types import ExecutionId, SnapshotId
 
 MOUNT_ENV = "RAMET_MOUNT"
@@ -57,16 +58,6 @@ FUSE_DEVICE = "/dev/fuse"
 _MAX_REPLY = 1 << 20
 DEFAULT_TTL = 30.0  # seconds a lease lasts unless renewed; the wrapper renews at a third
 _POLL_FIRST, _POLL_MAX = 0.002, 0.05  # seconds between acquires of a busy pool (doubling)
-
-
-class RametError(OSError):
-    """A failed rametfs operation: ``errno`` and ``strerror`` (the daemon's message).
-
-    Built as ``RametError(errno, message)``; ``str()`` is the message alone.
-    """
-
-    def __str__(self) -> str:
-        return self.strerror or super().__str__()
 
 
 class NotMountedError(RametError):
@@ -795,13 +786,12 @@ def _given(options: dict[str, str | None]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _local_errors() -> Iterator[None]:
-    """Turn the fallback's domain errors and OSErrors into :class:`RametError`."""
+    """An OSError of the file system fallback mode works on as a :class:`RametError`
+    naming the file (the fallback's own errors are RametErrors already)."""
     try:
         yield
     except RametError:
         raise
-    except (errors.RametError, protocol.ProtocolError) as exc:
-        raise RametError(exc.errno, str(exc)) from None
     except OSError as exc:
         where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
         raise RametError(exc.errno or errno.EIO, f"{where}{exc.strerror or exc}") from None

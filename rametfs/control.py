@@ -183,18 +183,20 @@ class Control:
             try:
                 name, args = _parse(self._text(command), protocol.EXECUTION_COMMANDS)
                 if "policy" in args:
-                    raise RametError(f"{name}: the policy is the harness's (create --policy, "
-                                     f"or the root ctl); an execution cannot give its own",
-                                     errno.EACCES)
+                    raise RametError(errno.EACCES,
+                                     f"{name}: the policy is the harness's (create --policy, "
+                                     f"or the root ctl); an execution cannot give its own")
                 if "publish" in args:
-                    raise RametError("promote --publish: what goes to the remote is the "
+                    raise RametError(errno.EACCES,
+                                     "promote --publish: what goes to the remote is the "
                                      "harness's (the root ctl: promote <execution-id> "
-                                     "--publish yes)", errno.EACCES)
+                                     "--publish yes)")
                 if "to" in args:
-                    raise RametError("reset --to: which snapshot an execution stands on is "
+                    raise RametError(errno.EACCES,
+                                     "reset --to: which snapshot an execution stands on is "
                                      "the harness's (the root ctl: reset <execution-id> --to "
                                      "SNAPSHOT); an execution resets to its head, or to its "
-                                     "base with --base yes", errno.EACCES)
+                                     "base with --base yes")
                 reply = await self._on_execution(ex, name, args, harness=False)
             except Exception as exc:
                 raise self._as_rametfs(exc, ex.id, command) from None
@@ -212,7 +214,7 @@ class Control:
         async with self._alone(ex, name, harness):
             try:
                 reply = await self.execution_handlers[name](ex, args)
-            except (RametError, protocol.ProtocolError):
+            except RametError:
                 raise
             except Exception as exc:
                 self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
@@ -282,26 +284,24 @@ class Control:
     @staticmethod
     def _text(command: bytes) -> str:
         if len(command) > protocol.MAX_COMMAND_BYTES:
-            raise RametError(f"a command is at most {protocol.MAX_COMMAND_BYTES} bytes",
-                             errno.E2BIG)
+            raise RametError(errno.E2BIG,
+                             f"a command is at most {protocol.MAX_COMMAND_BYTES} bytes")
         try:
             return command.decode()
         except UnicodeDecodeError:
             raise InvalidArgument("a command is UTF-8 text") from None
 
     def _as_rametfs(self, exc: Exception, scope: str, command: bytes) -> RametError:
-        """``exc`` as the RametError a command fails with: a ProtocolError is EINVAL; any
+        """``exc`` as the RametError a command fails with: itself when it is one; any
         other exception is a bug, logged with its traceback (at most one per ``scope`` and
         :data:`LOG_INTERVAL_S`, :class:`LogLimit`) and answered EIO."""
         if isinstance(exc, RametError):
             return exc
-        if isinstance(exc, protocol.ProtocolError):
-            return InvalidArgument(str(exc))
         if (skipped := self.logs.take("error", scope)) is not None:
             log.error("internal error in command %s%s",
                       protocol.shown(command.decode(errors="replace").strip()),
                       _skipped(skipped), exc_info=exc)
-        return RametError(f"internal error: {protocol.shown(repr(exc))}", errno.EIO)
+        return RametError(errno.EIO, f"internal error: {protocol.shown(repr(exc))}")
 
     @staticmethod
     def _error_reply(exc: Exception) -> dict:
@@ -330,8 +330,9 @@ class Control:
         done (the truncation of ``echo cmd > ctl`` comes first).  (A writer the kernel
         refuses by the file's mode at the open never reaches the daemon: only root's
         writes come here.)"""
-        exc = RametError("this execution's control files are read-only (--control read); "
-                         "the harness acts on it through the root ctl", errno.EACCES)
+        exc = RametError(errno.EACCES,
+                         "this execution's control files are read-only (--control read); "
+                         "the harness acts on it through the root ctl")
         self.errors[ex.id] = self._failed(ex.id, exc, command)
         self.last[ex.id] = kept_reply(self._error_reply(exc))
 
@@ -682,7 +683,9 @@ class Control:
                 verification = await verify(self.overlay, ex, mode, run.token)
                 result = await in_slices(verification.json_steps())
                 reason = pools.quarantine_reason(result)
-            except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
+            except OSError as exc:  # e.g. an upper data file unreadable
+                if not pools.verification_failed(exc):
+                    raise
                 result, reason = None, pools.failure_reason(mode, exc)
         self._forget_replies(ex.id)
         settled = self.pools.returned(eid, holder, reason, time.time_ns())
@@ -901,8 +904,9 @@ def _diff_line(item: tuple[str, bytes]) -> bytes:
 
 def too_big(what: str, limit: int) -> RametError:
     """EFBIG for an answer over ``limit`` bytes, named by ``what``."""
-    return RametError(f"{what} is more than {limit} bytes; it is not made (the limit of one "
-                      f"answer: rametfs mount --max-answer-bytes)", errno.EFBIG)
+    return RametError(errno.EFBIG,
+                      f"{what} is more than {limit} bytes; it is not made (the limit of one "
+                      f"answer: rametfs mount --max-answer-bytes)")
 
 
 class Bounded(list):

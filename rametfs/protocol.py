@@ -237,6 +237,8 @@ import re
 import secrets
 import shlex  # format_command quotes; split_command splits as shlex.split does
 
+from rametfs.errors import ProtocolError
+
 CONTROL_DIR = ".ramet"
 CTL = "ctl"
 STATUS = "status"
@@ -330,12 +332,6 @@ RUNTIMES = ("bubblewrap", "docker")  # sandboxes a ``runtime`` command records
 IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")  # a Docker image reference
 POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")  # member ids add 9 characters
 MAX_POOL_SIZE = 4096
-
-
-class ProtocolError(ValueError):
-    """A command line that does not parse; ``errno`` is always EINVAL."""
-
-    errno = EINVAL
 
 
 def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[str]]]

@@ -12,7 +12,8 @@ import pytest
 
 from rametfs.authority import DAEMON_GID, DAEMON_UID, Access
 from rametfs.core import pools as core
-from rametfs.errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
+from rametfs.errors import (Busy, Cancelled, Exists, IntegrityError, InvalidArgument, NoSpace,
+                            NotFound)
 from rametfs.protocol import ProtocolError
 from rametfs.store import Store
 from rametfs.store.catalog import Lease, Member
@@ -109,7 +110,7 @@ def test_reattaching_grows_never_shrinks_and_checks_base_settings_and_policy(poo
             (BASE, {}, {"from": "pool", "text": "[other]\n"},
              "pool 'p' exists with another persistence policy")]:
         assert caught(lambda: pools.open("p", base, 2, options, policy, T0)) == (
-            RametError, errno.EEXIST, message)
+            Exists, errno.EEXIST, message)
     assert pools.to_json()[0]["size"] == 3 and sorted(first) == sorted(
         set(pools.to_json()[0]["executions"]) - {grown.new[0].execution})
 
@@ -317,7 +318,10 @@ def test_quarantine_reasons_name_five_differences_quoted_as_diff_does():
     assert core.quarantine_reason(core.verification_json("root", "1", "1", [], 0.1)) == ""
     assert core.failure_reason("root", IntegrityError("chunk 00ff is corrupt")) == (
         "root verification failed: chunk 00ff is corrupt")
-    assert core.VERIFICATION_FAILURES == (IntegrityError, OSError)
+    verdicts = [IntegrityError("chunk 00ff is corrupt"), OSError(errno.EIO, "read"),
+                Cancelled("return cancelled"), Busy("busy"), NoSpace("full")]
+    assert [core.verification_failed(exc) for exc in verdicts] == [
+        True, True, False, False, False]
 
 
 # -- release ---------------------------------------------------------------------------------

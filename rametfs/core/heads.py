@@ -32,10 +32,7 @@ def reset_target(args: dict[str, str], base: str, head: str) -> str:
 
     Raises InvalidArgument (EINVAL) for ``--base`` other than yes or no, or with ``--to``.
     """
-    try:
-        to_base = protocol.yes_no(RESET, "base", args.get("base"))
-    except protocol.ProtocolError as exc:
-        raise InvalidArgument(str(exc)) from None
+    to_base = protocol.yes_no(RESET, "base", args.get("base"))
     to = args.get("to")
     if to is not None and to_base:
         raise InvalidArgument("reset: --to SNAPSHOT and --base yes name two snapshots; "

@@ -33,7 +33,7 @@ fallback mode, with no lease task, such a member could otherwise only be dropped
 pool) and ``renew`` refuses it in both (the daemon's in-memory postponement of a busy one let
 its holder renew it); "not leased" is InvalidArgument with its hint in both; a verification
 reply carries tree ids in both (:func:`verification_json`); and only unreadable or corrupt
-data is a failed verification (:data:`VERIFICATION_FAILURES`), in both.
+data is a failed verification (:func:`verification_failed`), in both.
 """
 
 from __future__ import annotations
@@ -51,16 +51,21 @@ from ..store.catalog import LEASED, QUARANTINED, READY, Catalog, Lease, Member, 
 from ..treewalk import Steps, mapped_steps, run_steps
 from ..types import ExecutionId, PoolName
 
-__all__ = ["LEASED", "QUARANTINED", "READY", "VERIFICATION_FAILURES", "Acquired", "NewMember",
+__all__ = ["LEASED", "QUARANTINED", "READY", "Acquired", "NewMember",
            "Opened", "Pools", "Settled", "failure_reason", "quarantine_reason", "return_reply",
-           "verification_json"]
+           "verification_failed", "verification_json"]
 
 NOT_POOLED = {"pool": None, "state": READY, "lease": None, "quarantine_reason": None}
 MAX_REASON_PATHS = 5  # differences a quarantine reason names
-# What a verification may raise that quarantines the execution (:func:`failure_reason`):
-# stored bytes unreadable or corrupt.  Anything else (cancelled, busy, no space) is no verdict
-# on the execution: the return fails and the member stays as it was.
-VERIFICATION_FAILURES = (IntegrityError, OSError)
+
+
+def verification_failed(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a verification, quarantines the execution
+    (:func:`failure_reason`): stored bytes corrupt (IntegrityError) or unreadable (an OSError
+    of the file system).  Any other RametError (cancelled, busy, no space) is no verdict on
+    the execution: the return fails and the member stays as it was."""
+    return isinstance(exc, IntegrityError) or \
+        isinstance(exc, OSError) and not isinstance(exc, RametError)
 
 
 @dataclass(frozen=True)
@@ -144,9 +149,9 @@ class Pools:
             else:
                 _check_reattach(name, pool, base, options, policy)
                 if keep_last is not None and keep_last != pool.keep_last:
-                    raise RametError(f"pool {name!r} exists with --keep-last "
-                                     f"{pool.keep_last or 'unset'}, not {keep_last}",
-                                     errno.EEXIST)
+                    raise RametError(errno.EEXIST,
+                                     f"pool {name!r} exists with --keep-last "
+                                     f"{pool.keep_last or 'unset'}, not {keep_last}")
                 pool.size = max(pool.size, size)
             self.catalog.put_pool(txn, name, pool)
             new = self._missing(txn, name, pool)
@@ -394,15 +399,15 @@ def _check_reattach(name: str, pool: PoolRecord, base: str, options: dict[str, s
     snapshot, access options other than its own, or a policy (given: not None) not its own;
     InvalidArgument (EINVAL) for a bad option."""
     if pool.base != base:
-        raise RametError(f"pool {name!r} exists with base {pool.base}, not {base}",
-                         errno.EEXIST)
+        raise RametError(errno.EEXIST,
+                         f"pool {name!r} exists with base {pool.base}, not {base}")
     settings = Access.from_record(pool.access)
     if settings.given(options) != settings:
-        raise RametError(f"pool {name!r} exists with {settings.describe()}, not "
-                         f"{settings.given(options).describe()}", errno.EEXIST)
+        raise RametError(errno.EEXIST, f"pool {name!r} exists with {settings.describe()}, not "
+                         f"{settings.given(options).describe()}")
     if policy is not None and policy != pool.policy:
-        raise RametError(f"pool {name!r} exists with another persistence policy",
-                         errno.EEXIST)
+        raise RametError(errno.EEXIST,
+                         f"pool {name!r} exists with another persistence policy")
 
 
 def _serving(members) -> int:
@@ -451,9 +456,8 @@ def quarantine_reason(verification: dict) -> str:
 
 
 def failure_reason(mode: str, exc: Exception) -> str:
-    """Why a verification in ``mode`` that raised ``exc`` (one of
-    :data:`VERIFICATION_FAILURES`: e.g. an upper data file gone unreadable) quarantines the
-    execution."""
+    """Why a verification in ``mode`` that raised ``exc`` (:func:`verification_failed`:
+    e.g. an upper data file gone unreadable) quarantines the execution."""
     return f"{mode} verification failed: {exc}"
 
 

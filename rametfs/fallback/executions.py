@@ -111,11 +111,8 @@ class Fallback:
                      label: str = "", message: str = "") -> dict:
         """Import revision ``rev`` of the git repository ``repo`` (absolute) as a snapshot
         (``import_git``); ``gitdir`` ``"yes"`` takes its ``.git`` directory along."""
-        try:
-            with_git_dir = protocol.yes_no("snapshot-git", "gitdir", gitdir)
-            protocol.check_text("snapshot-git", label, message)
-        except protocol.ProtocolError as exc:
-            raise InvalidArgument(str(exc)) from None
+        with_git_dir = protocol.yes_no("snapshot-git", "gitdir", gitdir)
+        protocol.check_text("snapshot-git", label, message)
         snap = import_git(self.store, repo, rev, with_git_dir, label, message)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
@@ -134,9 +131,10 @@ class Fallback:
         """
         settings = Access().given(access)
         if settings.max_bytes is not None or settings.max_inodes is not None:
-            raise RametError("create: --max-bytes and --max-inodes need FUSE mode (a fallback "
+            raise RametError(errno.EOPNOTSUPP,
+                             "create: --max-bytes and --max-inodes need FUSE mode (a fallback "
                              "execution is a plain directory: use the file system's project "
-                             "quotas)", errno.EOPNOTSUPP)
+                             "quotas)")
         stored_policy = _policy.stored(policy, _policy.CREATE) or stored_policy
         snap = self.store.snapshot(snapshot)
         eid = name or secrets.token_hex(6)
@@ -147,7 +145,7 @@ class Fallback:
         try:
             path.mkdir(mode=0o700)  # reserves the name
         except FileExistsError:
-            raise RametError(f"execution {eid!r} already exists", errno.EEXIST) from None
+            raise RametError(errno.EEXIST, f"execution {eid!r} already exists") from None
         try:
             with self._locked(eid, create=True):
                 started = time.monotonic_ns()
@@ -218,10 +216,7 @@ class Fallback:
 
     def rm(self, snapshot: str, force: str | None = None) -> dict:
         """Forget ``snapshot`` (lifecycle.remove_snapshots); EBUSY while it is used."""
-        try:
-            forced = protocol.yes_no("rm", "force", force)
-        except protocol.ProtocolError as exc:
-            raise InvalidArgument(str(exc)) from None
+        forced = protocol.yes_no("rm", "force", force)
         return lifecycle.remove_snapshots(self.store, [snapshot], forced,
                                           self._execution_uses())
 
@@ -230,10 +225,7 @@ class Fallback:
         """Forget what the retention policy does not keep (lifecycle.forget_snapshots)."""
         policy = retention.policy_of({"keep-last": keep_last, "keep-within": keep_within,
                                       "keep-name": keep_name})
-        try:
-            dry = protocol.yes_no("forget", "dry-run", dry_run)
-        except protocol.ProtocolError as exc:
-            raise InvalidArgument(str(exc)) from None
+        dry = protocol.yes_no("forget", "dry-run", dry_run)
         return lifecycle.forget_snapshots(self.store, policy, dry,
                                           self._execution_uses())
 
@@ -242,13 +234,10 @@ class Fallback:
         """Collect the store's garbage in this process (rametfs.store.gc.collect), its roots
         the store's and every execution manifest's; ``compact`` is offline only (the CLI's
         ``gc --compact --data``: this store is open here).  Raises as ``collect``."""
-        try:
-            dry = protocol.yes_no("gc", "dry-run", dry_run)
-            if protocol.yes_no("gc", "compact", compact):
-                raise InvalidArgument("gc --compact runs on a closed store: rametfs gc "
-                                      "--compact --data DIR")
-        except protocol.ProtocolError as exc:
-            raise InvalidArgument(str(exc)) from None
+        dry = protocol.yes_no("gc", "dry-run", dry_run)
+        if protocol.yes_no("gc", "compact", compact):
+            raise InvalidArgument("gc --compact runs on a closed store: rametfs gc "
+                                  "--compact --data DIR")
         report = gc.collect(self.store, functools.partial(manifest.gc_roots, self.data), dry,
                             progress)
         return {"ok": True, "gc": report.to_json()}

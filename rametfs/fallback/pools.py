@@ -126,7 +126,9 @@ class Pools:
         reset_ms = self.engine.reset(eid, base=protocol.YES)["reset_ms"]  # the pool's snapshot
         try:
             verification = self.engine.verification(eid, mode)
-        except core.VERIFICATION_FAILURES as exc:
+        except OSError as exc:
+            if not core.verification_failed(exc):
+                raise
             return reset_ms, None, core.failure_reason(mode, exc)
         return reset_ms, verification, core.quarantine_reason(verification)
 

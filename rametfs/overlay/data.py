@@ -373,8 +373,10 @@ class FileData:
                 pages.add(page)
                 _add_new_page(node, page)
             done = off + os.pwrite(fd, data, off)
+        except RametError:  # of the base's read (IntegrityError, NoSpace)
+            raise
         except OSError as exc:
-            raise RametError(f"upper data write failed: {exc.strerror}", exc.errno) from None
+            raise RametError(exc.errno, f"upper data write failed: {exc.strerror}") from None
         finally:
             self._allocated(node, fd)
         for page, limit in whole:

@@ -93,7 +93,7 @@ class Executions:
         Raises RametError(EEXIST) when ``eid`` is taken.
         """
         if eid in self.executions:
-            raise RametError(f"execution {eid!r} already exists", errno.EEXIST)
+            raise RametError(errno.EEXIST, f"execution {eid!r} already exists")
         ex = Execution(eid, snap, snap, snap, 0, self.table.alloc_ino(), time.time_ns(), access)
         ex.policy = policy
         with self.store.write() as txn:

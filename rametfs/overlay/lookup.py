@@ -104,8 +104,8 @@ class Lookup:
             with self.store.read() as txn:
                 value = txn.get(inode_key(ex.layer, ino), db=self.store.db["inodes"])
             if value is None:
-                raise RametError(f"execution {ex.id}: dentry {name!r} names missing inode {ino}",
-                                 errno.EIO)
+                raise RametError(errno.EIO,
+                                 f"execution {ex.id}: dentry {name!r} names missing inode {ino}")
             upper = UpperInode.unpack(value)
             node = Node(ino, ex, upper.base, upper, parent, name)
             node.record_bytes = len(value)

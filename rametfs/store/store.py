@@ -105,8 +105,8 @@ class Store:
         with self.write() as txn:
             version = txn.get(b"format", db=self.db["meta"])
             if version is not None and from_u64(version) not in READABLE_VERSIONS:
-                raise RametError(f"{self.root}: store format {from_u64(version)}, "
-                                 f"this rametfs reads {READABLE_VERSIONS}", errno.EIO)
+                raise RametError(errno.EIO, f"{self.root}: store format {from_u64(version)}, "
+                                 f"this rametfs reads {READABLE_VERSIONS}")
             if version is None or from_u64(version) != FORMAT_VERSION:
                 # A format 1 store is a format 2 store without sparse contents: marked
                 # 2, so that no older rametfs reads the sparse records written from now on.
@@ -129,12 +129,13 @@ class Store:
         """
         root = Path(data_dir).absolute()
         if not root.exists():
-            raise RametError(f"{root} does not exist", errno.ENOENT)
+            raise RametError(errno.ENOENT, f"{root} does not exist")
         if not root.is_dir():
-            raise RametError(f"{root} is not a directory", errno.EINVAL)
+            raise RametError(errno.EINVAL, f"{root} is not a directory")
         if not (root / "meta" / "data.mdb").is_file():
-            raise RametError(f"{root} holds no rametfs store (no meta/data.mdb): give the "
-                             "--data directory a daemon was served with", errno.ENOENT)
+            raise RametError(errno.ENOENT,
+                             f"{root} holds no rametfs store (no meta/data.mdb): give the "
+                             "--data directory a daemon was served with")
         store = cls.__new__(cls)
         store.root, store.page_size, store.read_only = root, PAGE_SIZE, True
         store.gc_guard = GcGuard()
@@ -149,15 +150,15 @@ class Store:
                     if name != "names":
                         raise
         except lmdb.Error as exc:
-            raise RametError(f"{root}/meta: not a rametfs store's metadata: {exc}",
-                             errno.EIO) from None
+            raise RametError(errno.EIO,
+                             f"{root}/meta: not a rametfs store's metadata: {exc}") from None
         with store.read() as txn:
             version = txn.get(b"format", db=store.db["meta"])
         if version is None or from_u64(version) not in READABLE_VERSIONS:
             store.close()
-            raise RametError(f"{root}: store format "
+            raise RametError(errno.EIO, f"{root}: store format "
                              f"{'unknown' if version is None else from_u64(version)}, this "
-                             f"rametfs reads {READABLE_VERSIONS}", errno.EIO)
+                             f"rametfs reads {READABLE_VERSIONS}")
         store.cache = HydrationCache(root / "cache")
         return store
 
@@ -314,8 +315,9 @@ class Store:
             if exc.errno == errno.ENOSPC:
                 raise NoSpace(f"no space left to hydrate content {cid.hex()}") from None
             if exc.errno == errno.EFBIG:
-                raise RametError(f"content {cid.hex()} of {content.size} bytes is larger than "
-                                 "the cache's file system holds", errno.EFBIG) from None
+                raise RametError(errno.EFBIG,
+                                 f"content {cid.hex()} of {content.size} bytes is larger than "
+                                 "the cache's file system holds") from None
             raise
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
