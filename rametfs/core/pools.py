@@ -124,7 +124,7 @@ class Pools:
 
     # -- pools ---------------------------------------------------------------------------
 
-    def open(self, name: str | None, base: str, size: int, options: dict[str, str],
+    def open(self, name: PoolName | None, base: str, size: int, options: protocol.Access,
              policy: dict | None, now_ns: int, keep_last: int | None = None) -> Opened:
         """Create pool ``name`` (generated when None) of ``size`` executions of snapshot
         ``base`` (hex id), or reattach to the pool of that name, growing it to ``size``.
@@ -134,12 +134,11 @@ class Pools:
         promote of a member, only the pool's N newest promotes are kept
         (rametfs.core.lifecycle.trim_pool; None: not given, a new pool keeps all).
 
-        Raises ProtocolError (EINVAL) for a bad name or size (``protocol.check_pool``),
-        InvalidArgument (EINVAL) for a bad option, RametError (EEXIST) when the pool exists
-        with another base or other access settings, or ``policy`` or ``keep_last`` is given
-        and is not the pool's.
+        The name, size and options are a ``pool`` command's (rametfs.protocol.Pool checks
+        them).  Raises RametError (EEXIST) when the pool exists with another base or other
+        access settings, or ``policy`` or ``keep_last`` is given and is not the pool's.
         """
-        name = protocol.check_pool(name, size)
+        name = name or protocol.new_pool_name()
         with self.store.write() as txn:
             pool = self.catalog.pool(txn, name)
             created = pool is None
@@ -393,11 +392,10 @@ def _spec(pool: PoolRecord) -> tuple[str, Access, dict | None]:
     return pool.base, Access.from_record(pool.access), pool.policy
 
 
-def _check_reattach(name: str, pool: PoolRecord, base: str, options: dict[str, str],
+def _check_reattach(name: str, pool: PoolRecord, base: str, options: protocol.Access,
                     policy: dict | None) -> None:
     """RametError (EEXIST) when pool ``name`` (``pool``) is reattached to with another base
-    snapshot, access options other than its own, or a policy (given: not None) not its own;
-    InvalidArgument (EINVAL) for a bad option."""
+    snapshot, access options other than its own, or a policy (given: not None) not its own."""
     if pool.base != base:
         raise RametError(errno.EEXIST,
                          f"pool {name!r} exists with base {pool.base}, not {base}")
