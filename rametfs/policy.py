@@ -697,7 +697,7 @@ class _Input:
         self.buffer: bytearray | None = None
 
     def fail(self, what: str, err: int) -> InputError:
-        return InputError(f"input {quote_path(os.fsencode(self.path))} {what}", err)
+        return InputError(err, f"input {quote_path(os.fsencode(self.path))} {what}")
 
     def changed(self, rel: bytes, what: str) -> InputError:
         """``rel`` (below the input, ``b""`` itself) changed under the walk: EAGAIN."""
