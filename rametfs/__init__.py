@@ -4,6 +4,6 @@
 """
 
 from rametfs.client import Execution, ExecutionPool, Ramet, RametError
+from rametfs.version import __version__
 
 __all__ = ["Execution", "ExecutionPool", "Ramet", "RametError", "__version__"]
-__version__ = "0.1.0"

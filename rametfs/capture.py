@@ -13,23 +13,23 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
 import blake3
 import trio
 
-from . import policy
 from .core import diff as core_diff
-from .errors import Cancelled, InvalidArgument, NotFound, RametError
+from .core import policy
+from .errors import Cancelled, NotFound, RametError
 from .faults import FAULTS
 from .overlay import Execution, Node, Overlay, assemble, in_slices, walk_names
 from .store import EMPTY_CONTENT, FLAG_HAS_LINKS, PAGE_SIZE, Entry, Snapshot, Store
 from .store.chunks import ContentBuilder, page_count
 from .store.entries import directory_entry_steps, link_id
 from .store.extents import data_extents, pages_of
-from .store.format import UpperInode, link_key
+from .store.format import UpperInode
 from .store.trees import encode_tree_steps
 from .store.writer import ChunkWriter
 from .treewalk import Steps, nested_steps, postorder_steps, run_steps
@@ -172,7 +172,6 @@ def _job_batches(jobs: list[_FileJob]) -> Iterator[list[_FileJob]]:
 
 
 ZERO_RUN = bytes(1 << 20)  # zeros fed to a digest for holes, not allocated per page
-MAX_INPUT_BYTES = 1 << 30  # of one recipe input's files (_input_spec)
 CAPTURE_BYTES = 4096  # what a capture's record and trees are counted as, besides its chunks
 
 
@@ -201,7 +200,7 @@ def _read_pieces(store: Store, job: _FileJob, cancel: CancelToken = NO_CANCEL
 
 def _file_digest(store: Store, job: _FileJob, cancel: CancelToken) -> str:
     """BLAKE3 (hex) of a file's bytes (blocking): only stored pages are read, but BLAKE3
-    (b3sum's digest, rametfs.policy.path_digest) hashes every byte of a hole too."""
+    (b3sum's digest, rametfs.core.policy.path_digest) hashes every byte of a hole too."""
     h = blake3.blake3()
     for data in _read_pieces(store, job, cancel):
         h.update(data)
@@ -209,10 +208,8 @@ def _file_digest(store: Store, job: _FileJob, cancel: CancelToken) -> str:
 
 
 def _has_upper_links(overlay: Overlay, ex: Execution) -> bool:
-    prefix = link_key(ex.layer, 0)[:8]
     with overlay.store.read() as txn:
-        cur = txn.cursor(db=overlay.store.db["links"])
-        return cur.set_range(prefix) and cur.key().startswith(prefix)
+        return overlay.store.layers.has_links(txn, ex.layer)
 
 
 def _link_of(ex: Execution, node: Node) -> int:
@@ -226,8 +223,9 @@ def _link_of(ex: Execution, node: Node) -> int:
 
 class Capture:
     """One promote or checkpoint of ``ex``: ``plan()`` (sync), ``hash()`` and
-    ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.policy), ``plan()``
-    leaves out ephemeral and rebuildable paths and takes shared ones from the base."""
+    ``digest_inputs()`` (threads), ``commit()``.  With a policy (rametfs.core.policy
+    .apply_steps), ``plan()`` leaves out ephemeral and rebuildable paths and takes shared
+    ones from the base."""
 
     def __init__(self, overlay: Overlay, ex: Execution, cancel: CancelToken = NO_CANCEL):
         self.overlay = overlay
@@ -236,10 +234,7 @@ class Capture:
         self.jobs: dict[int, _FileJob] = {}  # ino -> job: hard links share one
         self.writer = ChunkWriter(overlay.store)
         self.descend_links = False
-        self.policy: policy.Policy | None = None
-        self.special: dict[str, str] = {}  # topmost non-durable path -> its class
-        self.above: set[str] = set()  # directories holding a special path ("" the root)
-        self.classified = policy.Classified()
+        self.applied = policy.Plan(None)  # what the policy makes of the execution
         self.inputs: dict[str, tuple] = {}  # input path -> what to hash (_input_spec)
         self.digests: dict[str, str] = {}
 
@@ -257,37 +252,23 @@ class Capture:
         """
         yield from self.overlay.flush_steps(self.ex)
         self.descend_links = _has_upper_links(self.overlay, self.ex)
-        self.policy = load_policy(self.overlay, self.ex, chosen)
-        if self.policy is not None:
-            yield from self._classify_steps()
+        pol = load_policy(self.overlay, self.ex, chosen)
+        self.applied = yield from policy.apply_steps(
+            pol, _ViewTree(self.overlay), self.overlay.node(self.ex.root_ino),
+            _PolicySide(self.overlay, self.ex))
+        self.applied.check()
+        for path in self.applied.inputs:
+            self.inputs[path] = _input_spec(self.overlay, self.ex, path, self.applied)
         top = yield from self._dir_plan(self.overlay.node(self.ex.root_ino), "")
         if isinstance(top, _DirPlan):
             yield from nested_steps((top, ""), self._fill)
         return top
 
-    def _classify_steps(self) -> Steps[None]:
-        pol = self.policy
-        self.classified = yield from policy.classify_steps(
-            pol, _ViewTree(self.overlay), self.overlay.node(self.ex.root_ino), durable=False)
-        problems = yield from _problem_steps(self.overlay, self.ex, pol, self.classified)
-        if problems:
-            raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
-                                  + "; ".join(problems))
-        for path, cls, *_ in self.classified.paths:
-            path = path.rstrip("/")
-            self.special[path] = cls
-            while path not in self.above:  # its directories, up to one already there
-                path = path.rpartition("/")[0]
-                self.above.add(path)
-        for name in self.classified.outputs:
-            for path in pol.recipes[name].inputs:
-                self.inputs[path] = _input_spec(self.overlay, self.ex, path)
-
     def _dir_plan(self, node: Node, path: str) -> Steps[Entry | _DirPlan | _BaseDirPlan]:
         """The plan of directory ``node``: its base entry where never copied up (filtered
         when a left-out path lies below), else a _DirPlan for :meth:`_fill`."""
         if node.upper is None and not (self.descend_links and node.entry.flags & FLAG_HAS_LINKS):
-            if path in self.above:
+            if path in self.applied.above:
                 return (yield from self._filter_base(node.entry, path))
             return node.entry
         return _DirPlan(node)
@@ -300,7 +281,7 @@ class Capture:
         for name, child in (yield from self.overlay.listdir_steps(plan.node.ino)):
             yield
             child_path = _join(path, name)
-            cls = self.special.get(child_path)
+            cls = self.applied.special.get(child_path)
             if cls == policy.SHARED:
                 plan.children.append((name, _base_at(self.overlay, self.ex, child_path)))
             elif cls is not None:
@@ -328,10 +309,10 @@ class Capture:
             for name, child in (yield from self.overlay.tree_steps(plan.entry.ref)).items():
                 yield
                 child_path = _join(path, name)
-                cls = self.special.get(child_path)
+                cls = self.applied.special.get(child_path)
                 if cls is not None and cls != policy.SHARED:
                     continue
-                if cls is None and child.is_dir and child_path in self.above:
+                if cls is None and child.is_dir and child_path in self.applied.above:
                     sub = _BaseDirPlan(child)
                     plan.children.append((name, sub))
                     yield sub, child_path
@@ -433,10 +414,8 @@ class Capture:
         store = self.overlay.store
         stats = {"changed_files": len(self.jobs), "new_chunks": self.writer.new_chunks,
                  "new_chunk_bytes": self.writer.new_bytes}
-        recipes = None
-        if self.policy is not None:
-            stats.update(policy.policy_stats(self.policy, self.classified))
-            recipes = policy.recipe_records(self.policy, self.classified, self.digests)
+        stats.update(self.applied.stats())
+        recipes = self.applied.recipes(self.digests)
         trees = _NewTrees(store, self.cancel)
         root = await in_slices(self._entry_steps(plan, trees))
         trees.flush()
@@ -607,7 +586,8 @@ def _join(path: str, name: bytes) -> str:
 
 
 class _ViewTree:
-    """rametfs.policy.Tree over an execution: its nodes where copied up, base entries below."""
+    """rametfs.core.policy.Tree over an execution: its nodes where copied up, base entries
+    below."""
 
     def __init__(self, overlay: Overlay):
         self.overlay = overlay
@@ -671,43 +651,40 @@ def _base_at(overlay: Overlay, ex: Execution, path: str) -> Entry:
 
 def load_policy(overlay: Overlay, ex: Execution,
                 chosen: policy.Setting | None) -> policy.Policy | None:
-    """The policy ``chosen``: its text parsed, or (text None, ``--policy tree``) the
-    execution's ``ramet.toml``, which is then none when absent; None for none.  Raises
-    InvalidArgument (EINVAL) naming the line of a malformed one, or for a ``ramet.toml``
-    that is not a regular file of at most rametfs.policy.MAX_POLICY_BYTES."""
-    if chosen is None:
-        return None
-    if chosen.text is not None:
-        return policy.load(chosen.text.encode(), chosen.source)
-    node = _lookup_path(overlay, ex, policy.POLICY_FILE)
-    if node is None:
-        return None
-    policy.check_tree_file(node.mode, node.size)
-    return policy.load(b"".join(_read_pieces(overlay.store, _node_job(overlay, ex, node))),
-                       policy.POLICY_FILE)
+    """The policy ``chosen`` (rametfs.core.policy.load_chosen), the tree's ``ramet.toml``
+    read from the execution's node.  Raises InvalidArgument (EINVAL) as ``load_chosen``."""
+    def tree_file() -> tuple[int, int, Callable[[], bytes]] | None:
+        node = _lookup_path(overlay, ex, policy.POLICY_FILE)
+        if node is None:
+            return None
+        return node.mode, node.size, lambda: b"".join(
+            _read_pieces(overlay.store, _node_job(overlay, ex, node)))
+
+    return policy.load_chosen(chosen, tree_file)
 
 
-def _problem_steps(overlay: Overlay, ex: Execution, pol: policy.Policy,
-                   classified: policy.Classified) -> Steps[list[str]]:
-    """What stops a promote, as steps: changed shared paths, recipe inputs missing or not
-    kept."""
-    problems = []
-    if pol.patterns[policy.SHARED]:
-        problems += policy.shared_problems(pol, (yield from diff_steps(overlay, ex)))
+class _PolicySide:
+    """rametfs.core.policy.Side over an execution's nodes."""
 
-    def exists(path: str) -> bool | None:
-        node = _lookup_path(overlay, ex, path)
+    def __init__(self, overlay: Overlay, ex: Execution):
+        self.overlay = overlay
+        self.ex = ex
+
+    def changes(self, skip: frozenset[str]) -> Steps[list[tuple[str, bytes]]]:
+        return diff_steps(self.overlay, self.ex)
+
+    def exists(self, path: str) -> bool | None:
+        node = _lookup_path(self.overlay, self.ex, path)
         return None if node is None else node.is_dir
 
-    return problems + policy.input_problems(pol, classified, exists)
 
-
-def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
+def _input_spec(overlay: Overlay, ex: Execution, path: str, applied: policy.Plan) -> tuple:
     """What to hash for input ``path`` (it exists: checked before): ``("f", job)``,
-    ``("l", target)``, ``("o",)`` or ``("d", [(path below, kind, job | target | None)])``.
-    Raises RametError (EFBIG) when its files hold more than :data:`MAX_INPUT_BYTES`: its
-    digest hashes every byte, holes too (b3sum's), so an agent's 16 TiB sparse file named
-    as an input would take hours."""
+    ``("l", target)``, ``("o", None)`` or ``("d", [(path below, kind, job | target |
+    None)])``.  Raises InputError (EFBIG) when its files hold more than
+    rametfs.core.policy.MAX_INPUT_BYTES, as the promote ``applied`` stops (``Plan.stopped``):
+    its digest hashes every byte, holes too (b3sum's), so an agent's 16 TiB sparse file
+    named as an input would take hours."""
     node = _lookup_path(overlay, ex, path)
     total = 0
 
@@ -717,10 +694,8 @@ def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
             return ("d", None)
         if stat.S_ISREG(n.mode):
             total += n.size
-            if total > MAX_INPUT_BYTES:
-                raise RametError(errno.EFBIG,
-                                 f"promote stopped by the policy: recipe input {path} holds "
-                                 f"more than {MAX_INPUT_BYTES} bytes")
+            if total > policy.MAX_INPUT_BYTES:
+                raise applied.stopped(policy.input_too_big(path))
             return ("f", _node_job(overlay, ex, n))
         if stat.S_ISLNK(n.mode):
             return ("l", overlay.readlink(n))
@@ -732,7 +707,7 @@ def _input_spec(overlay: Overlay, ex: Execution, path: str) -> tuple:
 
 
 def _spec_digest(store: Store, spec: tuple, cancel: CancelToken) -> str:
-    """The digest of one input (rametfs.policy.path_digest's definition); blocking."""
+    """The digest of one input (rametfs.core.policy.path_digest's definition); blocking."""
     kind, what = spec
 
     def one(kind: str, what) -> str:
@@ -750,7 +725,7 @@ def _spec_digest(store: Store, spec: tuple, cancel: CancelToken) -> str:
 async def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None,
                   paths: list | None = None) -> dict:
     """What a promote of ``ex`` under the policy ``chosen`` would keep
-    (rametfs.policy.preview_report); changes nothing.  Runs in slices of the trio thread
+    (rametfs.core.policy.Plan.report); changes nothing.  Runs in slices of the trio thread
     (``Overlay.in_slices``), ``ex`` frozen meanwhile.  ``paths``: the list the classified
     paths are appended to (``policy.classify_steps``).  Raises InvalidArgument (EINVAL) for
     a malformed policy."""
@@ -760,8 +735,7 @@ async def preview(overlay: Overlay, ex: Execution, chosen: policy.Setting | None
 
 def _preview_steps(overlay: Overlay, ex: Execution, chosen: policy.Setting | None,
                    paths: list | None) -> Steps[dict]:
-    pol = load_policy(overlay, ex, chosen)
-    classified = yield from policy.classify_steps(pol, _ViewTree(overlay),
-                                                  overlay.node(ex.root_ino), paths=paths)
-    problems = (yield from _problem_steps(overlay, ex, pol, classified)) if pol else []
-    return policy.preview_report(pol, classified, problems)
+    applied = yield from policy.apply_steps(
+        load_policy(overlay, ex, chosen), _ViewTree(overlay), overlay.node(ex.root_ino),
+        _PolicySide(overlay, ex), durable=True, paths=paths)
+    return applied.report()

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import click
 
 from rametfs import __version__, mounts, protocol
-from rametfs.policy import CLASSES
+from rametfs.core.policy import CLASSES
 from rametfs.client import (DATA_ENV, DEFAULT_TTL, MODE_ENV, MODES, MOUNT_ENV, Execution,
                             NotMountedError, Ramet, RametError, RestoreError, resolve_mode)
 from rametfs.errors import EXIT_CODES, exit_code
@@ -676,7 +676,8 @@ def build_pyfuse3() -> None:
               help="Data directory to check (a live daemon may be serving it).")
 @remote_options
 def fsck(data: str | None, remote: str | None, catalog: str | None) -> None:
-    """Verify every snapshot: trees, contents and each chunk's BLAKE3 id.  Exit 1 on damage.
+    """Verify every snapshot (trees, contents and each chunk's BLAKE3 id) and every execution's
+    layer (its dentries, links, page maps and orphans against its records).  Exit 1 on damage.
 
     Reads only: nothing in DIR is made or changed.  A DIR that holds no store is refused
     (exit 3, ENOENT; not a directory: exit 4, EINVAL).  With --remote and --catalog instead:
@@ -699,7 +700,10 @@ def fsck(data: str | None, remote: str | None, catalog: str | None) -> None:
     for line in report.problems:
         click.echo(line)
     click.echo(f"{report.snapshots} snapshots, {report.trees} trees, {report.contents} contents, "
-               f"{report.chunks} chunks checked; {len(report.problems)} problems", err=True)
+               f"{report.chunks} chunks, {report.executions} executions' layers "
+               f"({report.upper_inodes} upper inodes, {len(report.orphans)} orphans; "
+               f"{len(report.dead_layers)} dead layers to delete) checked; "
+               f"{len(report.problems)} problems", err=True)
     if report.problems:
         raise click.exceptions.Exit(EXIT_OTHER)
 

@@ -424,9 +424,12 @@ class Ramet:
         return self.status()["pools"]
 
     def status(self) -> dict:
-        """The status: ``{"mode", "pid", "data", "mount", "version", "snapshots",
-        "executions", "last"}`` (see the project docs for each record); in fallback mode
-        also ``"copy_method"`` (``"clonefile"``, ``"reflink"`` or ``"copy"``)."""
+        """The status: ``{"mode", "pid", "data", "mount", "version", "copy_method",
+        "open_less", "snapshots_bind", "snapshots", "executions", "pools", "last", "gc",
+        "memory"}``, the same keys in both modes (see the project docs for each record);
+        ``copy_method`` (``"clonefile"``, ``"reflink"`` or ``"copy"``) is fallback mode's;
+        ``mount``, ``open_less``, ``snapshots_bind``, ``gc`` and ``memory`` FUSE mode's;
+        each None in the other mode."""
         return self._backend.status()
 
     def snapshots(self) -> list[dict]:
@@ -436,10 +439,13 @@ class Ramet:
         return self.status()["snapshots"]
 
     def executions(self) -> list[dict]:
-        """Every execution record: ``{"id", "base", "head", "created_ns", "upper_bytes",
-        "state", "pool", "lease", "quarantine_reason", "policy", "runtime", "owner", "group",
-        "share", "control"}`` (``upper_bytes`` is None in fallback mode; ``share`` octal
-        text, ``"0700"``); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
+        """Every execution record, with the same keys in both modes: ``{"execution", "id",
+        "base", "head", "state", "created_ns", "upper_bytes", "upper_inodes",
+        "captured_bytes", "max_bytes", "max_inodes", "last", "pool", "lease",
+        "quarantine_reason", "failure", "waiting", "policy", "runtime", "path", "mode",
+        "copy_method", "owner", "group", "share", "control"}`` (``upper_bytes``,
+        ``upper_inodes`` and ``captured_bytes`` are None in fallback mode, ``copy_method`` in
+        FUSE mode; ``share`` octal text, ``"0700"``); ``"lease"`` is ``{"holder", "pid", "host", "expires_ns",
         "acquired_ns"}`` or None; ``"state"`` is ``"ready"``, ``"leased"``,
         ``"quarantined"`` or (FUSE mode) ``"promoting"`` or ``"failed"``; ``"policy"`` where
         its stored policy came from (``"create --policy"``, ``"pool --policy"``,
@@ -447,7 +453,7 @@ class Ramet:
         (:meth:`Execution.record_runtime`) or None.  A process other than the harness sees
         only the executions shared with it, as their own status shows them (``{"execution",
         "id", "base", "head", "state", "created_ns", "upper_bytes", "upper_inodes",
-        "max_bytes", "max_inodes", "last"}``)."""
+        "captured_bytes", "max_bytes", "max_inodes", "last"}``)."""
         return self.status()["executions"]
 
 
@@ -540,13 +546,11 @@ class Execution:
         return [tuple(pair) for pair in reply["verification"]["differences"]]
 
     def status(self) -> dict:
-        """``{"execution", "base", "head", "state", "pool", "lease", "quarantine_reason",
-        "policy", "runtime", "created_ns", "upper_bytes", "last", "path", "owner", "group",
-        "share", "control"}`` (see :meth:`Ramet.executions`); ``"last"`` is the reply of its
+        """Its record (the keys of :meth:`Ramet.executions`); ``"last"`` is the reply of its
         last command, with the promote's ``"stats"``.  A process other than the harness reads
         the execution's own ``.ramet/status``: ``{"execution", "id", "base", "head",
-        "state", "created_ns", "upper_bytes", "upper_inodes", "max_bytes", "max_inodes",
-        "last"}``, the last reply without store-wide figures."""
+        "state", "created_ns", "upper_bytes", "upper_inodes", "captured_bytes", "max_bytes",
+        "max_inodes", "last"}``, the last reply without store-wide figures."""
         return self.ramet._backend.execution_status(self.id)
 
 
@@ -614,9 +618,7 @@ class _Mount:
 
     def status(self) -> dict:
         self._needs_mount("the mount's status")
-        state = _read_json(self.mount / protocol.CONTROL_DIR / protocol.STATUS, self.mount)
-        state.setdefault("mode", "fuse")
-        return state
+        return _read_json(self.mount / protocol.CONTROL_DIR / protocol.STATUS, self.mount)
 
     def execution_path(self, execution_id: str) -> Path:
         if self.own is not None:

@@ -20,13 +20,16 @@ import pyfuse3
 import trio
 
 from . import protocol
-from .control import Control
+from .control.commands import Control
+from .control.tree import MountTree
 from .errors import RametError
 from .faults import FAULTS
-from .fuse_ops import OPEN_LESS, Operations
+from .fuse.adapter import Operations, PlainOperations
+from .fuse.kernel import KernelState
 from .mounts import (bind_snapshots_read_only, check_mount_options, check_mountpoint,
                      take_data_lock)
-from .overlay import MAX_FILE_SIZE, Overlay, in_slices
+from .overlay import (COLLECT_BATCH, MAX_FILE_SIZE, Overlay, in_slices, unlink_upper_files,
+                      yield_to_requests)
 from .precreate import Precreated, keep_filled
 from .store import Store
 from .store.cache import default_max_bytes
@@ -37,6 +40,7 @@ from .verify import ROOT
 log = logging.getLogger(__name__)
 
 DIRTY_INTERVAL_S = 1.0
+RECLAIM_DELAY_S = 0.05  # forgotten unlinked inodes gathered into one batch (_reclaim_forgotten)
 MAX_REQUEST_TASKS = 4096  # FUSE requests handled at once (pyfuse3 worker tasks)
 
 
@@ -75,12 +79,18 @@ def _freeze_survivors(phase: str, info: dict) -> None:
 
 def plain_mode_reason() -> str | None:
     """Why the FUSE adapter runs in plain mode (tools/pyfuse3/README.md), or None in
-    open-less mode."""
-    if OPEN_LESS:
-        return None
-    if os.environ.get("RAMETFS_OPEN_LESS") == "0":
+    open-less mode: pyfuse3 lacks our patch, or ``RAMETFS_OPEN_LESS=0`` turns its use off
+    (for comparison)."""
+    if os.environ.get("RAMETFS_OPEN_LESS", "1") == "0":
         return "RAMETFS_OPEN_LESS=0 is set"
-    return "this pyfuse3 lacks the open-less patch"
+    if not hasattr(pyfuse3.FileInfo(), "cache_readdir"):
+        return "this pyfuse3 lacks the open-less patch"
+    return None
+
+
+def detect_open_less() -> bool:
+    """Whether the FUSE adapter runs open-less (:func:`plain_mode_reason`)."""
+    return plain_mode_reason() is None
 
 
 PLAIN_MODE_NOTE = ("plain mode ({reason}): warm git status is 5-10x slower and cold 2x than in "
@@ -141,7 +151,7 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
         overlay.dead_layers = trio.Event()
         while overlay.stale_inos:
             dropped += overlay.drop_stale_nodes()
-            await trio.sleep(0)
+            await yield_to_requests()
         if dropped >= TRIM_NODES:
             dropped = 0
             await trio.to_thread.run_sync(_give_back_memory)
@@ -154,7 +164,7 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
                 await trio.to_thread.run_sync(overlay.store.remove_upper_dir, layer,
                                               abandon_on_cancel=True)
                 overlay.forget_dead_layer(layer)
-            await trio.sleep(0)
+            await yield_to_requests()
         await overlay.dead_layers.wait()
 
 
@@ -201,6 +211,32 @@ async def _expire_leases(control: Control) -> None:
             await control.leases_changed.wait()
 
 
+async def _reclaim_forgotten(overlay: Overlay, wakeups: trio.MemoryReceiveChannel[None]
+                             ) -> None:
+    """Delete forgotten unlinked inodes (``Overlay.take_reclaim``) once woken (the mount
+    tree's forget): their upper data files in a worker thread, then their records in
+    transactions of ``COLLECT_BATCH`` inodes (50,000 in one held the trio thread 50 ms), in
+    batches: what the kernel forgets in the :data:`RECLAIM_DELAY_S` after the first, then
+    what it forgets while a batch goes.  An ``rm -rf`` then waits for neither, and the loop
+    hands a thread a job per batch, not per file.  A failed or cancelled batch stays marked
+    orphan and goes at the next start (Overlay.remove_orphans)."""
+    async for _ in wakeups:
+        await trio.sleep(RECLAIM_DELAY_S)
+        while items := overlay.take_reclaim():
+            try:
+                FAULTS.check("task:reclaim")
+                await trio.to_thread.run_sync(unlink_upper_files, items)
+                for start in range(0, len(items), COLLECT_BATCH):  # a bounded step each
+                    overlay.reclaimed(items[start:start + COLLECT_BATCH])
+                    await yield_to_requests()
+            except OSError as exc:  # a RametError too; the next start deletes them
+                log.warning("reclaiming %d forgotten inodes failed: %s", len(items), exc)
+            except Exception as exc:
+                log.exception("reclaiming %d forgotten inodes failed", len(items))
+                for ex in overlay.executions_of(items):
+                    overlay.fail(ex, f"internal error reclaiming its inodes: {exc!r}")
+
+
 async def _store_dirty_records(overlay: Overlay) -> None:
     """Store changed inode records every :data:`DIRTY_INTERVAL_S`: the kernel does not say
     when a file is closed (open-less FUSE), so this bounds what a crash loses of data that
@@ -243,13 +279,20 @@ async def _bind_snapshots(control: Control) -> None:
     control.snapshots_settled = True
 
 
-async def _serve(overlay: Overlay, control: Control) -> None:
+async def _serve(overlay: Overlay, control: Control, kernel: KernelState,
+                 reclaim: trio.MemoryReceiveChannel[None],
+                 refused: trio.MemoryReceiveChannel[int]) -> None:
+    """The daemon's one nursery: every background task (docs/concurrency.md) and the
+    pyfuse3 session; ``reclaim`` and ``refused`` feed the tasks the mount's requests give
+    work (the mount tree's and the kernel state's other ends)."""
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_guarded, "snapshots-bind", _bind_snapshots, control)
         nursery.start_soon(_guarded, "precreate", keep_filled, overlay.precreated)
         nursery.start_soon(_guarded, "dead-layers", _collect_dead_layers, overlay)
         nursery.start_soon(_guarded, "flush", _store_dirty_records, overlay)
         nursery.start_soon(_guarded, "leases", _expire_leases, control)
+        nursery.start_soon(_guarded, "reclaim", _reclaim_forgotten, overlay, reclaim)
+        nursery.start_soon(_guarded, "refused-pages", kernel.drop_refused_pages, refused)
 
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -330,10 +373,17 @@ def _serve_store(data_dir: str, mountpoint: str, options: set[str],
     overlay.remove_orphans()
     overlay.count_usage()
     overlay.precreated = Precreated(overlay.upper_root)
-    ops = Operations(overlay, mountpoint, faults=faults, max_answer_bytes=max_answer_bytes)
+    reason = plain_mode_reason()
+    reclaim_send, reclaim_recv = trio.open_memory_channel[None](1)  # a pending wake-up
+    refused_send, refused_recv = trio.open_memory_channel[int](math.inf)  # one per inode due
+    kernel = KernelState(refused_send)
+    control = Control(overlay, mountpoint, kernel.invalidate, open_less=reason is None,
+                      faults=faults, max_answer_bytes=max_answer_bytes)
+    control.adapter_memory = kernel.memory
+    tree = MountTree(overlay, control, reclaim_send)
+    ops = (Operations if reason is None else PlainOperations)(tree, kernel)
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options |
                  {"subtype=rametfs"})
-    reason = plain_mode_reason()
     log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
              "of %d bytes", store.root, mountpoint, os.getpid(),
              "open-less" if reason is None else "plain", max_file_size, store.cache.bytes,
@@ -345,7 +395,7 @@ def _serve_store(data_dir: str, mountpoint: str, options: set[str],
     thresholds = gc.get_threshold()
     gc.set_threshold(thresholds[0], thresholds[1], FULL_EVERY)
     try:
-        trio.run(_serve, overlay, ops.control)
+        trio.run(_serve, overlay, control, kernel, reclaim_recv, refused_recv)
         clean = True
     finally:
         gc.callbacks.remove(_freeze_survivors)

@@ -11,7 +11,7 @@ message alone, ``exc.errno`` the errno, ``exc.exit_code`` the CLI's exit code
 ran the command in-process, so nothing translates one error into another.
 
 Raised by the store, the overlay, the protocol and the commands; caught in one place per
-boundary (the FUSE adapter turns them into ``FUSEError(e.errno)``, the control commands into
+boundary (``fuse.adapter`` turns them into ``FUSEError(e.errno)``, ``control.commands`` into
 a JSON reply, the CLI into its message and exit code).
 """
 

@@ -3,7 +3,7 @@
 A system call refuses a path of PATH_MAX (4,096 on Linux) bytes or more with ENAMETOOLONG,
 but a process inside an execution builds a tree as deep as it likes with relative ``mkdir``
 and ``chdir``, so the fallback mode's walks (which name paths from the execution's root) and
-the input digests of rametfs.policy meet longer paths.  ``with short(path) as p`` gives a
+the input digests of rametfs.core.policy meet longer paths.  ``with short(path) as p`` gives a
 name for the same file that any call takes: ``path`` itself when it is short enough (no cost;
 shorter than :data:`SHORT`, so that ``p + b"/" + name``, an entry of ``os.scandir(p)``, is
 too), else ``/proc/self/fd/<fd>/<last name>`` with ``fd`` its directory, opened in hops of

@@ -2,7 +2,7 @@
 
 Root reads trees an agent may change while it reads them: an import's source
 (rametfs.store.importer), a recipe's inputs at a promote in fallback mode and at a restore
-(rametfs.policy.path_digest).  Each name is opened relative to its directory's open fd
+(rametfs.core.policy.path_digest).  Each name is opened relative to its directory's open fd
 (``openat``) with one of these flag sets, after the directory was listed (``fstatat``, not
 followed), and the fstat of what was opened must be the listed file (:func:`same_file`):
 

@@ -4,7 +4,7 @@ For each recipe, in the order the policy listed them (docs/policy.md): check its
 against the recorded BLAKE3 hashes, run its command, run its readiness check; the first
 failure stops the restore.  The inputs are checked just before their recipe runs, after the
 earlier recipes' commands (which the agent may have written) changed the tree as they
-liked, so they are read as rametfs.policy.path_digest reads an agent's tree: never through
+liked, so they are read as rametfs.core.policy.path_digest reads an agent's tree: never through
 a symlink, never from a FIFO, at most MAX_INPUT_BYTES each.  Commands run through a
 *runtime*, a callable ``run(execution, argv, timeout)`` (the ``run`` of a rametfs.sandbox
 runtime) that runs ``argv`` (a list of str) in the execution and returns a
@@ -15,7 +15,7 @@ Recipes may come from an agent (its own promote, its own ``ramet.toml`` promoted
 none and the caller named none.
 
 Used by :meth:`rametfs.client.Ramet.restore`; needs only the standard library, BLAKE3,
-rametfs.policy and the harness side's rametfs.sandbox, so a harness process does not load
+rametfs.core.policy and the harness side's rametfs.sandbox, so a harness process does not load
 the daemon's modules.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .client import RametError
-from .policy import InputError, path_digest
+from .core.policy import InputError, path_digest
 from .protocol import RUNTIMES, quote_path
 from .sandbox import Bubblewrap, Docker, Host, Result
 
@@ -118,7 +118,7 @@ def rebuild(execution, recipes: list[dict], run: Runtime,
 
 
 def _check_inputs(execution, recipe: dict) -> Step:
-    """Hash each input in ``execution`` (rametfs.policy.path_digest: by directory fds from
+    """Hash each input in ``execution`` (rametfs.core.policy.path_digest: by directory fds from
     its root, never through a symlink, at most MAX_INPUT_BYTES each) and compare it with
     the recorded hash.  The step fails with EIO when one is missing or changed, EFBIG when
     one is too large, an unreadable one's errno; it names every input that failed."""

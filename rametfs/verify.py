@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import trio
 
 from .capture import NO_CANCEL, CancelToken, diff_in_slices, root_entry
-from .core.pools import verification_json_steps
+from .core.status import verification_json_steps
 from .overlay import Execution, Overlay
 from .store import EMPTY_CONTENT, PAGE_SIZE, Entry, Store
 from .store.chunks import chunk_id, is_zero
@@ -57,7 +57,7 @@ class Verification:
         return not self.differences
 
     def json_steps(self) -> Steps[dict]:
-        """As replies carry it (rametfs.core.pools.verification_json), as steps: one per
+        """As replies carry it (rametfs.core.status.verification_json), as steps: one per
         difference (a verify of 200,000 differences took 0.1 s to convert)."""
         return verification_json_steps(self.mode, self.root, self.base_root, self.differences,
                                  self.verify_ms)

@@ -20,6 +20,9 @@ Fixtures:
   ``python3``); nothing is pulled from a registry.  Removed, its processes ended and its
   mounts gone, at the end of the session.
 - a session janitor that lazily unmounts whatever is still mounted under pytest's basetemp.
+- ``fsck_clean``: ``fsck_clean(store)`` asserts that ``rametfs.store.fsck`` finds no problem
+  in a store, its executions' layers included: the model and store fixtures call it at their
+  teardown (a test that damages its store on purpose is marked ``corrupts_store``).
 
 After a test, the log of its daemon must have no line containing ``Traceback``, `` ERROR ``
 or ``WARNING`` unless the test allows it with ``@pytest.mark.allow_log(regex, ...)``; each
@@ -50,6 +53,7 @@ import pytest
 
 from rametfs import Ramet, protocol
 from rametfs.mounts import mount_table
+from rametfs.store import fsck
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 600
@@ -165,8 +169,12 @@ class Daemon:
                               capture_output=True, timeout=timeout, env=self.env)
 
     def start(self) -> None:
-        """Mount in the background; returns once mounted with :attr:`pid` read from status."""
+        """Mount in the background; returns once mounted with :attr:`pid` read from status.
+        Fails a test not marked ``kernel`` (the unit level mounts nothing)."""
         assert self.pid is None, f"{self!r} is already running"
+        if _running and _running[-1].get_closest_marker("kernel") is None:
+            pytest.fail(f"{_running[-1].nodeid} mounts rametfs but is not marked kernel "
+                        "(conftest.KERNEL_FIXTURES, or @pytest.mark.kernel)", pytrace=False)
         self._mnt.mkdir(parents=True, exist_ok=True)
         log = self.data_dir.with_name(f"{self.data_dir.name}.log.{next(self._runs)}")
         self._logs.append(log)
@@ -324,6 +332,60 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "allow_log(regex, ...): daemon log lines matching a regex may contain "
                    "Traceback, ' ERROR ' or WARNING without failing the test")
+    config.addinivalue_line(
+        "markers", "kernel: mounts rametfs through the kernel (set by the fixtures a test "
+                   "uses, or by its module); `-m 'not kernel'` runs the unit level")
+    config.addinivalue_line(
+        "markers", "slow: a system test (sandboxes, containers, demos, workloads, remote "
+                   "services, benchmark smoke); `-m 'not slow'` leaves them out")
+    config.addinivalue_line(
+        "markers", "corrupts_store: the test damages its store on purpose: its fixtures skip "
+                   "the fsck at their teardown (fsck_clean)")
+
+
+# The levels (docs/testing.md): a test is at the kernel level when it uses one of these
+# fixtures, is the "fuse" case of a test parametrized over both modes, or its module says
+# so (``pytestmark``); the modules of SYSTEM_MODULES are system tests, marked slow as well.
+KERNEL_FIXTURES = {"daemon", "shared_daemon", "allow_other_daemon", "container_engine",
+                   "faulty", "bounded", "held_work", "_other_users_daemon", "own_daemon",
+                   "mode_daemon"}
+SYSTEM_MODULES = {"test_bench_smoke", "test_containers", "test_demo_best_of_n",
+                  "test_langgraph_example", "test_newcomer", "test_remote", "test_rollouts",
+                  "test_sandbox", "test_sandbox_isolation", "test_workloads"}
+
+
+_running: list[pytest.Item] = []  # the test being set up, run or torn down
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        fuse = getattr(item, "callspec", None) is not None and \
+            any(isinstance(v, str) and v == "fuse" for v in item.callspec.params.values())
+        if module in SYSTEM_MODULES:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.kernel)
+        elif fuse or KERNEL_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.kernel)
+
+
+@pytest.fixture
+def fsck_clean(request):
+    """``check(store)``: fsck of ``store`` (snapshots and executions' layers) finds nothing
+    wrong, unless the test is marked ``corrupts_store``."""
+    def check(store) -> None:
+        if request.node.get_closest_marker("corrupts_store") is None:
+            assert fsck(store).problems == []
+    return check
 
 
 @pytest.fixture

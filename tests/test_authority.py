@@ -527,8 +527,8 @@ def test_root_status_for_another_uid_shows_only_what_it_may_see(harness, base, m
     mine.checkpoint()  # the harness's reply, with store-wide figures, is mine's last
     seen = as_uid(harness.mount, [("root", "read", ".ramet/status", "")], OWNER)
     root = json.loads(seen["root"])
-    assert set(root) == {"mount", "version", "open_less", "snapshots_bind", "snapshots",
-                         "executions", "pools"}
+    assert set(root) == {"mode", "mount", "version", "open_less", "snapshots_bind",
+                         "snapshots", "executions", "pools"}
     record, = root["executions"]
     assert set(record) == {"execution", "id", "base", "head", "state", "created_ns",
                            "upper_bytes", "upper_inodes", "captured_bytes", "max_bytes", "max_inodes",

@@ -27,11 +27,12 @@ import pytest
 from conftest import (Daemon, allowed_log, ctl_command, pid_alive, read_reply, run, serving,
                       wait_until)
 from rametfs import protocol
+from rametfs.daemon import detect_open_less
 from rametfs.store.format import NS_PER_S, TIME_MAX_S, TIME_MIN_S
-from rametfs.fuse_ops import OPEN_LESS
 from test_kernel_cache import _map_and_store
 from test_snapshots import write_tree
 
+OPEN_LESS = detect_open_less()  # the daemons these tests start get the same environment
 MIB = 1 << 20
 BLOCK = 4096  # the data file system's block: what the last write of a quota may pass it by
 TRACEBACK_LINES = (r"Traceback|^\s|^\S*Error|^rametfs\.faults\.InjectedFault|"
@@ -246,6 +247,7 @@ def test_an_exception_in_forget_is_logged_and_the_daemon_goes_on(faulty, pair):
 
 # ----- background tasks --------------------------------------------------------------------------
 
+@pytest.mark.kernel
 def test_an_exception_in_the_dirty_flush_fails_that_execution_and_stores_the_others(
         tmp_path):
     with serving(tmp_path, ("--faults",), [TRACEBACK_LINES]) as d:
@@ -710,6 +712,65 @@ async def test_a_walk_in_slices_lets_other_tasks_run_and_returns_its_result():
     assert run_steps(steps()) == "done"
 
 
+async def test_a_walk_waits_for_every_runnable_task_before_its_next_slice():
+    """rametfs.overlay.in_slices: after a slice, the walk waits until no other task can run
+    (trio's idle point), so a request's handler that checkpoints 20 times runs all 20 turns
+    before the walk's next step, where trio.sleep(0) would give it one turn a slice."""
+    import trio
+
+    from rametfs.overlay.slices import SLICE_S, in_slices
+    log: list[str] = []
+
+    def steps():
+        for _ in range(4):
+            time.sleep(SLICE_S)  # every step ends a slice
+            log.append("walk")
+            yield
+        return "done"
+
+    async def handler() -> None:
+        for _ in range(20):
+            log.append("handler")
+            await trio.sleep(0)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handler)
+            assert await in_slices(steps()) == "done"
+    assert log == ["walk"] + ["handler"] * 20 + ["walk"] * 3
+
+
+async def test_a_walk_goes_on_under_a_flood_of_runnable_tasks():
+    """rametfs.overlay.in_slices: a task that never stops being runnable delays a walk's
+    next slice by at most YIELD_MAX_S, not for ever: the walk ends, the flood ran between."""
+    import trio
+
+    from rametfs.overlay.slices import SLICE_S, YIELD_MAX_S, in_slices
+    turns = 0
+    seen: list[int] = []
+
+    def steps():
+        for _ in range(5):
+            time.sleep(SLICE_S)
+            seen.append(turns)
+            yield
+        return "done"
+
+    async def flood() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await trio.sleep(0)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flood)
+            await trio.sleep(0)
+            assert await in_slices(steps()) == "done"
+            nursery.cancel_scope.cancel()
+    assert YIELD_MAX_S == 0.010 and all(b > a for a, b in zip(seen, seen[1:]))
+
+
 def test_a_listing_made_in_slices_is_exact_across_its_batches(shared_daemon, tmp_path):
     """Upper dentries are read and nodes made LIST_STEP (1,024) at a time, in slices: 1,500
     base names, 700 of them removed (whiteouts) and 1,800 new ones list exactly."""
@@ -736,7 +797,7 @@ def test_a_listing_made_in_slices_is_exact_across_its_batches(shared_daemon, tmp
 def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemon, tmp_path):
     """A recipe input's digest hashes every byte (holes too): an input truncated to 2 GiB
     (sparse, 0 bytes stored) stops the promote at once, not after hashing 2 GiB."""
-    from rametfs.capture import MAX_INPUT_BYTES
+    from rametfs.core.policy import MAX_INPUT_BYTES
     policy = ('[rebuildable.deps]\npaths = ["deps/"]\ninputs = ["lock.txt"]\n'
               'command = "true"\n')
     snap = shared_daemon.snapshot(write_tree(tmp_path / "src", {"lock.txt": b"a==1\n",
@@ -747,8 +808,9 @@ def test_a_recipe_input_past_its_limit_stops_the_promote_with_efbig(shared_daemo
     with pytest.raises(OSError) as caught:
         shared_daemon.ctl(f"promote {eid}")
     assert caught.value.errno == errno.EFBIG
-    assert caught.value.reply["error"] == (f"promote stopped by the policy: recipe input "
-                                           f"lock.txt holds more than {MAX_INPUT_BYTES} bytes")
+    assert caught.value.reply["error"] == (f"promote stopped by the policy (create --policy): "
+                                           f"input lock.txt holds more than {MAX_INPUT_BYTES} "
+                                           "bytes")
     os.truncate(lock, 5)
     assert shared_daemon.ctl(f"promote {eid}")["ok"]
     shared_daemon.ctl(f"release {eid}")
@@ -1093,7 +1155,7 @@ def test_another_uid_cannot_make_or_drop_the_harness_s_control_inodes(bounded):
             "                  err(lambda: os.listdir('.ramet')), sorted(status)]))\n",
             bounded.mnt)
         assert seen == [1, "EACCES", "EACCES",
-                        ["executions", "mount", "open_less", "pools", "snapshots",
+                        ["executions", "mode", "mount", "open_less", "pools", "snapshots",
                          "snapshots_bind", "version"]]
         assert read_reply(fd) == {"ok": True, "cancelled": []}
     finally:

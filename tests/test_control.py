@@ -413,7 +413,7 @@ FILES = 2000
 
 
 def test_a_reset_or_release_gives_back_every_node_and_kept_listing(daemon, source):
-    # A listed directory's names stay kept between readdir calls (fuse_ops.LISTINGS); those
+    # A listed directory's names stay kept between readdir calls (fuse.kernel.LISTINGS); those
     # of a dropped layer went only when 64 other listings pushed them out; the table of nodes
     # (a dict) kept its peak's size.
     snap = daemon.snapshot(source)

@@ -12,6 +12,7 @@ import pytest
 
 from rametfs.authority import DAEMON_GID, DAEMON_UID, Access
 from rametfs.core import pools as core
+from rametfs.core import status
 from rametfs.errors import (Busy, Cancelled, Exists, IntegrityError, InvalidArgument, NoSpace,
                             NotFound)
 from rametfs import protocol
@@ -27,9 +28,10 @@ T0 = 1_700_000_000 * S  # a wall-clock time
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, fsck_clean):
     s = Store(tmp_path / "data")
     yield s
+    fsck_clean(s)
     s.close()
 
 
@@ -308,17 +310,17 @@ def test_an_explicit_verification_quarantines_a_ready_member_only(pools):
 def test_quarantine_reasons_name_five_differences_quoted_as_diff_does():
     differences = [("A", b"new file"), ("M", b"caf\xc3\xa9"), ("D", b"a\nb"),
                    ("M", b"x"), ("M", b"y"), ("M", b"z"), ("A", b"\xff")]
-    verification = core.verification_json("deep", "11" * 32, "22" * 32, differences, 2.5)
+    verification = status.verification_json("deep", "11" * 32, "22" * 32, differences, 2.5)
     assert verification == {
         "mode": "deep", "equal": False, "root": "11" * 32, "base_root": "22" * 32,
         "verify_ms": 2.5,
         "differences": [["A", "new file"], ["M", "café"], ["D", "a\nb"], ["M", "x"],
                         ["M", "y"], ["M", "z"], ["A", "\udcff"]]}
-    assert core.quarantine_reason(verification) == (
+    assert status.quarantine_reason(verification) == (
         'deep verification: differs from its base (A "new file", M "caf\\303\\251", '
         'D "a\\nb", M x, M y and 2 more)')
-    assert core.quarantine_reason(core.verification_json("root", "1", "1", [], 0.1)) == ""
-    assert core.failure_reason("root", IntegrityError("chunk 00ff is corrupt")) == (
+    assert status.quarantine_reason(status.verification_json("root", "1", "1", [], 0.1)) == ""
+    assert status.failure_reason("root", IntegrityError("chunk 00ff is corrupt")) == (
         "root verification failed: chunk 00ff is corrupt")
     verdicts = [IntegrityError("chunk 00ff is corrupt"), OSError(errno.EIO, "read"),
                 Cancelled("return cancelled"), Busy("busy"), NoSpace("full")]

@@ -63,9 +63,10 @@ BEFORE = {
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, fsck_clean):
     store = Store(tmp_path / "data")
     yield store
+    fsck_clean(store)
     store.close()
 
 

@@ -289,6 +289,7 @@ def test_umount_refuses_binds_of_parts_of_the_mount(daemon, source, tmp_path):
     assert daemon.status()["pid"] == daemon.pid
 
 
+@pytest.mark.kernel
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts need CAP_SYS_ADMIN")
 def test_under_a_shared_parent_every_copy_of_the_bind_is_read_only_and_goes_with_it(
         tmp_path, source):
@@ -325,6 +326,7 @@ def test_under_a_shared_parent_every_copy_of_the_bind_is_read_only_and_goes_with
         run("umount", "-R", "-l", shared)
 
 
+@pytest.mark.kernel
 def test_serve_and_umount_through_a_symlink_to_the_mountpoint(tmp_path):
     mnt, link = tmp_path / "mnt", tmp_path / "link"
     mnt.mkdir()
@@ -339,6 +341,7 @@ def test_serve_and_umount_through_a_symlink_to_the_mountpoint(tmp_path):
         lazy_unmount(mnt)
 
 
+@pytest.mark.kernel
 @pytest.mark.skipif(os.geteuid() != 0, reason="the read-only bind needs CAP_SYS_ADMIN")
 def test_umount_of_a_dead_busy_mount_says_busy_and_lazy_clears_it(tmp_path, source):
     d = Daemon(tmp_path / "data", tmp_path / "mnt")
@@ -431,6 +434,7 @@ def test_rm_rf_then_a_crash_leaves_nothing_after_the_restart(daemon, source):
     assert (records & inos, orphans) == (set(), 0)
 
 
+@pytest.mark.kernel
 def test_serve_background_ignores_a_rametfs_package_in_the_working_directory(tmp_path):
     cwd = tmp_path / "cwd"
     write_tree(cwd, {"rametfs/__init__.py": b"", "rametfs/__main__.py":
@@ -539,6 +543,7 @@ def daemon_on_tmpfs(tmp_path: Path, options: str, request) -> Iterator[Daemon]:
                                      for m in mark.args], repr(d))
 
 
+@pytest.mark.kernel
 def test_a_file_system_with_few_inodes_gets_no_precreated_files(tmp_path, source, request):
     with daemon_on_tmpfs(tmp_path, "size=64m,nr_inodes=600", request) as d:
         ex = d.exec_path(d.create(d.snapshot(source)))
@@ -557,6 +562,7 @@ def test_a_file_system_with_few_inodes_gets_no_precreated_files(tmp_path, source
             [b"0", b"%d" % (written - 1)]
 
 
+@pytest.mark.kernel
 def test_full_disk_write_fails_with_enospc_and_snapshots_survive(tmp_path, source, request):
     with daemon_on_tmpfs(tmp_path, "size=64m", request) as d:
         eid, expected = two_snapshots(d, source, b"before the disk filled\n")

@@ -315,6 +315,7 @@ def _ignore_errors(fn, *args) -> None:
         pass
 
 
+@pytest.mark.kernel
 def test_through_the_mount_gc_waits_for_a_held_promote_and_keeps_what_it_and_an_import_reuse(
         tmp_path):
     """The daemon's gc, started while a promote is held inside its capture (fault site

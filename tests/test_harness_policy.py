@@ -184,7 +184,7 @@ def test_a_policy_stored_at_create_applies_and_the_agent_cannot_change_it(ramet,
     ramet.release(trusting)
 
 
-@pytest.mark.allow_log(r"WARNING rametfs\.control: execution harness-policy-fuse-\w+ "
+@pytest.mark.allow_log(r"WARNING rametfs\.control\.commands: execution harness-policy-fuse-\w+ "
                        r"quarantined: root verification")
 def test_pool_members_are_created_with_the_pools_policy(ramet, base, tmp_path):
     harness, other = tmp_path / "harness.toml", tmp_path / "other.toml"

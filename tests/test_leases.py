@@ -30,7 +30,7 @@ from rametfs.store import Store
 from rametfs.store.format import UpperInode, dentry_key, inode_key, page_key, u64
 from test_snapshots import write_tree
 
-QUARANTINE_LOG = r"WARNING rametfs\.control: execution \S+ quarantined"
+QUARANTINE_LOG = r"WARNING rametfs\.control\.commands: execution \S+ quarantined"
 BIG = bytes(range(256)) * 800  # 200 KiB: four pages, the last one short
 SECOND = 1_000_000_000  # ns
 

@@ -56,6 +56,7 @@ def steps(d: Daemon, base: Path) -> dict:
     return out
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("allow", [False, True])
 def test_devices_and_set_user_id_files_only_with_the_flags(allow):
     require_fuse()
@@ -103,6 +104,7 @@ def test_the_flags_are_refused_to_other_users(tmp_path, monkeypatch, flags):
     assert exc.value.errno == errno.EPERM
 
 
+@pytest.mark.kernel
 def test_fsname_names_the_mount_in_the_mount_table(tmp_path):
     """``--fsname`` is the source findmnt and df show (fstests finds its TEST_DEV so); the
     type stays fuse.rametfs, which rametfs's own commands look for.  A comma, which would

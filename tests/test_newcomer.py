@@ -36,7 +36,7 @@ from conftest import (Daemon, ctl_command, pid_alive, require_bwrap, require_fus
 from rametfs import protocol
 from rametfs.cli import EXIT_CODES
 from rametfs.mounts import copies_elsewhere
-from rametfs.policy import load as load_policy
+from rametfs.core.policy import load as load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 RAMETFS = (sys.executable, "-m", "rametfs")

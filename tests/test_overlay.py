@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 
+import lmdb
 import pytest
 import trio
 
@@ -16,7 +17,7 @@ from rametfs.overlay import Overlay, assemble, close_all, unlink_upper_files
 from rametfs import precreate
 from rametfs.precreate import TARGET, Precreated
 from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
-from rametfs.store.format import inode_key, page_key
+from rametfs.verify import verify
 
 
 @pytest.fixture
@@ -32,12 +33,17 @@ def src(tmp_path):
 
 
 @pytest.fixture
-def model(tmp_path, src):
+def model(tmp_path, src, fsck_clean):
+    """A store, its overlay and an execution of ``src``; fsck at the end finds the layers as
+    the test left them stored, and after a flush of what it left dirty, sound."""
     store = Store(tmp_path / "data")
     snap = import_tree(store, src)
     overlay = Overlay(store)
     ex = overlay.create_execution(snap, "e")
     yield store, overlay, ex
+    fsck_clean(store)
+    overlay.flush_all()
+    fsck_clean(store)
     store.close()
 
 
@@ -105,7 +111,7 @@ def test_a_created_file_holds_no_page_sets(model):
     overlay.truncate(big, 0)  # the page map goes with the base bytes, not left to a reload
     assert big.pages == set()
     with store.read() as txn:
-        assert txn.get(page_key(ex.layer, big.ino, 0), db=store.db["pages"]) is None
+        assert list(store.layers.pages(txn, ex.layer, big.ino)) == []
 
 
 def test_short_write_leaves_the_pages_past_it_to_the_base(model, src, monkeypatch):
@@ -200,6 +206,24 @@ def test_namespace_changes_store_every_record_they_touch(model):
     assert read_all(reopened, path_node(reopened, ex2, "dir/a")) == b"x"
 
 
+def test_the_reclaim_of_a_base_hard_link_group_leaves_no_record(model):
+    store, overlay, ex = model
+    small, dir_ = path_node(overlay, ex, "small"), path_node(overlay, ex, "dir")
+    overlay.write(small, 0, b"S")
+    overlay.unlink(ex.root_ino, b"small")
+    overlay.unlink(dir_.ino, b"small-link")
+    overlay.flush_view(ex)
+    with store.read() as txn:
+        assert store.layers.link(txn, ex.layer, small.upper.base.link) == small.ino
+    overlay.forgotten([small])
+    items = overlay.take_reclaim()
+    unlink_upper_files(items)
+    overlay.reclaimed(items)
+    with store.read() as txn:  # the group's record went with its inode (fsck: none dangles)
+        assert store.layers.link(txn, ex.layer, small.upper.base.link) is None
+        assert store.layers.inode(txn, ex.layer, small.ino) is None
+
+
 def test_forgotten_unlinked_inode_loses_records_and_data(model):
     store, overlay, ex = model
     big, small = path_node(overlay, ex, "big"), path_node(overlay, ex, "small")
@@ -211,24 +235,25 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
 
     def stored():
         with store.read() as txn:
-            return [txn.get(key, db=store.db[db]) is not None for key, db in [
-                (inode_key(ex.layer, big.ino), "inodes"), (page_key(ex.layer, big.ino, 1), "pages"),
-                (inode_key(ex.layer, small.ino), "inodes"),
-                (page_key(ex.layer, small.ino, 0), "pages")]]
+            layers = store.layers
+            return [layers.inode(txn, ex.layer, big.ino) is not None,
+                    list(layers.pages(txn, ex.layer, big.ino)) == [1],
+                    layers.inode(txn, ex.layer, small.ino) is not None,
+                    list(layers.pages(txn, ex.layer, small.ino)) == [0]]
     assert stored() == [True, True, True, True]
     overlay.forgotten([big, small])  # small still has its name
     items = overlay.take_reclaim()
-    assert [item.key for item in items] == [inode_key(ex.layer, big.ino)]
+    assert [(item.layer, item.ino) for item in items] == [(ex.layer, big.ino)]
     assert overlay.take_reclaim() == []
     unlink_upper_files(items)
     assert not os.path.exists(data) and os.path.exists(overlay._upper_path(ex, small.ino))
     assert stored() == [True, True, True, True]  # marked orphan until reclaimed
     with store.read() as txn:
-        assert txn.get(inode_key(ex.layer, big.ino), db=store.db["orphans"]) == b""
+        assert store.layers.orphans(txn) == [(ex.layer, big.ino)]
     overlay.reclaimed(items)
     assert stored() == [False, False, True, True]
     with store.read() as txn:
-        assert list(txn.cursor(db=store.db["orphans"])) == []
+        assert store.layers.orphans(txn) == []
 
 
 def test_an_inode_unlinked_while_open_goes_at_the_next_start(model):
@@ -238,12 +263,13 @@ def test_an_inode_unlinked_while_open_goes_at_the_next_start(model):
     overlay.save(node)
     data = overlay._upper_path(ex, node.ino)
     overlay.unlink(ex.root_ino, b"big")  # a process still holds it: no forget before the stop
-    key = inode_key(ex.layer, node.ino)
 
     def stored():
         with store.read() as txn:
-            return [txn.get(k, db=store.db[db]) is not None for k, db in [
-                (key, "inodes"), (key, "orphans"), (page_key(ex.layer, node.ino, 0), "pages")]]
+            layers = store.layers
+            return [layers.inode(txn, ex.layer, node.ino) is not None,
+                    (ex.layer, node.ino) in layers.orphans(txn),
+                    0 in layers.pages(txn, ex.layer, node.ino)]
     assert stored() == [True, True, True] and os.path.exists(data)
     restarted = Overlay(store)  # as deep verify makes one of a live store: the file stays
     assert stored() == [True, True, True] and os.path.exists(data)
@@ -276,8 +302,7 @@ def test_reset_drops_the_layer(model):
     while (batch := overlay.collect_dead_layer()) is not None:
         overlay.forget_dead_layer(batch[0])
     with store.read() as txn:
-        keys = [k for k, _ in txn.cursor(db=store.db["inodes"])]
-    assert [k[:8] for k in keys] == [ex.layer.to_bytes(8, "big")]
+        assert store.layers.layers_holding(txn) == {ex.layer}
 
 
 def test_snapshot_view_is_read_only(model):
@@ -324,6 +349,7 @@ def test_capture_reuses_unchanged_subtrees(model):
     assert stat.S_ISREG(new_root[b"small"].mode)
 
 
+@pytest.mark.corrupts_store
 def test_fsck_finds_a_corrupt_chunk(model):
     store, overlay, ex = model
     assert fsck(store).problems == []
@@ -335,6 +361,107 @@ def test_fsck_finds_a_corrupt_chunk(model):
     report = fsck(store)
     assert len(report.problems) == 1
     assert "/small" in report.problems[0] and ids[0].hex() in report.problems[0]
+
+
+@pytest.mark.corrupts_store
+def test_fsck_names_damaged_layer_records(model):
+    store, overlay, ex = model
+    big = path_node(overlay, ex, "big")
+    overlay.write(big, PAGE_SIZE, b"Q")
+    overlay.mkdir(ex.root_ino, b"new", 0o755, 0, 0)
+    overlay.unlink(ex.root_ino, b"small")  # still named dir/small-link: no orphan
+    overlay.flush_view(ex)
+    report = fsck(store)
+    root, layer = ex.root_ino, ex.layer
+    assert (report.problems, report.executions, report.orphans, report.dead_layers) == \
+        ([], 1, [], [])
+    # Each damage made through the store's own accessors, in one transaction.
+    layers = store.layers
+    with store.write() as txn:
+        upper, _ = layers.inode(txn, layer, big.ino)
+        upper.size = PAGE_SIZE  # its page 1 now lies past the size
+        upper.nlink = 3
+        layers.put_inode(txn, layer, big.ino, upper)
+        layers.put_dentry(txn, layer, root, b"ghost", 999_999)
+        new = overlay.lookup(root, b"new")
+        layers.delete_inode(txn, layer, new.ino)
+        root_record, _ = layers.inode(txn, layer, root)
+        root_record.nlink += 1
+        layers.put_inode(txn, layer, root, root_record)
+        layers.put_orphan(txn, layer, 777)
+        layers.put_page(txn, layer + 5, 1, 0)  # a layer nobody has
+        layers.mark_dead(txn, layer + 9)
+    report = fsck(store)
+    where = f"execution e layer {layer}"
+    assert sorted(report.problems) == sorted([
+        f"{where} inode {root}: dentry 'ghost' names inode 999999, which has no record",
+        f"{where} inode {root}: dentry 'new' names inode {new.ino}, which has no record",
+        f"{where} inode {root}: directory has nlink 5, but 2 + subdirectories make 3",
+        f"{where} inode {big.ino}: nlink 3, but 1 dentries name it",
+        f"{where} inode {big.ino}: page 1 in its page map, past its size of {PAGE_SIZE} bytes",
+        f"execution e layer {layer} inode 777: marked orphan, but it has no record",
+        f"layer {layer + 5}: records of a layer no execution has and that is not dead",
+    ])
+    assert (report.orphans, report.dead_layers) == ([(layer, 777)], [layer + 9])
+
+
+class _FullEnv:
+    """An LMDB environment whose metadata map is full: every put of a write transaction
+    fails as LMDB fails it (MapFullError); reads and everything else as before."""
+
+    def __init__(self, env):
+        self._env = env
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+    def begin(self, write=False, **kwargs):
+        txn = self._env.begin(write=write, **kwargs)
+        return _FullTxn(txn) if write else txn
+
+
+class _FullTxn:
+    def __init__(self, txn):
+        self._txn = txn
+
+    def __getattr__(self, name):
+        return getattr(self._txn, name)
+
+    def put(self, *args, **kwargs):
+        raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL: Environment mapsize limit reached")
+
+    def __enter__(self):
+        self._txn.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._txn.__exit__(*exc)
+
+
+def test_a_root_verify_on_a_full_metadata_store_answers_or_fails_enospc(model, monkeypatch):
+    # Root verification computes the tree ids a promote would store: it once did so in a
+    # raw LMDB write transaction, past Store.write, so a full metadata map raised
+    # lmdb.MapFullError out of it (a crash of the command) instead of ENOSPC.
+    store, overlay, ex = model
+    monkeypatch.setattr(store, "env", _FullEnv(store.env))
+    unchanged = trio.run(verify, overlay, ex, "root")
+    assert (unchanged.differences, unchanged.root) == ([], ex.head.root.ref.hex())
+    monkeypatch.undo()
+    small = path_node(overlay, ex, "small")
+    overlay.write(small, 0, b"S")  # a change whose chunk a verify must store to hash it
+    monkeypatch.setattr(store, "env", _FullEnv(store.env))
+    with pytest.raises(NoSpace) as exc:
+        trio.run(verify, overlay, ex, "root")
+    assert exc.value.errno == errno.ENOSPC
+    with pytest.raises(NoSpace):
+        overlay.flush_view(ex)
+    monkeypatch.undo()  # room again: nothing the change made was lost
+    assert small in ex.dirty
+    overlay.flush_view(ex)
+    assert read_all(Overlay(store), path_node(Overlay(store), ex, "small")) == \
+        b"S" + b"123456789" + b"0123456789"
+    changed = trio.run(verify, overlay, ex, "root")
+    assert changed.differences == [("M", b"dir/small-link"), ("M", b"small")]  # hard links
 
 
 def test_precreated_files_are_made_taken_and_taken_over_after_a_restart(tmp_path):
@@ -476,7 +603,6 @@ async def test_dirty_records_are_stored_in_batches_with_other_tasks_between(mode
     execution); a record changed after its batch was stored stays dirty for the next flush,
     one unlinked before its batch leaves the dirty set."""
     from rametfs.overlay import slices, upper
-    from rametfs.store.format import UpperInode
     store, overlay, ex = model
     monkeypatch.setattr(slices, "SLICE_S", 0.0)  # a slice a step, however fast the host
     d = overlay.mkdir(ex.root_ino, b"d", 0o755, 0, 0)
@@ -500,8 +626,7 @@ async def test_dirty_records_are_stored_in_batches_with_other_tasks_between(mode
     [first], [last] = changed, unlinked
     assert ex.dirty == {first}
     with store.read() as txn:
-        stored = {n.ino: UpperInode.unpack(txn.get(inode_key(ex.layer, n.ino),
-                                                   db=store.db["inodes"])) for n in nodes}
+        stored = {n.ino: store.layers.inode(txn, ex.layer, n.ino)[0] for n in nodes}
     assert stat.S_IMODE(stored[first.ino].mode) == 0o600 and first.upper.mode & 0o777 == 0o640
     assert stored[last.ino].nlink == 0  # the unlink stored it as an orphan
     assert [n.ino for n in nodes

@@ -160,6 +160,7 @@ def test_reset_and_release_survive_a_restart(daemon, source):
     assert not os.path.lexists(daemon.exec_path(dropped))
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_foreground_serve_stops_cleanly_on_a_signal(tmp_path, source, sig):
     """`rametfs serve` in the foreground: a signal unmounts cleanly and exits 0, and what the

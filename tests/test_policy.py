@@ -1,6 +1,6 @@
 """Persistence policies: the parser and classifier, preview, promote with a policy, restore.
 
-Unit tests of rametfs.policy need no mount.  The wrapper-level tests run in both modes
+Unit tests of rametfs.core.policy need no mount.  The wrapper-level tests run in both modes
 (the ``ramet`` fixture of conftest: the shared FUSE daemon, or fallback mode forced on a data
 directory).
 The real case builds a virtual environment from a wheel made here with ``pip wheel`` (no
@@ -21,7 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import cli_where, run
-from rametfs import Ramet, RametError, policy
+from rametfs import Ramet, RametError
+from rametfs.core import policy
 from rametfs.cli import main
 from rametfs.client import RestoreError
 from rametfs.sandbox import Host
@@ -137,6 +138,55 @@ def test_input_digest_of_a_file_and_a_directory(tmp_path):
     with pytest.raises(policy.InputError) as info:
         policy.path_digest(tmp_path, "missing")
     assert (info.value.errno, str(info.value)) == (errno.ENOENT, "input missing is missing")
+
+
+class _Side:
+    """rametfs.core.policy.Side with a given diff, over a directory."""
+
+    def __init__(self, root: Path, changes: list[tuple[str, bytes]]):
+        self.given = changes
+        self.exists = policy.exists_under(root)
+        self.asked: list[frozenset[str]] = []
+
+    def changes(self, skip):
+        self.asked.append(skip)
+        return self.given
+        yield
+
+
+def test_apply_plans_what_a_promote_leaves_out_takes_and_stops_on(tmp_path):
+    """policy.apply without a mount: the rules both modes run."""
+    write(tmp_path, {"src/a.py": "A\n", "out/site/i.html": "<p>\n", "logs/x.log": "x",
+                     "data/t.csv": "t\n", "keep/n.log": "n"})
+    pol = policy.load(b'ephemeral = ["*.log"]\nshared = ["data/"]\n'
+                      b'[rebuildable.site]\npaths = ["out/site/"]\ninputs = ["src", "gone"]\n'
+                      b'command = "true"\n', "--policy")
+    side = _Side(tmp_path, [("M", b"data/t.csv"), ("A", b"src/b.py")])
+    root = policy.FsTree.root(os.fsencode(tmp_path))
+    plan = policy.apply(pol, policy.FsTree(), root, side)
+    assert (plan.skip, plan.shared, plan.inputs) == (
+        frozenset({"keep/n.log", "logs/x.log", "out/site"}), ["data"], ["src", "gone"])
+    assert plan.above == frozenset({"", "keep", "logs", "out"})
+    assert side.asked == [plan.skip]  # the diff is asked for once, with what is left out
+    assert plan.problems == ("shared path changed: M data/t.csv",
+                             "recipe site: input gone is missing")
+    with pytest.raises(policy.InvalidArgument) as info:
+        plan.check()
+    assert str(info.value) == ("promote stopped by the policy (--policy): shared path changed: "
+                               "M data/t.csv; recipe site: input gone is missing")
+    stopped = plan.stopped(policy.input_too_big("src"))
+    assert (type(stopped), stopped.errno, str(stopped)) == (
+        policy.InputError, errno.EFBIG, "promote stopped by the policy (--policy): input src "
+        f"holds more than {policy.MAX_INPUT_BYTES} bytes")
+    assert plan.stats() == {"policy": "--policy", "left_out": {
+        "rebuildable": {"paths": 1, "files": 1, "bytes": 4},
+        "ephemeral": {"paths": 2, "files": 2, "bytes": 2}}}
+    assert [r["name"] for r in plan.recipes({"src": "s", "gone": "g"})] == ["site"]
+
+    nothing = policy.apply(None, policy.FsTree(), root, side)  # no policy: no walk, no diff
+    assert (nothing.classified.paths, nothing.skip, nothing.problems, nothing.stats(),
+            nothing.recipes({}), len(side.asked)) == ([], frozenset(), (), {}, [], 1)
+    nothing.check()
 
 
 # ----- preview and promote, in both modes ------------------------------------------------------

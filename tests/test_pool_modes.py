@@ -24,7 +24,7 @@ from rametfs.store import Store, import_tree
 from test_snapshots import write_tree
 
 HOUR = "3600"
-QUARANTINE_LOG = r"WARNING rametfs\.control: execution \S+ quarantined"
+QUARANTINE_LOG = r"WARNING rametfs\.control\.commands: execution \S+ quarantined"
 MEMBER = r"{pool}-[0-9a-f]{{8}}"
 
 

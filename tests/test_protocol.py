@@ -109,7 +109,7 @@ def fake_mount(tmp_path):
                    "created_ns": now - DAY_NS - 60 * 10**9, "upper_bytes": 2048,
                    "state": "ready", "owner": 1000, "group": 100, "share": "0750",
                    "control": "read"}]
-    root = {"pid": 1, "data": "/data", "mount": str(tmp_path), "version": "0.1.0",
+    root = {"mode": "fuse", "pid": 1, "data": "/data", "mount": str(tmp_path), "version": "0.1.0",
             "open_less": True, "snapshots": snapshots, "executions": executions,
             "last": None}
     (tmp_path / ".ramet").mkdir()

@@ -86,7 +86,7 @@ def test_rename_in_a_snapshot_is_erofs_whatever_the_flags(shared_daemon, tmp_pat
 
 @pytest.mark.parametrize("flags", [8, 1 << 31, RENAME_EXCHANGE | RENAME_WHITEOUT,
                                    RENAME_EXCHANGE | RENAME_NOREPLACE])
-def test_the_model_refuses_flags_it_does_not_implement(tmp_path, flags):
+def test_the_model_refuses_flags_it_does_not_implement(tmp_path, flags, fsck_clean):
     """The kernel filters these before FUSE (the calls above); the model refuses them too, so
     no other caller of it can have one ignored."""
     src = write_tree(tmp_path / "src", {"a": b"A\n", "b": b"B\n"})
@@ -98,5 +98,6 @@ def test_the_model_refuses_flags_it_does_not_implement(tmp_path, flags):
             overlay.rename(ex.root_ino, b"a", ex.root_ino, b"b", flags)
         assert exc.value.errno == errno.EINVAL
         assert sorted(n for n, _ in overlay.listdir(ex.root_ino)) == [b"a", b"b"]
+        fsck_clean(store)
     finally:
         store.close()

@@ -88,7 +88,7 @@ def remove_snapshots(store: Store, refs: Iterable[str], force: bool,
                 + (": reset the execution onto another snapshot (reset --base or --to), "
                    "release it, or drop the pool, first" if used else
                    ": --force deletes the names"))
-        _delete(store, txn, wanted, names)
+        store.delete_records(txn, wanted, names)
     return {"ok": True, "removed": sorted(wanted), "names": sorted(names)}
 
 
@@ -112,7 +112,7 @@ def forget_snapshots(store: Store, policy: retention.Policy, dry_run: bool,
         gone = set(decided.forget)
         names = sorted(n for n, sid in all_names.items() if sid in gone)
         if not dry_run:
-            _delete(store, txn, gone, names)
+            store.delete_records(txn, gone, names)
     return {"ok": True, "dry_run": dry_run,
             "kept": [{"snapshot": sid, "reasons": why} for sid, why in decided.keep.items()],
             "removed": decided.forget, "names": names}
@@ -135,11 +135,3 @@ def trim_pool(store: Store, execution: str,
     source = re.compile(rf"execution:{re.escape(member.pool)}-[0-9a-f]{{8}}")
     return forget_snapshots(store, retention.Policy(keep_last=pool.keep_last, keep_name="*"),
                             False, executions, lambda s: source.fullmatch(s.source) is not None)
-
-
-def _delete(store: Store, txn, snapshots: Iterable[str], names: Iterable[str]) -> None:
-    """Delete the snapshot records ``snapshots`` (ids) and the ``names`` in ``txn``."""
-    for name in names:
-        txn.delete(name.encode(), db=store.db["names"])
-    for sid in snapshots:
-        txn.delete(bytes.fromhex(sid), db=store.db["snapshots"])

@@ -23,8 +23,8 @@ never read here.  What happens outside the store is the driver's, told by what a
 returns: :class:`NewMember` an execution to create, then :meth:`Pools.add_member`;
 :attr:`Acquired.taken_over` an execution to reset and verify before it is handed out; after
 ``held``, the driver resets and verifies the execution and reports with :meth:`Pools.returned`.
-The drivers are rametfs.control (the daemon: trio, cancels a command running on the execution)
-and rametfs.fallback.pools (in-process, synchronous).  Records: rametfs.store.catalog.
+The drivers are rametfs.control.commands (the daemon: trio, cancels a command running on the
+execution) and rametfs.fallback.pools (in-process, synchronous).  Records: rametfs.store.catalog.
 
 Where the daemon's and fallback mode's earlier copies of these rules disagreed, this one
 keeps: an ended lease holds nothing, so release (:meth:`Pools.forget`) of its member is allowed
@@ -32,14 +32,13 @@ in both modes (the daemon refused any leased member until its lease task had ret
 fallback mode, with no lease task, such a member could otherwise only be dropped with its
 pool) and ``renew`` refuses it in both (the daemon's in-memory postponement of a busy one let
 its holder renew it); "not leased" is InvalidArgument with its hint in both; a verification
-reply carries tree ids in both (:func:`verification_json`); and only unreadable or corrupt
-data is a failed verification (:func:`verification_failed`), in both.
+reply carries tree ids in both (rametfs.core.status.verification_json); and only unreadable
+or corrupt data is a failed verification (:func:`verification_failed`), in both.
 """
 
 from __future__ import annotations
 
 import errno
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,22 +47,19 @@ from ..authority import Access
 from ..errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
 from ..store import Store
 from ..store.catalog import LEASED, QUARANTINED, READY, Catalog, Lease, Member, PoolRecord
-from ..treewalk import Steps, mapped_steps, run_steps
 from ..types import ExecutionId, PoolName
 
 __all__ = ["LEASED", "QUARANTINED", "READY", "Acquired", "NewMember",
-           "Opened", "Pools", "Settled", "failure_reason", "quarantine_reason", "return_reply",
-           "verification_failed", "verification_json"]
+           "Opened", "Pools", "Settled", "return_reply", "verification_failed"]
 
 NOT_POOLED = {"pool": None, "state": READY, "lease": None, "quarantine_reason": None}
-MAX_REASON_PATHS = 5  # differences a quarantine reason names
 
 
 def verification_failed(exc: BaseException) -> bool:
     """Whether ``exc``, raised by a verification, quarantines the execution
-    (:func:`failure_reason`): stored bytes corrupt (IntegrityError) or unreadable (an OSError
-    of the file system).  Any other RametError (cancelled, busy, no space) is no verdict on
-    the execution: the return fails and the member stays as it was."""
+    (rametfs.core.status.failure_reason): stored bytes corrupt (IntegrityError) or unreadable
+    (an OSError of the file system).  Any other RametError (cancelled, busy, no space) is no
+    verdict on the execution: the return fails and the member stays as it was."""
     return isinstance(exc, IntegrityError) or \
         isinstance(exc, OSError) and not isinstance(exc, RametError)
 
@@ -262,9 +258,10 @@ class Pools:
 
     def returned(self, eid: ExecutionId, holder: str, reason: str, now_ns: int) -> Settled:
         """``holder``'s member ``eid`` was reset and verified: back to the pool, ready, when
-        ``reason`` is empty, else quarantined with ``reason`` (:func:`quarantine_reason`,
-        :func:`failure_reason`) and :attr:`Settled.new` its replacement.  Errors: those of
-        :meth:`held` (released, returned or taken over meanwhile: nothing changes)."""
+        ``reason`` is empty, else quarantined with ``reason`` (rametfs.core.status
+        .quarantine_reason, .failure_reason) and :attr:`Settled.new` its replacement.
+        Errors: those of :meth:`held` (released, returned or taken over meanwhile: nothing
+        changes)."""
         with self.store.write() as txn:
             member = self._held(txn, eid, holder)
             if reason:
@@ -419,48 +416,9 @@ def _counts(members: list[Member]) -> dict[str, int]:
     return counts
 
 
-# -- verification, as both modes report it ---------------------------------------------------
-
-def verification_json(mode: str, root: str, base_root: str,
-                      differences: list[tuple[str, bytes]], verify_ms: float) -> dict:
-    """A verification as replies carry it: ``{"mode", "equal", "root", "base_root",
-    "verify_ms", "differences": [[letter, path], ...]}``; ``root`` the tree id (hex) the
-    execution holds, ``base_root`` its base's, ``differences`` as ``diff`` gives them (paths
-    decoded as os.fsdecode does), ``verify_ms`` milliseconds."""
-    return run_steps(verification_json_steps(mode, root, base_root, differences, verify_ms))
-
-
-def verification_json_steps(mode: str, root: str, base_root: str,
-                            differences: list[tuple[str, bytes]], verify_ms: float
-                            ) -> Steps[dict]:
-    """:func:`verification_json` as steps (rametfs.treewalk.run_steps), one per difference."""
-    decoded = yield from mapped_steps(lambda d: [d[0], os.fsdecode(d[1])], differences)
-    return {"mode": mode, "equal": not differences, "root": root, "base_root": base_root,
-            "verify_ms": verify_ms, "differences": decoded}
-
-
-def quarantine_reason(verification: dict) -> str:
-    """Why ``verification`` (:func:`verification_json`) quarantines an execution, naming at
-    most :data:`MAX_REASON_PATHS` differences (quoted as ``.ramet/diff`` quotes them); empty
-    when it found the execution equal to its base."""
-    differences = verification["differences"]
-    if not differences:
-        return ""
-    shown = ", ".join(f"{letter} {protocol.quote_path(os.fsencode(path))}"
-                      for letter, path in differences[:MAX_REASON_PATHS])
-    more = (f" and {len(differences) - MAX_REASON_PATHS} more"
-            if len(differences) > MAX_REASON_PATHS else "")
-    return f"{verification['mode']} verification: differs from its base ({shown}{more})"
-
-
-def failure_reason(mode: str, exc: Exception) -> str:
-    """Why a verification in ``mode`` that raised ``exc`` (:func:`verification_failed`:
-    e.g. an upper data file gone unreadable) quarantines the execution."""
-    return f"{mode} verification failed: {exc}"
-
-
 def return_reply(settled: Settled, reset_ms: float, verification: dict | None) -> dict:
     """The ``return`` command's reply: ``{"ok", "execution", "pool", "state", "reset_ms",
-    "verification"}`` (``verification`` None when it failed: :func:`failure_reason`)."""
+    "verification"}`` (``verification`` None when it failed: rametfs.core.status
+    .failure_reason)."""
     return {"ok": True, "execution": settled.execution, "pool": settled.pool,
             "state": settled.state, "reset_ms": reset_ms, "verification": verification}

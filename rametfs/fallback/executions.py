@@ -24,17 +24,17 @@ import fcntl
 import functools
 import os
 import secrets
+import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .. import policy as _policy
 from .. import protocol
 from ..authority import Access
-from ..core import lifecycle, retention
+from ..core import lifecycle, retention, status
+from ..core import policy as _policy
 from ..core.heads import reset_target
-from ..core.pools import verification_json
 from ..core.diff import diff_trees
 from ..errors import Busy, Exists, InvalidArgument, NotFound, RametError
 from ..longpath import cached
@@ -42,6 +42,7 @@ from ..store import Entry, Store, gc, import_git, import_tree
 from ..store.gc_guard import Progress
 from ..store.entries import directory_entry
 from ..store.trees import tree_id
+from ..treewalk import Steps, done
 from . import clone, manifest, scan, sync
 from .pools import Pools
 
@@ -184,13 +185,13 @@ class Fallback:
         return {"ok": True, "execution": eid, "runtime": runtime}
 
     def status(self) -> dict:
-        """``{"mode", "copy_method", "pid", "data", "mount", "version", "snapshots",
-        "executions", "pools", "last"}`` like a daemon's root status (mount is None)."""
+        """The root status, with a daemon's keys (rametfs.core.status.root_status): no
+        mount, adapter, ``snapshots/`` bind, gc running or daemon memory (None)."""
         executions = [self._json(meta) for meta in self._metas()]
-        return {"mode": "fallback", "copy_method": self.copy_method, "pid": os.getpid(),
-                "data": str(self.data), "mount": None, "version": "0.1.0",
-                "snapshots": self.store.snapshots_json(),
-                "executions": executions, "pools": self.pools.to_json(), "last": None}
+        return status.root_status(
+            mode=status.FALLBACK, pid=os.getpid(), data=str(self.data), mount=None,
+            copy_method=self.copy_method, snapshots=self.store.snapshots_json(),
+            executions=executions, pools=self.pools.to_json(), last=None)
 
     # -- snapshot lifecycle (rametfs.core.lifecycle, docs/lifecycle.md) --------------------
 
@@ -251,7 +252,7 @@ class Fallback:
         """Snapshot the execution's tree (parent: its head) and make it the head.
 
         The persistence policy is the ``--policy`` value ``policy`` (text, ``tree`` or
-        ``none``), else the one stored with the execution (rametfs.policy.choose);
+        ``none``), else the one stored with the execution (rametfs.core.policy.choose);
         InvalidArgument (EINVAL) when it is malformed or this state breaks it (changed shared
         paths, recipe inputs missing or not kept).
         """
@@ -265,24 +266,16 @@ class Fallback:
         return self._capture(eid, label, message, False, policy, stored=False)
 
     def preview(self, eid: str, policy: str | None = None) -> dict:
-        """What a promote would keep, by class (rametfs.policy.preview_report), under the
+        """What a promote would keep, by class (rametfs.core.policy.Plan.report), under the
         policy a promote would apply.  Stores nothing."""
         with self._locked(eid):
             meta = self._load(eid)
             root = os.fsencode(self.path(eid))
             pol = _load_policy(root, _policy.choose(policy, meta.policy))
             with cached():
-                classified = _policy.classify_tree(pol, _policy.FsTree(),
-                                                   _policy.FsTree.root(root))
-            problems = []
-            if pol is not None:
-                if pol.patterns[_policy.SHARED]:
-                    now = scan.scan(self.store, root, meta.records)
-                    head = self.store.snapshot(meta.head)
-                    problems += _policy.shared_problems(pol, diff_trees(
-                        head.root, now.root, lambda tid: now.tree(self.store, tid)))
-                problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
-        return _policy.preview_report(pol, classified, problems)
+                applied = _policy.apply(pol, _policy.FsTree(), _policy.FsTree.root(root),
+                                        _Side(self.store, root, meta), durable=True)
+        return applied.report()
 
     def reset(self, eid: str, to: str | None = None, base: bool = False) -> dict:
         """Make the tree equal its head again (``to``: the snapshot with that id or prefix;
@@ -314,7 +307,7 @@ class Fallback:
         """Verify execution ``eid`` in ``mode``: ``"root"``, quick, as far as the manifest
         tells, reading no file (a path it does not vouch for counts as different), or
         ``"deep"``, reading and hashing every file; the verification as replies carry it
-        (rametfs.core.pools.verification_json).  Its ``root`` is the tree id the execution
+        (rametfs.core.status.verification_json).  Its ``root`` is the tree id the execution
         holds: the base's when quick mode finds no difference, else that of a scan (reading
         what the manifest does not vouch for; every file in deep mode).  It compares with the
         head (rametfs.core.heads)."""
@@ -331,14 +324,13 @@ class Fallback:
                 differences = sync.differences(self.store, root, base, meta.records)
                 now = scan.scan(self.store, root, meta.records) if differences else None
         tree = base.root if now is None else now.root
-        return verification_json(mode, tree.ref.hex(), base.root.ref.hex(), differences,
-                                 _ms_since(started))
+        return status.verification_json(mode, tree.ref.hex(), base.root.ref.hex(),
+                                        differences, _ms_since(started))
 
     def execution_status(self, eid: str) -> dict:
-        """``{"execution", "id", "base", "head", "state", "pool", "lease",
-        "quarantine_reason", "created_ns", "policy", "runtime", "upper_bytes", "last",
-        "path", "mode", "copy_method", "owner", "group", "share", "control"}``
-        (``upper_bytes`` is None: not tracked)."""
+        """Execution ``eid``'s record, with a daemon's keys (rametfs.core.status
+        .execution_record): its upper bytes and inodes are not tracked and no capture is
+        charged (None), none is marked failed and nothing waits on a freeze."""
         self._check_name(eid)
         try:
             return self._json(manifest.load(self._meta_path(eid), records=False))
@@ -358,25 +350,29 @@ class Fallback:
             started = time.monotonic_ns()
             rootb = os.fsencode(root)
             pol = _load_policy(rootb, _policy.choose(policy, meta.policy if stored else None))
-            classified = _policy.Classified()
-            if pol is not None:
-                with cached():
-                    classified = _policy.classify_tree(pol, _policy.FsTree(),
-                                                       _policy.FsTree.root(rootb), durable=False)
-            skip = frozenset(os.fsencode(p.rstrip("/")) for p, cls, *_ in classified.paths
-                             if cls not in _policy.KEPT)
-            now = scan.scan(self.store, rootb, meta.records, store_contents=True, skip=skip)
+            side = _Side(self.store, rootb, meta, store_contents=True)
+            with cached():
+                applied = _policy.apply(pol, _policy.FsTree(), _policy.FsTree.root(rootb),
+                                        side)
+            applied.check()
+            now = side.scan(applied.skip)
             stats = {"changed_files": now.stats.changed_files,
                      "hashed_files": now.stats.hashed_files, "scanned": now.stats.scanned,
                      "new_chunks": now.stats.new_chunks,
                      "new_chunk_bytes": now.stats.new_chunk_bytes}
-            root_entry, recipes = now.root, None
-            if pol is not None:
-                root_entry = self._apply(pol, classified, meta, rootb, now)
-                stats.update(_policy.policy_stats(pol, classified))
-                digests = {p: _policy.path_digest(rootb, p)
-                           for name in classified.outputs for p in pol.recipes[name].inputs}
-                recipes = _policy.recipe_records(pol, classified, digests)
+            root_entry = now.root
+            if applied.shared:
+                base = self.store.snapshot(meta.head).root
+                for path in applied.shared:
+                    parts = os.fsencode(path).split(b"/")
+                    root_entry = self._graft(now, root_entry, parts,
+                                             self._base_entry(base, parts))
+            try:
+                digests = {p: _policy.path_digest(rootb, p) for p in applied.inputs}
+            except _policy.InputError as exc:
+                raise applied.stopped(exc) from None
+            stats.update(applied.stats())
+            recipes = applied.recipes(digests)
             with self.store.write() as txn:
                 for entries in now.trees.values():  # subtrees first, as put_tree needs
                     self.store.put_tree(txn, entries)
@@ -391,26 +387,6 @@ class Fallback:
             meta.last = {"ok": True, "snapshot": snap.id, "stats": snap.stats}
             manifest.save(self._meta_path(eid), meta)
             return meta.last
-
-    def _apply(self, pol: _policy.Policy, classified: _policy.Classified,
-               meta: manifest.Meta, root: bytes, now: scan.Scan) -> Entry:
-        """Check the scanned tree against the policy (InvalidArgument naming every problem)
-        and return its root entry with the shared paths taken from the head."""
-        base = self.store.snapshot(meta.head)
-        problems = []
-        if pol.patterns[_policy.SHARED]:
-            problems += _policy.shared_problems(pol, diff_trees(
-                base.root, now.root, lambda tid: now.tree(self.store, tid)))
-        problems += _policy.input_problems(pol, classified, _policy.exists_under(root))
-        if problems:
-            raise InvalidArgument(f"promote stopped by the policy ({pol.source}): "
-                                  + "; ".join(problems))
-        entry = now.root
-        for path, cls, *_ in classified.paths:
-            if cls == _policy.SHARED:
-                parts = os.fsencode(path.rstrip("/")).split(b"/")
-                entry = self._graft(now, entry, parts, self._base_entry(base.root, parts))
-        return entry
 
     def _base_entry(self, entry: Entry, parts: list[bytes]) -> Entry:
         for name in parts:
@@ -434,12 +410,14 @@ class Fallback:
         return entry
 
     def _json(self, meta: manifest.Meta) -> dict:
-        return {"execution": meta.id, "id": meta.id, "base": meta.base, "head": meta.head,
-                **self.pools.member_json(meta.id), "created_ns": meta.created_ns,
-                "policy": _policy.shown(meta.policy), "runtime": meta.runtime,
-                "upper_bytes": None,
-                "last": meta.last, "path": str(self.path(meta.id)), "mode": "fallback",
-                "copy_method": self.copy_method, **Access.from_record(meta.access).to_json()}
+        access = Access.from_record(meta.access)
+        pool_fields = self.pools.member_json(meta.id)
+        view = status.execution_view(meta.id, meta.base, meta.head, pool_fields["state"],
+                                     meta.created_ns, access, meta.last)
+        return status.execution_record(view, pool_fields, access, mode=status.FALLBACK,
+                                       path=str(self.path(meta.id)), policy_record=meta.policy,
+                                       runtime=meta.runtime, last=meta.last,
+                                       copy_method=self.copy_method)
 
     def _load(self, eid: str, records: bool = True) -> manifest.Meta:
         try:
@@ -485,25 +463,50 @@ def _ms_since(started_ns: int) -> float:
 
 
 def _load_policy(root: bytes, chosen: _policy.Setting | None) -> _policy.Policy | None:
-    """The policy ``chosen``: its text parsed, or (text None) the tree's ``ramet.toml``,
-    which is then none when absent; None for none (as rametfs.capture.load_policy).  The
-    file is opened without following a symlink or waiting on a FIFO the agent put there."""
-    if chosen is None:
-        return None
-    if chosen.text is not None:
-        return _policy.load(chosen.text.encode(), chosen.source)
-    path = root + b"/" + _policy.POLICY_FILE.encode()
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise InvalidArgument(f"{_policy.POLICY_FILE} is not a regular file") from None
-    with os.fdopen(fd, "rb") as f:
+    """The policy ``chosen`` (rametfs.core.policy.load_chosen), the tree's ``ramet.toml``
+    opened without following a symlink or waiting on a FIFO the agent put there."""
+    def tree_file() -> tuple[int, int, Callable[[], bytes]] | None:
+        path = root + b"/" + _policy.POLICY_FILE.encode()
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            return stat.S_IFLNK, 0, bytes
         st = os.fstat(fd)
-        _policy.check_tree_file(st.st_mode, st.st_size)
-        return _policy.load(f.read(_policy.MAX_POLICY_BYTES), _policy.POLICY_FILE)
+        if not stat.S_ISREG(st.st_mode):  # a directory or FIFO, refused by its mode
+            os.close(fd)
+            return st.st_mode, st.st_size, bytes
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(_policy.MAX_POLICY_BYTES)
+        return st.st_mode, st.st_size, lambda: data
+
+    return _policy.load_chosen(chosen, tree_file)
 
 
+class _Side:
+    """rametfs.core.policy.Side over an execution's directory ``root``: its diff from a scan
+    against its manifest (``meta``), made once (:meth:`scan`; ``store_contents`` as
+    rametfs.fallback.scan.scan takes it)."""
+
+    def __init__(self, store: Store, root: bytes, meta: manifest.Meta,
+                 store_contents: bool = False):
+        self.store, self.root, self.meta = store, root, meta
+        self.store_contents = store_contents
+        self.exists = _policy.exists_under(root)
+        self.scanned: scan.Scan | None = None
+
+    def scan(self, skip: frozenset[str]) -> scan.Scan:
+        """The tree scanned, ``skip`` left out (the same ``skip`` at every call)."""
+        if self.scanned is None:
+            self.scanned = scan.scan(self.store, self.root, self.meta.records,
+                                     store_contents=self.store_contents,
+                                     skip=frozenset(map(os.fsencode, skip)))
+        return self.scanned
+
+    def changes(self, skip: frozenset[str]) -> Steps[list[tuple[str, bytes]]]:
+        now = self.scan(skip)
+        head = self.store.snapshot(self.meta.head)
+        return done(diff_trees(head.root, now.root, lambda tid: now.tree(self.store, tid)))

@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .. import policy as _policy
 from .. import protocol
+from ..core import policy as _policy
 from ..core import pools as core
+from ..core import status
 from ..errors import NotFound
 
 if TYPE_CHECKING:
@@ -101,9 +102,9 @@ class Pools:
         self.rules.forget(execution, self.clock())
 
     def verified(self, execution: str, verification: dict) -> None:
-        """An explicit verification (rametfs.core.pools.verification_json): a ready member
+        """An explicit verification (rametfs.core.status.verification_json): a ready member
         that differs from its base is quarantined and replaced."""
-        settled = self.rules.verified(execution, core.quarantine_reason(verification))
+        settled = self.rules.verified(execution, status.quarantine_reason(verification))
         if settled is not None:
             self._make(settled.new)
 
@@ -125,8 +126,8 @@ class Pools:
         except OSError as exc:
             if not core.verification_failed(exc):
                 raise
-            return reset_ms, None, core.failure_reason(mode, exc)
-        return reset_ms, verification, core.quarantine_reason(verification)
+            return reset_ms, None, status.failure_reason(mode, exc)
+        return reset_ms, verification, status.quarantine_reason(verification)
 
     def _make(self, new: tuple[core.NewMember, ...]) -> None:
         """Create the executions of ``new`` members and record them; one its pool no longer

@@ -51,12 +51,13 @@ from .lookup import Lookup, walk_names
 from .names import Names
 from .nodes import COLLECT_BATCH, Attrs, Execution, InodeTable, Node
 from .reclaim import Reclaimer, unlink_upper_files
-from .slices import in_slices
+from .slices import in_slices, yield_to_requests
 from .trees import BaseTrees
 from .upper import Upper
 
 __all__ = ["COLLECT_BATCH", "MAX_FILE_SIZE", "Attrs", "Execution", "Node", "Overlay", "assemble",
-           "close_all", "in_slices", "unlink_upper_files", "walk_names"]
+           "close_all", "in_slices", "unlink_upper_files", "walk_names",
+           "yield_to_requests"]
 
 
 def _state(component: str, name: str) -> property:

@@ -23,7 +23,7 @@ import trio
 from ..errors import NoSpace, RametError, fs_error
 from ..precreate import Precreated
 from ..store import PAGE_SIZE, Store
-from ..store.format import UpperInode, inode_key, page_key, page_of_key
+from ..store.format import UpperInode
 from .lookup import Lookup
 from .nodes import NO_PAGES, Attrs, Execution, Node
 from .upper import Upper
@@ -299,14 +299,8 @@ class FileData:
             node.pages = set()
             ex = node.view
             if node.upper is not None and node.upper.base_limit:
-                prefix = inode_key(ex.layer, node.ino)
                 with self.store.read() as txn:
-                    cur = txn.cursor(db=self.store.db["pages"])
-                    if cur.set_range(prefix):
-                        for key in cur.iternext(values=False):
-                            if not key.startswith(prefix):
-                                break
-                            node.pages.add(page_of_key(key))
+                    node.pages.update(self.store.layers.pages(txn, ex.layer, node.ino))
         return node.pages
 
     def base_only(self, node: Node) -> bool:
@@ -425,7 +419,7 @@ class FileData:
                     node.new_pages -= gone
                 with self.store.write() as txn:
                     for p in gone:
-                        txn.delete(page_key(ex.layer, node.ino, p), db=self.store.db["pages"])
+                        self.store.layers.delete_page(txn, ex.layer, node.ino, p)
             if size == 0:  # O_TRUNC: a new data file; the old one's blocks go off the loop
                 self._unlink_upper(node)
             elif self.upper_fds.get(node) is not None or \

@@ -17,7 +17,8 @@ import trio
 from ..authority import Access, ReadIndex
 from ..errors import NotFound, RametError
 from ..store import FLAG_HAS_LINKS, Snapshot, Store
-from ..store.format import ExecutionRecord, UpperInode, from_u64, inode_key, u64
+from ..store.catalog import Catalog
+from ..store.format import ExecutionRecord, UpperInode
 from ..store.names import SNAPSHOT_ID_RE
 from ..types import ExecutionId
 from .nodes import COLLECT_BATCH, RELEASED, Execution, InodeTable, Node, SnapshotView, View
@@ -37,11 +38,12 @@ class Executions:
         self.executions: dict[str, Execution] = {}
         self.readers = ReadIndex()  # who may read which execution (its r bit)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
+        self.layers = store.layers
+        self.catalog = Catalog(store)
         with store.read() as txn:
-            raw = txn.get(b"next_layer", db=store.db["meta"])
-            self.next_layer = from_u64(raw) if raw else 1
-            for key, value in txn.cursor(db=store.db["executions"]):
-                self._load_execution(key.decode(), ExecutionRecord.unpack(value))
+            self.next_layer = self.layers.next_layer(txn)
+            for eid, rec in self.catalog.executions(txn):
+                self._load_execution(eid, rec)
 
     def snapshot_view(self, sid: str) -> SnapshotView:
         """The view of snapshot ``sid``, its full id as the store spells it (64 lower-case hex
@@ -65,25 +67,24 @@ class Executions:
                        rec.layer, rec.root_ino, rec.created_ns, Access.from_record(rec.access))
         ex.policy, ex.runtime = rec.policy, rec.runtime
         with self.store.read() as txn:
-            value = txn.get(inode_key(ex.layer, ex.root_ino), db=self.store.db["inodes"])
-        upper = UpperInode.unpack(value) if value else UpperInode.from_entry(ex.lower.root)
+            stored = self.layers.inode(txn, ex.layer, ex.root_ino)
+        upper, record_bytes = stored or (UpperInode.from_entry(ex.lower.root), 0)
         self.executions[eid] = ex
         self.readers.add(eid, ex.access)
         root = self.table.add(Node(ex.root_ino, ex, ex.lower.root, upper, 0, eid.encode()))
-        root.record_bytes = len(value) if value else 0
+        root.record_bytes = record_bytes
         return ex
 
     def _new_layer(self, txn, ex: Execution) -> None:
         """Give ``ex`` a fresh, empty upper layer over ``ex.lower``, and store its record."""
         ex.layer = self.next_layer
         self.next_layer += 1
-        txn.put(b"next_layer", u64(self.next_layer), db=self.store.db["meta"])
+        self.layers.put_next_layer(txn, self.next_layer)
         root = UpperInode.from_entry(ex.lower.root)
-        packed = root.pack()
-        txn.put(inode_key(ex.layer, ex.root_ino), packed, db=self.store.db["inodes"])
-        txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
+        record_bytes = self.layers.put_inode(txn, ex.layer, ex.root_ino, root)
+        self.catalog.put_execution(txn, ex.id, ex.record())
         node = self.table.add(Node(ex.root_ino, ex, ex.lower.root, root, 0, ex.id.encode()))
-        node.record_bytes = len(packed)  # the root's record is not counted in upper_bytes
+        node.record_bytes = record_bytes  # the root's record is not counted in upper_bytes
 
     def create_execution(self, snap: Snapshot, eid: ExecutionId, access: Access = Access(),
                          policy: dict | None = None) -> Execution:
@@ -128,7 +129,7 @@ class Executions:
         self.table.drop_layer(ex, kept)
         ex.head = ex.lower = to
         with self.store.write() as txn:
-            txn.put(u64(old), b"", db=self.store.db["dead"])
+            self.layers.mark_dead(txn, old)
             self._new_layer(txn, ex)
         for ino in kept:
             self.table.nodes[ino].layer = ex.layer
@@ -178,10 +179,8 @@ class Executions:
         snapshot's."""
         if ex.changes:
             return False
-        prefix = u64(ex.layer)
         with self.store.read() as txn:
-            cur = txn.cursor(db=self.store.db["dentries"])
-            if cur.set_range(prefix) and cur.key().startswith(prefix):
+            if self.layers.has_dentries(txn, ex.layer):
                 return False
         root = self.table.nodes[ex.root_ino].upper
         return root is not None and root.pack() == UpperInode.from_entry(ex.lower.root).pack()
@@ -194,8 +193,8 @@ class Executions:
         stale = self._stale_entries(ex, keep_root_entry=False)
         self.table.drop_layer(ex)
         with self.store.write() as txn:
-            txn.put(u64(ex.layer), b"", db=self.store.db["dead"])
-            txn.delete(ex.id.encode(), db=self.store.db["executions"])
+            self.layers.mark_dead(txn, ex.layer)
+            self.catalog.delete_execution(txn, ex.id)
         del self.executions[ex.id]
         self.readers.remove(ex.id)
         ex.layer = RELEASED
@@ -211,11 +210,10 @@ class Executions:
         # ``kept`` (a reset's unchanged ones: _unchanged) and the names of the root
         # that lead to them.  The inodes are a flat list of numbers: a (ino, b"") pair each
         # made 50,000 tracked tuples, and the young gc collections that traversed them held
-        # the trio thread 50 ms more during a reset.
+        # the trio thread 50 ms more during a reset.  The root's cached missing names are
+        # the adapter's to add (rametfs.fuse.kernel): the model does not know them.
         root = view.root_ino
         entries = [key for key, ino in view.dcache.items() if key[0] == root and ino not in kept]
-        if isinstance(view, Execution):
-            entries += [(root, name) for name in view.negative_root]
         if not keep_root_entry:
             entries += [key for key in view.dcache if key[0] == 0]
         return entries, list(view.inos - kept) if kept else list(view.inos)
@@ -232,7 +230,7 @@ class Executions:
 
     def _save_record(self, ex: Execution) -> None:
         with self.store.write() as txn:
-            txn.put(ex.id.encode(), ex.record(), db=self.store.db["executions"])
+            self.catalog.put_execution(txn, ex.id, ex.record())
 
     def collect_dead_layer(self) -> tuple[int, bool] | None:
         """Delete a bounded batch of one dead layer's records.
@@ -241,23 +239,12 @@ class Executions:
         left, the caller removes the layer's upper data (``store.remove_upper_dir``, in a
         thread) and then calls ``forget_dead_layer``, so a crash in between repeats it.
         """
-        db = self.store.db
         with self.store.write() as txn:
-            cur = txn.cursor(db=db["dead"])
-            if not cur.first():
-                return None
-            layer_key = cur.key()
-            budget = COLLECT_BATCH
-            for name in ("inodes", "dentries", "links", "pages", "orphans"):
-                c = txn.cursor(db=db[name])
-                if c.set_range(layer_key):
-                    while budget and c.key()[:8] == layer_key and c.delete():
-                        budget -= 1
-            return from_u64(layer_key), budget == 0
+            return self.layers.delete_dead_batch(txn, COLLECT_BATCH)
 
     def forget_dead_layer(self, layer: int) -> None:
         with self.store.write() as txn:
-            txn.delete(u64(layer), db=self.store.db["dead"])
+            self.layers.forget_dead(txn, layer)
 
     async def wait_thawed(self, node: Node) -> None:
         """Wait while ``node``'s execution is frozen (``Execution.wait_thawed``); ESTALE when

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import heapq
 import itertools
 import stat
 from typing import Iterator
@@ -18,7 +17,7 @@ from typing import Iterator
 from ..errors import InvalidArgument, NotFound, RametError, fs_error
 from ..protocol import CONTROL_DIR
 from ..store import WHITEOUT, Entry, Store
-from ..store.format import UpperInode, dentry_key, from_u64, inode_key, link_key, prefixed
+from ..store.layers import merged_children
 from ..treewalk import Steps, preorder, run_steps
 from .nodes import Attrs, Execution, InodeTable, Node
 from .slices import in_slices
@@ -44,6 +43,7 @@ class Lookup:
 
     def __init__(self, store: Store, table: InodeTable, trees: BaseTrees):
         self.store = store
+        self.layers = store.layers
         self.table = table
         self.trees = trees
 
@@ -62,9 +62,8 @@ class Lookup:
             raise fs_error(errno.ENOTDIR)
         if isinstance(view, Execution) and parent.upper is not None:
             with self.store.read() as txn:
-                raw = txn.get(dentry_key(view.layer, parent_ino, name), db=self.store.db["dentries"])
-            if raw is not None:
-                ino = from_u64(raw)
+                ino = self.layers.dentry(txn, view.layer, parent_ino, name)
+            if ino is not None:
                 if ino == WHITEOUT:
                     raise NotFound(f"{name!r} was deleted")
                 return self._load_upper(view, ino, parent_ino, name)
@@ -88,9 +87,9 @@ class Lookup:
                 return nodes[ino]
             if isinstance(view, Execution):
                 with self.store.read() as txn:
-                    raw = txn.get(link_key(view.layer, entry.link), db=self.store.db["links"])
-                if raw is not None:
-                    return self._load_upper(view, from_u64(raw), parent.ino, name)
+                    ino = self.layers.link(txn, view.layer, entry.link)
+                if ino is not None:
+                    return self._load_upper(view, ino, parent.ino, name)
         node = self.table.add(Node(self.table.alloc_ino(), view, entry, None, parent.ino, name))
         if entry.link:
             view.link_inos[entry.link] = node.ino
@@ -102,13 +101,13 @@ class Lookup:
         node = self.table.nodes.get(ino)
         if node is None:
             with self.store.read() as txn:
-                value = txn.get(inode_key(ex.layer, ino), db=self.store.db["inodes"])
-            if value is None:
+                stored = self.layers.inode(txn, ex.layer, ino)
+            if stored is None:
                 raise RametError(errno.EIO,
                                  f"execution {ex.id}: dentry {name!r} names missing inode {ino}")
-            upper = UpperInode.unpack(value)
+            upper, node_bytes = stored
             node = Node(ino, ex, upper.base, upper, parent, name)
-            node.record_bytes = len(value)
+            node.record_bytes = node_bytes
             if upper.base is not None and upper.base.link:
                 ex.link_inos[upper.base.link] = ino
         elif node.is_dir:
@@ -149,36 +148,26 @@ class Lookup:
         upper: dict[bytes, int] = {}  # upper names in name order (the keys'): ino or WHITEOUT
         view = d.view
         if isinstance(view, Execution) and d.upper is not None:
-            prefix = dentry_key(view.layer, dir_ino, b"")
-            start = prefix
+            after = None
             while True:  # a read transaction per batch: none is held across a step
                 with self.store.read() as txn:
-                    cur = txn.cursor(db=self.store.db["dentries"])
-                    batch = list(itertools.islice(prefixed(cur, prefix, start), LIST_STEP))
-                for key, value in batch:
-                    upper[key[len(prefix):]] = from_u64(value)
+                    batch = list(itertools.islice(
+                        self.layers.dentries(txn, view.layer, dir_ino, after), LIST_STEP))
+                upper.update(batch)
                 if len(batch) < LIST_STEP:
                     break
-                start = batch[-1][0] + b"\0"  # the next key after the last one read
+                after = batch[-1][0]  # the next batch starts after the last name read
                 yield
                 self.table.check_live(d)
         # A base stored before the name was reserved may hold it: never listed.
         hidden = RESERVED if isinstance(view, Execution) and dir_ino == view.root_ino else None
         out = []
-        last = None
-        # Both are in name order: merged, not sorted (sorting 500,000 names is one long step).
-        for i, name in enumerate(heapq.merge(base, upper), 1):
+        for i, (name, item) in enumerate(merged_children(base, upper), 1):
             if i % LIST_STEP == 0:
                 yield
                 self.table.check_live(d)
-            if name == last:
+            if item is None or name == hidden:  # a whiteout, or the reserved name
                 continue
-            last = name
-            item = upper.get(name)
-            if item == WHITEOUT or name == hidden:
-                continue
-            if item is None:
-                item = base[name]
             ino = view.dcache.get((dir_ino, name))
             node = self.table.nodes.get(ino) if ino is not None else None
             if node is None:
@@ -198,14 +187,8 @@ class Lookup:
         view = node.view
         if not isinstance(view, Execution) or node.upper is None:
             return base == 0
-        prefix = dentry_key(view.layer, node.ino, b"")
-        whiteouts = 0
         with self.store.read() as txn:
-            for _, value in prefixed(txn.cursor(db=self.store.db["dentries"]), prefix):
-                if from_u64(value) != WHITEOUT:
-                    return False
-                whiteouts += 1
-        return whiteouts == base
+            return self.layers.whiteouts_only(txn, view.layer, node.ino) == base
 
     @staticmethod
     def attrs(node: Node, stored: int | None = None) -> Attrs:

@@ -19,14 +19,15 @@ from typing import Iterator
 from ..errors import InvalidArgument, NotFound, RametError, fs_error
 from ..protocol import CONTROL_DIR
 from ..store import WHITEOUT, Store
-from ..store.format import UpperInode, dentry_key, u64
+from ..store.format import UpperInode
+from ..store.layers import dentry_bytes
 from ..treewalk import Steps, run_steps
 from .changes import changed
 from .lookup import RESERVED, Lookup, check_name
 from .nodes import Execution, InodeTable, Node
 from .slices import in_slices
 from .trees import BaseTrees
-from .upper import Upper, dentry_bytes
+from .upper import Upper
 
 ANCESTOR_STEP = 1024  # parents a directory move's check looks at per step (about 1 ms)
 RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_WHITEOUT = 1, 2, 4  # renameat2(2) flags
@@ -71,20 +72,20 @@ class Names:
         nodes.update((n.ino, n) for n in also)
         if all(child is not None for _, _, child in names):  # only adds names: room for them
             self.upper.check_room(ex, 1)
-        dentries = self.store.db["dentries"]
+        layers = self.store.layers
         added = 0  # bytes of dentries, whiteouts included
         with self.store.write() as txn:
             for parent, name, child in names:
-                key = dentry_key(ex.layer, parent.ino, name)
-                added -= dentry_bytes(key) if txn.get(key, db=dentries) is not None else 0
+                if layers.dentry(txn, ex.layer, parent.ino, name) is not None:
+                    added -= dentry_bytes(name)
                 if child is not None:
-                    txn.put(key, u64(child.ino), db=dentries)
+                    layers.put_dentry(txn, ex.layer, parent.ino, name, child.ino)
                 elif parent.tree is not None and name in self.trees.tree(parent.tree):
-                    txn.put(key, u64(WHITEOUT), db=dentries)
+                    layers.put_dentry(txn, ex.layer, parent.ino, name, WHITEOUT)
                 else:
-                    txn.delete(key, db=dentries)
+                    layers.delete_dentry(txn, ex.layer, parent.ino, name)
                     continue
-                added += dentry_bytes(key)
+                added += dentry_bytes(name)
             self.upper.put_records(txn, nodes.values())
         self.upper.stored(nodes.values())
         ex.upper_bytes += added

@@ -21,7 +21,7 @@ import trio
 from ..authority import Access
 from ..errors import fs_error
 from ..store import Entry, Snapshot, Store
-from ..store.format import ExecutionRecord, UpperInode, from_u64, u64
+from ..store.format import ExecutionRecord, UpperInode
 from ..types import Ino
 
 FIRST_DYNAMIC_INO = 1000  # inode numbers below are the mount's fixed virtual nodes
@@ -91,7 +91,7 @@ class Execution(View):
     ``access`` who may use it and what its control files do (rametfs.authority), fixed at
     create; ``failure`` says why an internal error stopped it, until its next reset;
     ``policy`` is the persistence policy the harness stored with it (the record of a
-    rametfs.policy.Setting, or None); ``runtime`` the sandbox recorded as running it
+    rametfs.core.policy.Setting, or None); ``runtime`` the sandbox recorded as running it
     (``{"name", "uid", "gid"[, "image"]}``, or None).
     """
 
@@ -124,16 +124,13 @@ class Execution(View):
         self.changes: dict[int | tuple[int, bytes], int] = {}
         self.clock = 0
         self.changes_floor = 0  # tokens from before this clock no longer say what changed
-        # Names the kernel was told do not exist in the root (cached negative dentries),
-        # which a reset must make it forget; below the root, dropping the root's names does.
-        self.negative_root: set[bytes] = set()
         self.policy: dict | None = None
         self.runtime: dict | None = None
 
-    def record(self) -> bytes:
+    def record(self) -> ExecutionRecord:
         return ExecutionRecord(self.base.id, self.head.id, self.lower.id, self.layer,
                                self.root_ino, self.created_ns, self.access.to_record(),
-                               self.policy, self.runtime).pack()
+                               self.policy, self.runtime)
 
     @contextlib.contextmanager
     def freeze(self) -> Iterator[None]:
@@ -235,8 +232,7 @@ class InodeTable:
         self.freed = freed
         self.nodes: dict[int, Node] = {}
         with store.read() as txn:
-            raw = txn.get(b"next_ino", db=store.db["meta"])
-        self.next_ino = max(FIRST_DYNAMIC_INO, from_u64(raw) if raw else 0)
+            self.next_ino = max(FIRST_DYNAMIC_INO, store.layers.next_ino(txn))
         self.stored_next_ino = self.next_ino
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.nodes_dropped = 0  # freed from :attr:`nodes` since its table was last remade
@@ -248,7 +244,7 @@ class InodeTable:
 
     def persist_counters(self, txn) -> None:
         if self.next_ino > self.stored_next_ino:
-            txn.put(b"next_ino", u64(self.next_ino), db=self.store.db["meta"])
+            self.store.layers.put_next_ino(txn, self.next_ino)
             self.stored_next_ino = self.next_ino
 
     def is_live(self, node: Node) -> bool:
@@ -282,7 +278,7 @@ class InodeTable:
                   if ino in kept and (key[0] in kept or key[0] == view.root_ino)}
         view.inos, view.dcache, view.link_inos, view.dirty = set(kept), dcache, {}, set()
         if isinstance(view, Execution):
-            view.changes, view.negative_root = {}, set()
+            view.changes = {}
 
     def drop_stale_nodes(self, budget: int = COLLECT_BATCH) -> int:
         """Free up to ``budget`` nodes of dropped layers; returns how many were freed (call

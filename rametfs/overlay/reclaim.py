@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..store import Store
-from ..store.format import from_u64, inode_key
 from .data import FileData
 from .nodes import Execution, InodeTable, Node
 from .upper import Upper
@@ -19,11 +18,12 @@ from .upper import Upper
 
 @dataclass(frozen=True)
 class Reclaim:
-    """A forgotten unlinked inode to delete: its ``key`` (layer + ino), the ``path`` of its
+    """A forgotten unlinked inode to delete: its ``layer`` and ``ino``, the ``path`` of its
     upper data file (which may not exist: nothing written; None: its layer goes whole) and
     the cached descriptor of that file, if any."""
 
-    key: bytes
+    layer: int
+    ino: int
     path: str | None
     fd: int | None
 
@@ -66,7 +66,7 @@ class Reclaimer:
         for node in nodes:
             if node.upper is not None and node.upper.nlink == 0 and self.table.is_live(node):
                 self.upper.stored([node])
-                self.reclaim.append(Reclaim(inode_key(node.view.layer, node.ino),
+                self.reclaim.append(Reclaim(node.view.layer, node.ino,
                                             self.data.upper_path(node.view, node.ino),
                                             upper_fds.take(node)))
                 # its blocks and record are as good as gone: the batch frees them soon
@@ -78,7 +78,7 @@ class Reclaimer:
 
     def executions_of(self, items: list[Reclaim]) -> list[Execution]:
         """The live executions whose layers ``items`` belong to."""
-        layers = {from_u64(item.key[:8]) for item in items}
+        layers = {item.layer for item in items}
         return [ex for ex in self.executions.values() if ex.layer in layers]
 
     def take_reclaim(self) -> list[Reclaim]:
@@ -91,17 +91,7 @@ class Reclaimer:
         are gone: :func:`unlink_upper_files`), in one transaction."""
         with self.store.write() as txn:
             for item in items:
-                self._delete_inode(txn, item.key)
-
-    def _delete_inode(self, txn, key: bytes) -> None:
-        """Delete the upper record, page map and orphan mark of inode ``key`` (layer + ino)."""
-        db = self.store.db
-        txn.delete(key, db=db["inodes"])
-        txn.delete(key, db=db["orphans"])
-        cur = txn.cursor(db=db["pages"])
-        if cur.set_range(key):
-            while cur.key().startswith(key) and cur.delete():
-                pass
+                self.store.layers.delete_inode(txn, item.layer, item.ino)
 
     def remove_orphans(self) -> None:
         """At the daemon's start no process holds an inode of the last run: delete what is
@@ -111,11 +101,11 @@ class Reclaimer:
         files alone."""
         live = {ex.layer: ex for ex in self.executions.values()}
         with self.store.read() as txn:
-            keys = list(txn.cursor(db=self.store.db["orphans"]).iternext(values=False))
+            orphans = self.store.layers.orphans(txn)
         items = []
-        for key in keys:
-            ex = live.get(from_u64(key[:8]))  # a dead layer goes whole (collect_dead_layer)
-            path = self.data.upper_path(ex, from_u64(key[8:])) if ex is not None else None
-            items.append(Reclaim(key, path, None))
+        for layer, ino in orphans:
+            ex = live.get(layer)  # a dead layer goes whole (collect_dead_layer)
+            path = self.data.upper_path(ex, ino) if ex is not None else None
+            items.append(Reclaim(layer, ino, path, None))
         unlink_upper_files(items)
         self.reclaimed(items)

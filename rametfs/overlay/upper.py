@@ -17,17 +17,13 @@ from typing import Iterable
 
 from ..errors import RametError, ReadOnly, fs_error
 from ..store import Store
-from ..store.format import UpperInode, dentry_key, inode_key, link_key, page_key, prefixed, u64
+from ..store.format import UpperInode
+from ..store.layers import dentry_bytes
 from ..treewalk import Steps, run_steps
 from .changes import changed
 from .nodes import NO_PAGES, Execution, InodeTable, Node, View
 
 FLUSH_BATCH = 1000  # dirty records a flush stores in one transaction, one step of the trio thread
-
-
-def dentry_bytes(key: bytes) -> int:
-    """What a stored dentry takes, as an execution's usage counts it: its key and value."""
-    return len(key) + 8
 
 
 class Upper:
@@ -87,16 +83,14 @@ class Upper:
         # and what copies-up store is bounded by the base.
         uppers = [(n, UpperInode.from_entry(n.entry)) for n in reversed(chain)]
         added = 0
+        layers = self.store.layers
         with self.store.write() as txn:  # one transaction: all of them or (ENOSPC) none
             for n, upper in uppers:
-                n.pending_bytes = len(packed := upper.pack())
-                txn.put(inode_key(ex.layer, n.ino), packed, db=self.store.db["inodes"])
-                key = dentry_key(ex.layer, n.parent, n.name)
-                txn.put(key, u64(n.ino), db=self.store.db["dentries"])
-                added += n.pending_bytes + dentry_bytes(key)
+                n.pending_bytes = layers.put_inode(txn, ex.layer, n.ino, upper)
+                layers.put_dentry(txn, ex.layer, n.parent, n.name, n.ino)
+                added += n.pending_bytes + dentry_bytes(n.name)
                 if n.entry.link:
-                    txn.put(link_key(ex.layer, n.entry.link), u64(n.ino),
-                            db=self.store.db["links"])
+                    layers.put_link(txn, ex.layer, n.entry.link, n.ino)
             self.table.persist_counters(txn)
         for n, upper in uppers:
             n.upper, n.record_bytes = upper, n.pending_bytes
@@ -156,16 +150,15 @@ class Upper:
     def put_records(self, txn, nodes: Iterable[Node]) -> None:
         """Put the upper records and new page-map entries of ``nodes`` (those that have an
         upper record) and the counters in ``txn``; call :meth:`stored` once it commits."""
+        layers = self.store.layers
         for node in nodes:
             if node.upper is not None:
-                key = inode_key(node.view.layer, node.ino)
-                node.pending_bytes = len(packed := node.upper.pack())
-                txn.put(key, packed, db=self.store.db["inodes"])
+                layer = node.view.layer
+                node.pending_bytes = layers.put_inode(txn, layer, node.ino, node.upper)
                 if node.upper.nlink == 0:  # no name left; processes may still hold it
-                    txn.put(key, b"", db=self.store.db["orphans"])
+                    layers.put_orphan(txn, layer, node.ino)
                 for page in node.new_pages:
-                    txn.put(page_key(node.view.layer, node.ino, page), b"",
-                            db=self.store.db["pages"])
+                    layers.put_page(txn, layer, node.ino, page)
         self.table.persist_counters(txn)
 
     @staticmethod
@@ -242,11 +235,7 @@ class Upper:
                     os.scandir(f"{self.upper_root}/{ex.layer}") as it:
                 for e in it:
                     ex.upper_bytes += e.stat().st_blocks * 512
-            prefix = u64(ex.layer)
             with self.store.read() as txn:
-                records = [len(value) for _, value in
-                           prefixed(txn.cursor(db=self.store.db["inodes"]), prefix)]
+                records = self.store.layers.record_sizes(txn, ex.layer)
                 ex.upper_inodes = len(records)
-                ex.upper_bytes += sum(records) + sum(
-                    dentry_bytes(key) for key, _ in
-                    prefixed(txn.cursor(db=self.store.db["dentries"]), prefix))
+                ex.upper_bytes += sum(records) + self.store.layers.dentry_sizes(txn, ex.layer)

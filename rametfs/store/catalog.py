@@ -1,5 +1,6 @@
-"""The records of execution pools and their members, and typed access to them inside a
-transaction (the ``pools`` and ``leases`` databases; layout in rametfs.store.format).
+"""The records of executions, of execution pools and of their members, and typed access to
+them inside a transaction (the ``executions``, ``pools`` and ``leases`` databases; layout in
+rametfs.store.format, which holds :class:`ExecutionRecord`'s codec).
 
 What the records mean and how they change is rametfs.core.pools, for both modes.  Times are
 wall-clock ns (``time.time_ns``), so a lease end means the same to every process and across
@@ -13,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import lmdb
 import msgpack
+
+from .format import ExecutionRecord
 
 READY, LEASED, QUARANTINED = "ready", "leased", "quarantined"
 
@@ -38,7 +41,7 @@ class PoolRecord:
     was made (ns), the access settings its members get (``rametfs.authority.Access`` as a
     record: owner, group, share, control, limits; empty in a record from before them), and
     the persistence policy its members are created with (the record of a
-    rametfs.policy.Setting, or None); ``keep_last`` how many of its members' promotes are
+    rametfs.core.policy.Setting, or None); ``keep_last`` how many of its members' promotes are
     kept after each promote (rametfs.core.lifecycle.trim_pool; 0: all)."""
 
     base: str
@@ -82,12 +85,25 @@ class Member:
 
 
 class Catalog:
-    """Get, put, delete and scan pool and member records of ``store`` (a rametfs.store.Store)
-    inside a transaction the caller holds (``store.read()`` or ``store.write()``)."""
+    """Get, put, delete and scan execution, pool and member records of ``store`` (a
+    rametfs.store.Store) inside a transaction the caller holds (``store.read()`` or
+    ``store.write()``)."""
 
     def __init__(self, store):
+        self.executions_db = store.db["executions"]
         self.pools_db = store.db["pools"]
         self.leases_db = store.db["leases"]
+
+    def executions(self, txn: lmdb.Transaction) -> Iterator[tuple[str, ExecutionRecord]]:
+        """Every execution's record, by id."""
+        for key, value in txn.cursor(db=self.executions_db):
+            yield key.decode(), ExecutionRecord.unpack(value)
+
+    def put_execution(self, txn: lmdb.Transaction, eid: str, rec: ExecutionRecord) -> None:
+        txn.put(eid.encode(), rec.pack(), db=self.executions_db)
+
+    def delete_execution(self, txn: lmdb.Transaction, eid: str) -> None:
+        txn.delete(eid.encode(), db=self.executions_db)
 
     def pool(self, txn: lmdb.Transaction, name: str) -> PoolRecord | None:
         raw = txn.get(name.encode(), db=self.pools_db)

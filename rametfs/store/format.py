@@ -142,6 +142,28 @@ def from_u64(data: bytes) -> int:
     return _U64.unpack(data)[0]
 
 
+LAYER_PREFIX_BYTES = 8  # every key of a layer's records starts with its layer (u64)
+DENTRY_NAME_OFFSET = 16  # a ``dentries`` key's name follows layer + parent ino
+
+
+def layer_prefix(layer: int) -> bytes:
+    """The prefix of every key of ``layer`` in ``inodes``, ``dentries``, ``links``, ``pages``
+    and ``orphans``, and its key in ``dead``."""
+    return _U64.pack(layer)
+
+
+def layer_of_key(key: bytes) -> int:
+    """The layer a key of ``inodes``, ``dentries``, ``links``, ``pages``, ``orphans`` or
+    ``dead`` belongs to."""
+    return _U64.unpack_from(key)[0]
+
+
+def split_pair_key(key: bytes) -> tuple[int, int]:
+    """``(layer, ino)`` of an ``inodes`` or ``orphans`` key, ``(layer, link id)`` of a
+    ``links`` key, ``(layer, parent ino)`` of a ``dentries`` key."""
+    return _U64x2.unpack_from(key)
+
+
 def inode_key(layer: int, ino: int) -> bytes:
     """Key of ``inodes``: layer + ino (16 bytes)."""
     return _U64x2.pack(layer, ino)
@@ -181,6 +203,11 @@ def page_key(layer: int, ino: int, page: int) -> bytes:
 def page_of_key(key: bytes) -> int:
     """The page number in a ``pages`` key."""
     return _U64x3.unpack(key)[2]
+
+
+def split_page_key(key: bytes) -> tuple[int, int, int]:
+    """``(layer, ino, page)`` of a ``pages`` key."""
+    return _U64x3.unpack(key)
 
 
 def pack_envelope(codec: int, raw_length: int, payload: bytes) -> bytes:

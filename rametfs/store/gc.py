@@ -43,7 +43,7 @@ import lmdb
 import msgpack
 
 from ..errors import IntegrityError, RametError
-from .format import DATABASES, UpperInode, from_u64
+from .format import DATABASES
 from .fsck import Walk
 from .gc_guard import Progress
 from .store import Store
@@ -123,9 +123,8 @@ def _roots(store: Store) -> list[tuple[str, Entry]]:
     entry and merged base tree (the ``inodes`` layout: docs/format.md)."""
     roots = [(s.id[:12], s.root) for s in store.snapshots()]
     with store.read() as txn:
-        for key, value in txn.cursor(db=store.db["inodes"]):
-            record = UpperInode.unpack(value)
-            label = f"layer {from_u64(key[:8])}"
+        for layer, record in store.layers.all_inodes(txn):
+            label = f"layer {layer}"
             if record.base:
                 roots.append((label, record.base))
             if record.tree:

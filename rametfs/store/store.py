@@ -18,7 +18,7 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +33,7 @@ from . import chunks
 from .cache import HydrationCache
 from .chunks import Content
 from .gc_guard import GcGuard
+from .layers import Layers
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
 from ..treewalk import Steps, run_steps
 from ..types import ChunkId, ContentId, Layer, SnapshotId, TreeId
@@ -53,7 +54,7 @@ _EMPTY = Content(0, b"", ())
 @dataclass(frozen=True)
 class Snapshot:
     """A snapshot record; ``id`` is 64 hex digits, times in ns, stats a plain dict;
-    ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.policy), and
+    ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.core.policy), and
     ``runtime`` the sandbox recorded for the execution promoted (None: none)."""
 
     id: SnapshotId
@@ -99,6 +100,7 @@ class Store:
         self.env = lmdb.open(str(self.root / "meta"), map_size=MAP_SIZE, max_dbs=len(DATABASES),
                              sync=False, metasync=False, readahead=False, max_readers=1024)
         self.db = {name: self.env.open_db(name.encode()) for name in DATABASES}
+        self.layers = Layers(self.db)
         self._meta_file = self.root / "meta" / "data.mdb"
         self._reserved_to = 0  # bytes of the metadata file allocated, as last seen
         self._psize = self.env.stat()["psize"]  # bytes per LMDB page
@@ -152,6 +154,7 @@ class Store:
         except lmdb.Error as exc:
             raise RametError(errno.EIO,
                              f"{root}/meta: not a rametfs store's metadata: {exc}") from None
+        store.layers = Layers(store.db)
         with store.read() as txn:
             version = txn.get(b"format", db=store.db["meta"])
         if version is None or from_u64(version) not in READABLE_VERSIONS:
@@ -530,6 +533,20 @@ class Store:
                 raise NotFound(f"no snapshot name {name!r}")
             txn.delete(name.encode(errors="surrogateescape"), db=self.db["names"])
         return old.hex()
+
+    def delete_records(self, txn: lmdb.Transaction, snapshots: Iterable[str],
+                       names: Iterable[str]) -> None:
+        """Delete the snapshot records ``snapshots`` (ids, hex) and the snapshot ``names`` in
+        ``txn`` (rametfs.core.lifecycle decides which)."""
+        for name in names:
+            txn.delete(name.encode(), db=self.db["names"])
+        for sid in snapshots:
+            txn.delete(bytes.fromhex(sid), db=self.db["snapshots"])
+
+    def snapshot_count(self) -> int:
+        """How many snapshot records the store holds (O(1): LMDB's count)."""
+        with self.read() as txn:
+            return txn.stat(self.db["snapshots"])["entries"]
 
     def names(self, txn: lmdb.Transaction | None = None) -> dict[str, str]:
         """Every snapshot name and the id (hex) it points at, by name."""

@@ -9,11 +9,14 @@ assigns paths by glob to a class:
 * ``ephemeral``: not kept;
 * ``shared``: must equal the base, and is taken from it unchanged.
 
-Pure logic over relative paths (``str``, ``/``-separated, no leading ``/``): parsing,
-classification, preview totals and input digests.  The walks over an execution (the overlay
-in FUSE mode, a real directory in fallback mode) live with their modes and call
-:meth:`Policy.classify` for each path inside a durable directory: a directory of another
-class is handled whole, and patterns below it do not apply.
+Pure logic over relative paths (``str``, ``/``-separated, no leading ``/``), the same for
+both modes: parsing, which policy applies (:func:`load_chosen`), and applying it to an
+execution (:func:`apply_steps`: the classified paths, what a promote leaves out or takes
+from the head, the problems that stop it and their text, preview totals, recipe records),
+and input digests.  Each mode gives only its view of the execution: a :class:`Tree` to walk
+(the daemon's nodes, fallback's directory) and a :class:`Side` (its diff against the head,
+whether an input exists).  A directory of a class other than durable is handled whole, and
+patterns below it do not apply.
 
 Patterns follow gitignore's syntax without negation: ``*`` and ``?`` match within one name,
 ``[...]`` a class of characters, ``**`` any number of directories; a pattern with no ``/``
@@ -36,11 +39,11 @@ from typing import Protocol
 
 import blake3
 
-from .errors import InvalidArgument, RametError
-from .longpath import short
-from .nofollow import DIR_FLAGS, FILE_FLAGS, GONE, same_file
-from .treewalk import Steps, postorder, preorder, run_steps
-from .protocol import POLICY_NONE, POLICY_TREE, quote_path
+from ..errors import InvalidArgument, RametError
+from ..longpath import short
+from ..nofollow import DIR_FLAGS, FILE_FLAGS, GONE, same_file
+from ..treewalk import Steps, postorder, preorder, run_steps
+from ..protocol import POLICY_NONE, POLICY_TREE, quote_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -366,7 +369,7 @@ class Setting:
         return None if record is None else cls(record["text"], record["from"])
 
 
-def check_tree_file(mode: int, size: int) -> None:
+def _check_tree_file(mode: int, size: int) -> None:
     """Raise InvalidArgument (EINVAL) unless the tree's ``ramet.toml`` (``st_mode``, bytes)
     is a regular file of at most :data:`MAX_POLICY_BYTES`: a policy is read whole."""
     if not stat.S_ISREG(mode):
@@ -408,6 +411,27 @@ def choose(value: str | None, stored: dict | None) -> Setting | None:
     command (:func:`setting`), else the one stored with the execution (its record), else
     None.  Raises InvalidArgument (EINVAL) for a malformed value."""
     return setting(value) if value is not None else Setting.from_record(stored)
+
+
+def load_chosen(chosen: Setting | None,
+                tree_file: Callable[[], tuple[int, int, Callable[[], bytes]] | None]
+                ) -> Policy | None:
+    """The policy ``chosen``: its text parsed, or (text None, ``--policy tree``) the tree's
+    ``ramet.toml``, none when it is absent; None for none.  ``tree_file()`` is how the mode
+    finds that file, never following a symlink: None when absent, else ``(st_mode, size,
+    read)``, ``read()`` its bytes (called only for a regular file of at most
+    :data:`MAX_POLICY_BYTES`).  Raises InvalidArgument (EINVAL) naming the line of a
+    malformed one, or for a ``ramet.toml`` that is not such a file."""
+    if chosen is None:
+        return None
+    if chosen.text is not None:
+        return load(chosen.text.encode(), chosen.source)
+    found = tree_file()
+    if found is None:
+        return None
+    mode, size, read = found
+    _check_tree_file(mode, size)
+    return load(read(), POLICY_FILE)
 
 
 # -- preview ---------------------------------------------------------------------------------
@@ -479,19 +503,12 @@ class Classified:
     outputs: dict[str, list[str]] = field(default_factory=dict)  # recipe -> its paths
 
 
-def classify_tree(policy: Policy | None, tree: Tree, root, durable: bool = True) -> Classified:
-    """Walk ``tree`` from ``root`` and classify every path (all durable without a policy).
-
-    ``durable=False`` lists only the other classes, and skips directories where no pattern
-    can match (what a promote needs).
-    """
-    return run_steps(classify_steps(policy, tree, root, durable))
-
-
 def classify_steps(policy: Policy | None, tree: Tree, root, durable: bool = True,
                    paths: list | None = None) -> Steps[Classified]:
-    """:func:`classify_tree` as steps (rametfs.treewalk.run_steps): one per directory.
-    ``paths``: the list ``Classified.paths`` is (a caller's may bound it: only its
+    """Walk ``tree`` from ``root`` and classify every path (all durable without a policy),
+    as steps (rametfs.treewalk.run_steps): one per directory.  ``durable=False`` lists only
+    the other classes, and skips directories where no pattern can match (what a promote
+    needs).  ``paths``: the list ``Classified.paths`` is (a caller's may bound it: only its
     ``append`` is called); a new one by default."""
     out = Classified() if paths is None else Classified(paths)
 
@@ -525,57 +542,160 @@ def classify_steps(policy: Policy | None, tree: Tree, root, durable: bool = True
     return out
 
 
-def preview_report(policy: Policy | None, classified: Classified, problems: list[str]) -> dict:
-    """The preview (``.ramet/preview``): ``{"policy", "paths", "totals", "recipes",
-    "problems"}``; ``paths`` are ``{"path", "class", "bytes", "files"[, "recipe"]}``
-    (directories end in ``/``), ``totals`` per class ``{"paths", "files", "bytes"}``,
-    ``problems`` what would stop a promote."""
-    totals = {cls: {"paths": 0, "files": 0, "bytes": 0} for cls in CLASSES}
-    paths = []
-    for path, cls, _kind, files, nbytes, recipe in classified.paths:
-        item = {"path": path, "class": cls, "bytes": nbytes, "files": files}
-        if recipe:
-            item["recipe"] = recipe
-        paths.append(item)
-        t = totals[cls]
-        t["paths"] += 1
-        t["files"] += files
-        t["bytes"] += nbytes
-    recipes = []
-    if policy:
-        for name, outputs in classified.outputs.items():
-            spec = policy.recipes[name]
-            recipes.append({"name": name, "outputs": outputs, "inputs": list(spec.inputs),
-                            "command": list(spec.command),
-                            "check": list(spec.check) if spec.check else None,
-                            "timeout": spec.timeout})
-    return {"ok": not problems, "policy": policy.source if policy else None, "paths": paths,
-            "totals": totals, "recipes": recipes, "problems": problems}
+
+# -- applying a policy to an execution (both modes) ------------------------------------------
+
+class Side(Protocol):
+    """What :func:`apply_steps` asks of an execution besides its :class:`Tree`: the daemon's
+    answers from its nodes (rametfs.capture), fallback mode's from its directory and a scan
+    (rametfs.fallback.executions)."""
+
+    def changes(self, skip: frozenset[str]) -> Steps[list[tuple[str, bytes]]]:
+        """The execution's diff against its head (rametfs.core.diff), as steps; the paths
+        of ``skip`` (left out by the policy: none of them shared) and below them may be
+        missing from it."""
+        ...
+
+    def exists(self, path: str) -> bool | None:
+        """Whether the relative ``path`` (reached without following a symlink) is a
+        directory; None when it is missing."""
+        ...
 
 
-def policy_stats(policy: Policy, classified: Classified) -> dict:
-    """What a promote records in its snapshot's stats: ``{"policy": source, "left_out":
-    {class: {"paths", "files", "bytes"}}}`` for the rebuildable and ephemeral paths."""
-    left_out = {cls: {"paths": 0, "files": 0, "bytes": 0} for cls in (REBUILDABLE, EPHEMERAL)}
-    for _path, cls, _kind, files, nbytes, _recipe in classified.paths:
-        if cls in left_out:
-            t = left_out[cls]
+@dataclass(frozen=True)
+class Plan:
+    """What ``policy`` (None: none, everything kept) makes of one execution's tree: its
+    ``classified`` paths and the ``problems`` that stop a promote (changed shared paths,
+    recipe inputs missing or not kept), each as the preview lists it."""
+
+    policy: Policy | None
+    classified: Classified = field(default_factory=Classified)
+    problems: tuple[str, ...] = ()
+    # topmost non-durable path (no trailing "/") -> its class
+    special: dict[str, str] = field(init=False)
+    above: frozenset[str] = field(init=False)  # the directories holding one ("" the root)
+
+    def __post_init__(self) -> None:
+        special = {path.rstrip("/"): cls for path, cls, *_ in self.classified.paths
+                   if cls != DURABLE}
+        above: set[str] = set()
+        for path in special:
+            while path not in above:  # its directories, up to one already there
+                path = path.rpartition("/")[0]
+                above.add(path)
+        object.__setattr__(self, "special", special)
+        object.__setattr__(self, "above", frozenset(above))
+
+    @property
+    def skip(self) -> frozenset[str]:
+        """The topmost paths a promote leaves out (ephemeral, rebuildable)."""
+        return frozenset(p for p, cls in self.special.items() if cls not in KEPT)
+
+    @property
+    def shared(self) -> list[str]:
+        """The topmost shared paths, which a promote takes from the head."""
+        return [p for p, cls in self.special.items() if cls == SHARED]
+
+    @property
+    def inputs(self) -> list[str]:
+        """The inputs whose digests a promote records: those of the recipes with outputs,
+        each once, in file order."""
+        if self.policy is None:
+            return []
+        return list(dict.fromkeys(p for name, spec in self.policy.recipes.items()
+                                  if name in self.classified.outputs for p in spec.inputs))
+
+    def check(self) -> None:
+        """Raise InvalidArgument (EINVAL) naming every problem, if there is one."""
+        if self.problems:
+            raise InvalidArgument(self._stopped("; ".join(self.problems)))
+
+    def stopped(self, exc: RametError) -> RametError:
+        """``exc`` (of an input's digest: :class:`InputError`) as the error of the promote
+        it stops, its errno kept."""
+        return type(exc)(exc.errno, self._stopped(str(exc)))
+
+    def _stopped(self, why: str) -> str:
+        return f"promote stopped by the policy ({self.policy.source}): {why}"
+
+    def report(self) -> dict:
+        """The preview (``.ramet/preview``): ``{"ok", "policy", "paths", "totals",
+        "recipes", "problems"}``; ``paths`` are ``{"path", "class", "bytes", "files"[,
+        "recipe"]}`` (directories end in ``/``), ``totals`` per class ``{"paths", "files",
+        "bytes"}``, ``recipes`` as :meth:`recipes` without the digests, ``problems`` what
+        would stop a promote."""
+        totals = {cls: {"paths": 0, "files": 0, "bytes": 0} for cls in CLASSES}
+        paths = []
+        for path, cls, _kind, files, nbytes, recipe in self.classified.paths:
+            item = {"path": path, "class": cls, "bytes": nbytes, "files": files}
+            if recipe:
+                item["recipe"] = recipe
+            paths.append(item)
+            t = totals[cls]
             t["paths"] += 1
             t["files"] += files
             t["bytes"] += nbytes
-    return {"policy": policy.source, "left_out": left_out}
+        recipes = [{**r, "inputs": [i["path"] for i in r["inputs"]]}
+                   for r in self.recipes(dict.fromkeys(self.inputs))]
+        return {"ok": not self.problems,
+                "policy": self.policy.source if self.policy else None, "paths": paths,
+                "totals": totals, "recipes": recipes, "problems": list(self.problems)}
+
+    def stats(self) -> dict:
+        """What a promote records in its snapshot's stats: ``{"policy": source, "left_out":
+        {class: {"paths", "files", "bytes"}}}`` for the rebuildable and ephemeral paths;
+        ``{}`` without a policy."""
+        if self.policy is None:
+            return {}
+        left_out = {cls: {"paths": 0, "files": 0, "bytes": 0} for cls in (REBUILDABLE, EPHEMERAL)}
+        for _path, cls, _kind, files, nbytes, _recipe in self.classified.paths:
+            if cls in left_out:
+                t = left_out[cls]
+                t["paths"] += 1
+                t["files"] += files
+                t["bytes"] += nbytes
+        return {"policy": self.policy.source, "left_out": left_out}
+
+    def recipes(self, digests: dict[str, str | None]) -> list[dict]:
+        """The recipes a promote stores (docs/format.md): one per recipe with outputs, in
+        file order, ``{"name", "outputs", "inputs": [{"path", "blake3"}], "command",
+        "check", "timeout"}``.  ``digests`` maps each of :attr:`inputs` to its
+        :func:`path_digest`."""
+        if self.policy is None:
+            return []
+        return [{"name": name, "outputs": self.classified.outputs[name],
+                 "inputs": [{"path": p, "blake3": digests[p]} for p in spec.inputs],
+                 "command": list(spec.command),
+                 "check": list(spec.check) if spec.check else None, "timeout": spec.timeout}
+                for name, spec in self.policy.recipes.items()
+                if name in self.classified.outputs]
 
 
-def input_problems(policy: Policy, classified: Classified,
-                   exists: Callable[[str], bool | None]) -> list[str]:
-    """What is wrong with the inputs of the recipes that have outputs: an input that is
-    missing (``exists(path)`` is None) or that the promote would not keep.  ``exists``
-    returns whether the path is a directory, None when it is absent."""
+def apply_steps(policy: Policy | None, tree: Tree, root, side: Side, durable: bool = False,
+                paths: list | None = None) -> Steps[Plan]:
+    """The :class:`Plan` of ``policy`` over the execution whose tree is ``tree`` from
+    ``root`` (``durable``, ``paths``: as :func:`classify_steps` takes them; a preview lists
+    durable files, a promote need not), as steps: one per directory classified, and those
+    of ``side.changes`` when the policy has shared paths.  Without a policy and
+    ``durable=False``, nothing is walked."""
+    if policy is None and not durable:
+        return Plan(None)
+    classified = yield from classify_steps(policy, tree, root, durable, paths)
+    if policy is None:
+        return Plan(None, classified)
+    plan = Plan(policy, classified)
     problems = []
-    memo: dict = {}
+    if policy.patterns[SHARED]:
+        memo: dict = {}
+        for letter, raw in (yield from side.changes(plan.skip)):
+            path = os.fsdecode(raw)
+            cls, _recipe, _top = policy.class_of(path.rstrip("/"), path.endswith("/"), memo)
+            if cls == SHARED:
+                problems.append(f"shared path changed: {letter} {quote_path(raw)}")
+    memo = {}
     for name in classified.outputs:
         for path in policy.recipes[name].inputs:
-            is_dir = exists(path)
+            is_dir = side.exists(path)
             shown = quote_path(os.fsencode(path))
             if is_dir is None:
                 problems.append(f"recipe {name}: input {shown} is missing")
@@ -585,47 +705,29 @@ def input_problems(policy: Policy, classified: Classified,
                 problems.append(f"recipe {name}: input {shown} is {cls} "
                                 f"({quote_path(os.fsencode(top))}), so a promote would not "
                                 "keep it")
-    return problems
+    return Plan(policy, classified, tuple(problems))
 
 
-def shared_problems(policy: Policy, changes: Iterable[tuple[str, bytes]]) -> list[str]:
-    """The changed shared paths among ``changes`` (``(letter, path)`` pairs of a diff,
-    directories ending in ``/``), as ``"shared path changed: <letter> <path>"``, the path
-    quoted as ``.ramet/diff`` quotes it (rametfs.protocol.quote_path)."""
-    out = []
-    memo: dict = {}
-    for letter, raw in changes:
-        path = os.fsdecode(raw)
-        cls, _recipe, _top = policy.class_of(path.rstrip("/"), path.endswith("/"), memo)
-        if cls == SHARED:
-            out.append(f"shared path changed: {letter} {quote_path(raw)}")
-    return out
-
-
-def recipe_records(policy: Policy, classified: Classified,
-                   digests: dict[str, str]) -> list[dict]:
-    """The recipes a promote stores (docs/format.md): one per recipe with outputs, in file
-    order, ``{"name", "outputs", "inputs": [{"path", "blake3"}], "command", "check",
-    "timeout"}``.  ``digests`` maps each input path to its :func:`path_digest`."""
-    out = []
-    for name, spec in policy.recipes.items():
-        if name in classified.outputs:
-            out.append({"name": name, "outputs": classified.outputs[name],
-                        "inputs": [{"path": p, "blake3": digests[p]} for p in spec.inputs],
-                        "command": list(spec.command),
-                        "check": list(spec.check) if spec.check else None,
-                        "timeout": spec.timeout})
-    return out
+def apply(policy: Policy | None, tree: Tree, root, side: Side, durable: bool = False) -> Plan:
+    """:func:`apply_steps`, at once."""
+    return run_steps(apply_steps(policy, tree, root, side, durable))
 
 
 # -- input digests -----------------------------------------------------------------------------
 
-MAX_INPUT_BYTES = 1 << 30  # of one input's regular files (at a FUSE promote: rametfs.capture's)
+MAX_INPUT_BYTES = 1 << 30  # of one recipe input's regular files, at a promote and a restore
 
 
 class InputError(RametError):
     """A recipe input that cannot be hashed where it is (:func:`path_digest`); the message
     names it and says why, the errno is ENOENT, EAGAIN or EFBIG."""
+
+
+def input_too_big(path: str) -> InputError:
+    """EFBIG: the regular files of input ``path`` hold more than :data:`MAX_INPUT_BYTES`
+    (holes counted: its digest hashes every byte)."""
+    return InputError(errno.EFBIG, f"input {quote_path(os.fsencode(path))} holds more than "
+                                   f"{MAX_INPUT_BYTES} bytes")
 
 
 def tree_digest(items: Iterable[tuple[bytes, str, str]]) -> str:
@@ -669,7 +771,7 @@ def path_digest(root: str | os.PathLike, path: str) -> str:
 
 
 def exists_under(root: str | os.PathLike) -> Callable[[str], bool | None]:
-    """``exists(path)`` for :func:`input_problems` over the tree at the directory ``root``:
+    """``exists(path)`` for rametfs.core.policy.Side over the tree at the directory ``root``:
     whether input ``path`` is a directory, None when :func:`path_digest` finds it missing
     (so a path through a symlink is missing).  Blocking."""
     def exists(path: str) -> bool | None:
@@ -706,7 +808,7 @@ class _Input:
                          errno.EAGAIN)
 
     def too_big(self) -> InputError:
-        return self.fail(f"holds more than {MAX_INPUT_BYTES} bytes", errno.EFBIG)
+        return input_too_big(self.path)
 
     @contextlib.contextmanager
     def parent(self, root: str | os.PathLike) -> Iterator[tuple[int, bytes]]:

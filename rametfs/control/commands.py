@@ -24,19 +24,20 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from . import mounts, policy, protocol
-from .authority import HARNESS, Access, Caller
-from .capture import CancelToken, capture, diff_in_slices, preview
-from .core import heads, lifecycle, pools, retention
-from .errors import Busy, Cancelled, Denied, InvalidArgument, NotFound, RametError
-from .faults import FAULTS
-from .fallback import manifest
-from .overlay import Execution, Overlay, in_slices
-from .treewalk import Steps
-from .store import Snapshot, gc, import_git, import_tree
-from .store.catalog import Lease
-from .store.publish import publish
-from .verify import verify
+from .. import mounts, protocol
+from ..authority import HARNESS, Access, Caller
+from ..capture import CancelToken, capture, diff_in_slices, preview
+from ..core import heads, lifecycle, policy, pools, retention, status
+from ..errors import Busy, Cancelled, Denied, InvalidArgument, NotFound, RametError
+from ..faults import FAULTS
+from ..fallback import manifest
+from ..overlay import Execution, Overlay, in_slices
+from ..treewalk import Steps
+from ..store import Snapshot, gc, import_git, import_tree
+from ..store.catalog import Lease
+from ..store.publish import publish
+from ..verify import verify
+from ..version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -632,11 +633,11 @@ class Control:
             try:
                 verification = await verify(self.overlay, ex, mode, run.token)
                 result = await in_slices(verification.json_steps())
-                reason = pools.quarantine_reason(result)
+                reason = status.quarantine_reason(result)
             except OSError as exc:  # e.g. an upper data file unreadable
                 if not pools.verification_failed(exc):
                     raise
-                result, reason = None, pools.failure_reason(mode, exc)
+                result, reason = None, status.failure_reason(mode, exc)
         self._forget_replies(ex.id)
         settled = self.pools.returned(eid, holder, reason, time.time_ns())
         if reason:
@@ -647,7 +648,7 @@ class Control:
     async def _verify(self, ex: Execution, cmd: protocol.Verify) -> dict:
         verification = await verify(self.overlay, ex, cmd.mode, self._token(ex))
         result = await in_slices(verification.json_steps())
-        reason = pools.quarantine_reason(result)
+        reason = status.quarantine_reason(result)
         settled = self.pools.verified(ex.id, reason)
         if settled is not None:
             log.warning("execution %s quarantined: %s", ex.id, reason)
@@ -662,25 +663,22 @@ class Control:
         space, and its last reply as :func:`execution_reply` shows it; nothing of the harness
         (lease holder, pid, host, pool, mount path) or of the rest of the store."""
         running = self.running.get(ex.id)
-        state = ("failed" if ex.failure is not None else
-                 "promoting" if running is not None and running.command in CAPTURES
-                 else self.pools.member_json(ex.id)["state"])
-        return {"execution": ex.id, "id": ex.id, "base": ex.base.id, "head": ex.head.id,
-                "state": state, "created_ns": ex.created_ns,
-                "upper_bytes": ex.upper_bytes, "upper_inodes": ex.upper_inodes,
-                "captured_bytes": ex.captured_bytes,
-                "max_bytes": ex.access.max_bytes, "max_inodes": ex.access.max_inodes,
-                "last": execution_reply(self.last.get(ex.id))}
+        state = status.state(self.pools.member_json(ex.id)["state"], ex.failure is not None,
+                             running is not None and running.command in CAPTURES)
+        return status.execution_view(
+            ex.id, ex.base.id, ex.head.id, state, ex.created_ns, ex.access,
+            execution_reply(self.last.get(ex.id)), upper_bytes=ex.upper_bytes,
+            upper_inodes=ex.upper_inodes, captured_bytes=ex.captured_bytes)
 
     def execution_json(self, ex: Execution) -> dict:
         """The root scope's record of ``ex``: its view, its pool fields, why it failed, how
         many of its requests wait on its freeze, its stored policy and recorded runtime, its
         whole last reply, its path and its access settings."""
-        return {**self.pools.member_json(ex.id), **self.execution_view(ex),
-                "failure": ex.failure, "waiting": ex.waiting, "policy": policy.shown(ex.policy),
-                "runtime": ex.runtime, "last": self.last.get(ex.id),
-                "path": os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
-                **ex.access.to_json()}
+        return status.execution_record(
+            self.execution_view(ex), self.pools.member_json(ex.id), ex.access,
+            mode=status.FUSE, path=os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id),
+            policy_record=ex.policy, runtime=ex.runtime, last=self.last.get(ex.id),
+            failure=ex.failure, waiting=ex.waiting)
 
     def memory_json(self) -> dict:
         """What the daemon holds (the harness's root status): ``heap_bytes``, its resident
@@ -705,21 +703,21 @@ class Control:
         or sources.  Another uid's costs what it shows: its executions are found by the
         index of readers (authority.ReadIndex), its snapshots looked up by id; the harness's
         decodes the snapshots only when one was added (:meth:`_snapshots_json`)."""
-        common = {"mount": self.mountpoint, "version": "0.1.0", "open_less": self.open_less,
-                  "snapshots_bind": self._snapshots_bind()}
         if caller.harness:
-            return _json_object({
-                "pid": os.getpid(), "data": str(self.overlay.store.root), **common,
-                "snapshots": self._snapshots_json(),
-                "executions": [self.execution_json(ex) for ex in self.overlay.executions.values()],
-                "pools": self.pools.to_json(), "last": self.root_last, "gc": self.gc_progress,
-                "memory": self.memory_json()})
+            return _json_object(status.root_status(
+                mode=status.FUSE, pid=os.getpid(), data=str(self.overlay.store.root),
+                mount=self.mountpoint, open_less=self.open_less,
+                snapshots_bind=self._snapshots_bind(), snapshots=self._snapshots_json(),
+                executions=[self.execution_json(ex) for ex in self.overlay.executions.values()],
+                pools=self.pools.to_json(), last=self.root_last, gc=self.gc_progress,
+                memory=self.memory_json()))
         visible = sorted((self.overlay.executions[eid]
                           for eid in self.overlay.readers.readable(caller)),
                          key=lambda ex: (ex.created_ns, ex.id))
         seen = {snap.id: snap for ex in visible for snap in (ex.base, ex.head)}
         return _json_object({
-            **common,
+            "mode": status.FUSE, "mount": self.mountpoint, "version": __version__,
+            "open_less": self.open_less, "snapshots_bind": self._snapshots_bind(),
             "snapshots": [_local_stats(s.to_json(), "source")
                           for s in sorted(seen.values(), key=lambda s: (s.created_ns, s.id))],
             "executions": [self.execution_view(ex) for ex in visible], "pools": []})
@@ -731,8 +729,7 @@ class Control:
         a name or rm changed the list (:attr:`_listing_changes`), each snapshot's text once
         while no name changes."""
         store = self.overlay.store
-        with store.env.begin() as txn:
-            count = txn.stat(store.db["snapshots"])["entries"]
+        count = store.snapshot_count()
         *cached, ids, texts = self._snapshots
         if (count, self._listing_changes) != tuple(cached):
             if cached[1] != self._listing_changes:

@@ -1,0 +1,170 @@
+"""What the kernel was told, and telling it to forget: the FUSE adapter's bookkeeping.
+
+* the directory listings the kernel pages through (readdir offsets stay valid between calls);
+* the missing names of execution roots it caches (negative entries), which a reset or release
+  must make it forget: below the root, dropping the root's names does;
+* its lookup counts of control file generations, whose last forget drops them
+  (rametfs.control.tree);
+* invalidation of dentries and inodes (reset, release, commands), in a worker thread;
+* snapshot inodes whose write-back was refused (a shared writable mmap, open-less), whose
+  changed pages are dropped by :meth:`KernelState.drop_refused_pages`, a daemon task fed by a
+  channel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import pyfuse3
+import trio
+
+from ..control.tree import CACHE_TIMEOUT, EXECUTIONS, Entry
+from ..faults import FAULTS
+
+log = logging.getLogger(__name__)
+
+LISTINGS = 64  # directory listings kept between the readdir calls that page through them
+LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
+NEGATIVE_ROOT_NAMES = 4096  # missing names cached per execution root
+
+
+class KernelState:
+    """The kernel's side of the mount, as far as the daemon must remember it.  ``refused``
+    is sent each snapshot inode whose write-back was refused, once while its drop is due
+    (the daemon runs :meth:`drop_refused_pages` over the other end)."""
+
+    def __init__(self, refused: trio.MemorySendChannel[int]):
+        self.listings: OrderedDict[int, list[tuple[bytes, int]]] = OrderedDict()
+        self.listing_entries = 0  # entries of every kept listing
+        self.negative: dict[int, set[bytes]] = {}  # execution root ino -> names told missing
+        self.lookups: dict[int, int] = {}  # control file generation -> the kernel's lookups
+        # snapshot inode whose pages are being dropped -> a WRITE came since the drop began
+        self.refused_pages: dict[int, bool] = {}
+        self.refused = refused
+
+    def memory(self) -> dict[str, int]:
+        """The sizes of the kept tables (the root status's ``memory``)."""
+        return {"listings": len(self.listings), "listing_entries": self.listing_entries}
+
+    # -- listings ------------------------------------------------------------------------
+
+    def listing(self, ino: int, start: int) -> list[tuple[bytes, int]] | None:
+        """The listing of ``ino`` kept for a readdir from offset ``start``; None when it
+        must be made again (a read from 0 starts over)."""
+        listing = self.listings.get(ino)
+        if listing is None or start == 0:
+            return None
+        self.listings.move_to_end(ino)
+        return listing
+
+    def keep_listing(self, ino: int, listing: list[tuple[bytes, int]]
+                     ) -> list[tuple[bytes, int]]:
+        """Keep ``listing`` for the readdir calls to come, and return it; the oldest kept go
+        while more than :data:`LISTINGS` listings or :data:`LISTING_ENTRIES` entries are."""
+        old = self.listings.pop(ino, None)
+        self.listing_entries += len(listing) - (len(old) if old is not None else 0)
+        while self.listings and (len(self.listings) >= LISTINGS
+                                 or self.listing_entries > LISTING_ENTRIES):
+            self.listing_entries -= len(self.listings.popitem(last=False)[1])
+        self.listings[ino] = listing
+        return listing
+
+    # -- entries -------------------------------------------------------------------------
+
+    def looked_up(self, entry: Entry) -> None:
+        """The kernel was given ``entry`` (a lookup or a listing's): count it if it is a
+        control file generation's."""
+        if entry.generation:
+            ino = entry.attrs.ino
+            self.lookups[ino] = self.lookups.get(ino, 0) + 1
+
+    def negative_entry(self, parent: int, name: bytes, until_reset: bool) -> float:
+        """The kernel is told ``name`` is missing in ``parent``: for how long it may cache
+        that (seconds).  An execution root's (``until_reset``) are remembered for the
+        reset that makes the kernel forget them, :data:`NEGATIVE_ROOT_NAMES` at most: past
+        them a name is not cached, so the set and that reset stay bounded."""
+        if not until_reset:
+            return CACHE_TIMEOUT
+        names = self.negative.setdefault(parent, set())
+        if len(names) < NEGATIVE_ROOT_NAMES:
+            names.add(name)
+            return CACHE_TIMEOUT
+        return 0
+
+    def forgotten(self, inode_list: Sequence[tuple[int, int]]) -> list[int]:
+        """The kernel forgot ``(ino, count)`` lookups: the control file generations it now
+        holds no lookup of."""
+        gone = []
+        for ino, count in inode_list:
+            left = self.lookups.get(ino)
+            if left is None:
+                continue
+            if left > count:
+                self.lookups[ino] = left - count
+            else:
+                del self.lookups[ino]
+                gone.append(ino)
+        return gone
+
+    # -- invalidation --------------------------------------------------------------------
+
+    async def invalidate(self, entries: list[tuple[int, bytes]],
+                         inodes: Sequence[int] = ()) -> None:
+        """Make the kernel forget dentries ``(parent ino, name)`` (parent 0: an execution
+        root's entry in ``executions/``), inodes ``(ino, b"")`` and inodes ``inodes``, with
+        the missing names it was told of a directory among them (a reset's or release's
+        execution root).  Returns when the kernel is done."""
+        negative = [(ino, name) for ino in itertools.chain(
+            (ino for ino, name in entries if not name), inodes, (p for p, n in entries if n))
+            if ino in self.negative for name in self.negative.pop(ino)]
+        # The kept listings of the inodes named go now: those of a dropped layer would stay
+        # until 64 others pushed them out (a reset kept a 20,000-name listing, 2 MB).
+        named = [ino for ino, name in entries if not name] + list(self.listings.keys() & inodes)
+        for ino in named:
+            if (listing := self.listings.pop(ino, None)) is not None:
+                self.listing_entries -= len(listing)
+        # The kernel calls block until related requests finish: run them in a thread while
+        # the loop goes on serving, and return only when they are done.
+        await trio.to_thread.run_sync(self._invalidate_now, entries + negative, inodes)
+
+    @staticmethod
+    def _invalidate_now(entries: list[tuple[int, bytes]], inodes: Sequence[int]) -> None:
+        for ino, name in itertools.chain(entries, zip(inodes, itertools.repeat(b""))):
+            try:
+                if name:  # parent 0 is an execution root's entry in executions/
+                    pyfuse3.invalidate_entry(ino or EXECUTIONS, name)
+                else:
+                    pyfuse3.invalidate_inode(ino)
+            except OSError:
+                pass  # the kernel does not know it
+
+    # -- refused write-backs -------------------------------------------------------------
+
+    def refused_write_back(self, ino: int) -> None:
+        """A WRITE to snapshot inode ``ino`` was refused: open-less, the kernel cannot refuse
+        a shared writable mmap of a snapshot file where ``snapshots/`` is not a read-only
+        mount, and this was its write-back.  Its changed pages are dropped once the WRITE
+        is answered, again if another comes meanwhile."""
+        if ino in self.refused_pages:
+            self.refused_pages[ino] = True
+        else:
+            self.refused_pages[ino] = False
+            self.refused.send_nowait(ino)  # an unbounded channel: one item per inode due
+
+    async def drop_refused_pages(self, inos: trio.MemoryReceiveChannel[int]) -> None:
+        """The daemon's task: drop the cached pages of each snapshot inode received."""
+        async for ino in inos:
+            try:
+                while True:
+                    FAULTS.check("task:refused-pages")
+                    await self.invalidate([(ino, b"")])
+                    if not self.refused_pages[ino]:
+                        break
+                    self.refused_pages[ino] = False
+            except Exception:  # that inode's pages stay; the next refused write tries again
+                log.exception("dropping the refused pages of snapshot inode %d failed", ino)
+            finally:
+                del self.refused_pages[ino]
