@@ -987,7 +987,6 @@ def parse(line: str, scope: str = ROOT) -> Command:
         raise ProtocolError(_elsewhere(line, scope, exc)) from None
     cls = COMMANDS[name]
     values: dict[str, object] = {}
-    access: dict[str, object] = {}
     for f in fields(cls):  # type: ignore[arg-type]
         if f.name == "access":
             values["access"] = Access(**{  # type: ignore[arg-type]
