@@ -32,7 +32,6 @@ import stat
 from dataclasses import dataclass
 
 from . import protocol
-from .errors import InvalidArgument
 
 R, W, X = 4, 2, 1  # the permission bits of one class
 DEFAULT_SHARE = 0o700
@@ -145,66 +144,19 @@ class Access:
                 "control": self.control, "max_bytes": self.max_bytes,
                 "max_inodes": self.max_inodes}
 
-    def options(self) -> dict[str, str]:
+    def options(self) -> protocol.Access:
         """As a command's options: the inverse of :meth:`given`."""
-        limits = {option: str(value) for option, value in (("max-bytes", self.max_bytes),
-                                                           ("max-inodes", self.max_inodes))
-                  if value is not None}
-        return {"owner": str(self.owner), "group": str(self.group),
-                "share": f"{self.share:04o}", "control": self.control, **limits}
+        return protocol.Access(self.owner, self.group, self.share, self.control,
+                               self.max_bytes, self.max_inodes)
 
-    def given(self, args: dict[str, str]) -> Access:
-        """This with the ``--owner``, ``--group``, ``--share``, ``--control``,
-        ``--max-bytes`` and ``--max-inodes`` options of a command applied; InvalidArgument
-        (EINVAL) for a bad value.  Option names may be spelt with ``_`` (Python keywords)."""
-        args = {key.replace("_", "-"): value for key, value in args.items()}
-        return Access(_id(args, "owner", self.owner), _id(args, "group", self.group),
-                      _share(args.get("share"), self.share),
-                      _control(args.get("control"), self.control),
-                      _limit(args, "max-bytes", self.max_bytes),
-                      _limit(args, "max-inodes", self.max_inodes))
-
-
-def _id(args: dict[str, str], option: str, default: int) -> int:
-    text = args.get(option)
-    if text is None:
-        return default
-    # (uid_t) -1 means "no change" to chown(2): never an owner
-    if not (text.isascii() and text.isdigit()) or int(text) >= 2**32 - 1:
-        raise InvalidArgument(f"--{option} must be a numeric id below 4294967295, not {text!r}")
-    return int(text)
-
-
-def _limit(args: dict[str, str], option: str, default: int | None) -> int | None:
-    text = args.get(option)
-    if text is None:
-        return default
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) < 2**63:
-        raise InvalidArgument(f"--{option} must be a whole number from 1 to 2**63 - 1, "
-                              f"not {text!r}")
-    return int(text)
-
-
-def _share(text: str | None, default: int) -> int:
-    if text is None:
-        return default
-    try:
-        value = int(text, 8)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 0o777 or value & 0o700 != 0o700:
-        raise InvalidArgument(f"--share must be octal permission bits that give the owner rwx "
-                              f"(0700 to 0777), not {text!r}")
-    return value
-
-
-def _control(text: str | None, default: str) -> str:
-    if text is None:
-        return default
-    if text not in protocol.CONTROLS:
-        raise InvalidArgument(f"--control must be one of {', '.join(protocol.CONTROLS)}, "
-                              f"not {text!r}")
-    return text
+    def given(self, options: protocol.Access) -> Access:
+        """This with the access options of a ``create`` or ``pool`` command applied (their
+        values checked by rametfs.protocol)."""
+        return Access(*(mine if given is None else given for mine, given in zip(
+            (self.owner, self.group, self.share, self.control, self.max_bytes,
+             self.max_inodes),
+            (options.owner, options.group, options.share, options.control,
+             options.max_bytes, options.max_inodes))))
 
 
 class ReadIndex:

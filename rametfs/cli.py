@@ -9,7 +9,7 @@ execution's directory too: the commands on one execution then act on it (their E
 argument may be left out); the others use the mount holding it, or, inside a sandbox where
 only the execution is in reach, say in one line that they need the mountpoint.
 Exit codes (:data:`EXIT_HELP`): 0 ok, 2 usage, and for a failed operation the code
-:data:`EXIT_CODES` gives its errno (1 for any other); the message goes to stderr as
+:data:`EXIT_CODES` gives its errno (rametfs.errors; 1 for any other); the message goes to stderr as
 ``rametfs: <message>``.  No user error prints a traceback.
 """
 
@@ -36,18 +36,10 @@ from rametfs import __version__, mounts, protocol
 from rametfs.core.policy import CLASSES
 from rametfs.client import (DATA_ENV, DEFAULT_TTL, MODE_ENV, MODES, MOUNT_ENV, Execution,
                             NotMountedError, Ramet, RametError, RestoreError, resolve_mode)
+from rametfs.errors import EXIT_CODES, exit_code
 from rametfs.protocol import quote_path
 
-EXIT_CODES = {
-    errno.ENOENT: 3,
-    errno.EINVAL: 4,
-    errno.EBUSY: 5,
-    errno.ENOSPC: 6,
-    errno.ENOTCONN: 7,  # NotMountedError: no rametfs at the mountpoint
-    errno.EEXIST: 8,
-    errno.EACCES: 9,
-}
-EXIT_OTHER = 1
+EXIT_OTHER = 1  # failed otherwise (errors.exit_code of another errno)
 EXIT_HELP = """\b
 Exit codes:
   0  ok
@@ -67,11 +59,6 @@ CANCELLED_GRACE_S = 2.0  # a busy unmount is tried again for this long after a c
 _POLL_SECONDS = 0.05
 
 
-def exit_code(err: int | None) -> int:
-    """The process exit code for a failed operation's errno."""
-    return EXIT_CODES.get(err, EXIT_OTHER)
-
-
 class _Group(click.Group):
     """Turns a RametError or an OSError from any command into ``rametfs: <message>`` and
     its exit code."""
@@ -81,7 +68,7 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except RametError as exc:
             click.echo(f"rametfs: {printable(str(exc), lines=True)}", err=True)
-            raise click.exceptions.Exit(exit_code(exc.errno)) from None
+            raise click.exceptions.Exit(exc.exit_code) from None
         except OSError as exc:  # a file the command reads or writes itself
             where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
             click.echo(f"rametfs: {printable(where + (exc.strerror or str(exc)))}", err=True)
@@ -234,12 +221,8 @@ def open_remote(remote: str | None, catalog: str | None):
     if remote is None:
         raise click.UsageError("give --remote and --catalog (or $RAMET_REMOTE and "
                                "$RAMET_CATALOG).")
-    from rametfs import errors
     from rametfs.store.remote import Remote
-    try:
-        return Remote(remote, catalog)
-    except errors.RametError as exc:
-        raise RametError(exc.errno, str(exc)) from None
+    return Remote(remote, catalog)
 
 
 def remote_flag(command):
@@ -297,7 +280,6 @@ def publish(snapshot: str, data: str, remote: str | None, catalog: str | None,
     Idempotent, and resumable: run it again after a failure and it uploads only the rest.
     Progress on stderr, one line per pack.
     """
-    from rametfs import errors
     from rametfs.store import Store
     from rametfs.store.publish import publish as publish_snapshot
     where = open_remote(remote, catalog)
@@ -311,7 +293,7 @@ def publish(snapshot: str, data: str, remote: str | None, catalog: str | None,
             done = publish_snapshot(store, where, snapshot, progress)
         finally:
             store.close()
-    except errors.RametError as exc:
+    except RametError as exc:
         raise RametError(exc.errno, f"publish: {exc}") from None
     finally:
         where.close()
@@ -327,7 +309,6 @@ def publish(snapshot: str, data: str, remote: str | None, catalog: str | None,
 
 def list_remote(catalog: str | None, as_json: bool) -> None:
     """``rametfs ls --remote``: the snapshots the catalog lists."""
-    from rametfs import errors
     from rametfs.store import Store
     from rametfs.store.remote_catalog import Catalog
     if catalog is None:
@@ -339,8 +320,6 @@ def list_remote(catalog: str | None, as_json: bool) -> None:
             names.setdefault(sid, []).append(name)
         snaps = [{**Store._snapshot(sid, value).to_json(), "names": names.get(sid.hex(), [])}
                  for sid, value in cat.snapshots()]
-    except errors.RametError as exc:
-        raise RametError(exc.errno, str(exc)) from None
     finally:
         cat.close()
     if as_json:
@@ -411,46 +390,42 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool,
     mode, and says so on stderr (rametfs build-pyfuse3).  With --remote and --catalog, a
     published snapshot is found there and fetched as it is read (docs/remote.md).
     """
-    from rametfs import errors
     data = os.path.abspath(data)
     remote_pair(remote, catalog)
     with contextlib.suppress(OSError):  # a file there, or a dead mount: the check says so
         os.makedirs(mountpoint, exist_ok=True)  # as mkdir -p
     mountpoint = os.path.realpath(mountpoint)
-    try:
-        if background:
-            mounts.check_mount_options(allow_devices, allow_suid)  # here, not in its log
-            mounts.check_can_serve(data, mountpoint)
-            os.makedirs(data, mode=0o700, exist_ok=True)
-            log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
-            argv = [sys.executable, "-m", "rametfs", "mount", "--data", data, mountpoint,
-                    "--log", log_file]
-            argv += ["--allow-other"] * allow_other + ["--allow-devices"] * allow_devices \
-                + ["--allow-suid"] * allow_suid + ["--debug"] * debug + ["--faults"] * faults \
-                + ["--fsname", fsname]
-            for flag, value in (("--max-file-size", max_file_size),
-                                ("--cache-max-bytes", cache_max_bytes),
-                                ("--max-answer-bytes", max_answer_bytes)):
-                argv += [flag, str(value)] if value is not None else []
-            if remote is not None:  # by the environment: a DSN may hold a password
-                os.environ.update({REMOTE_ENV: remote, CATALOG_ENV: catalog})
-            if not _start_detached(argv, mountpoint, log_file)["open_less"]:
-                _say_plain_mode()
-            return
-        # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
-        from rametfs.daemon import run_daemon
-        if log_file and not _is_stderr(log_file):  # else the log, this stderr, says it
+    if background:
+        mounts.check_mount_options(allow_devices, allow_suid)  # here, not in its log
+        mounts.check_can_serve(data, mountpoint)
+        os.makedirs(data, mode=0o700, exist_ok=True)
+        log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
+        argv = [sys.executable, "-m", "rametfs", "mount", "--data", data, mountpoint,
+                "--log", log_file]
+        argv += ["--allow-other"] * allow_other + ["--allow-devices"] * allow_devices \
+            + ["--allow-suid"] * allow_suid + ["--debug"] * debug + ["--faults"] * faults \
+            + ["--fsname", fsname]
+        for flag, value in (("--max-file-size", max_file_size),
+                            ("--cache-max-bytes", cache_max_bytes),
+                            ("--max-answer-bytes", max_answer_bytes)):
+            argv += [flag, str(value)] if value is not None else []
+        if remote is not None:  # by the environment: a DSN may hold a password
+            os.environ.update({REMOTE_ENV: remote, CATALOG_ENV: catalog})
+        if not _start_detached(argv, mountpoint, log_file)["open_less"]:
             _say_plain_mode()
-        logging.basicConfig(
-            level=logging.DEBUG if debug else logging.INFO, filename=log_file,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        run_daemon(data, mountpoint, allow_other=allow_other, debug=debug,
-                   max_file_size=max_file_size, cache_max_bytes=cache_max_bytes,
-                   max_answer_bytes=max_answer_bytes, faults=faults,
-                   allow_devices=allow_devices, allow_suid=allow_suid, fsname=fsname,
-                   remote=remote, catalog=catalog)
-    except errors.RametError as exc:
-        raise RametError(exc.errno, str(exc)) from None
+        return
+    # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
+    from rametfs.daemon import run_daemon
+    if log_file and not _is_stderr(log_file):  # else the log, this stderr, says it
+        _say_plain_mode()
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO, filename=log_file,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_daemon(data, mountpoint, allow_other=allow_other, debug=debug,
+               max_file_size=max_file_size, cache_max_bytes=cache_max_bytes,
+               max_answer_bytes=max_answer_bytes, faults=faults,
+               allow_devices=allow_devices, allow_suid=allow_suid, fsname=fsname,
+               remote=remote, catalog=catalog)
 
 
 main.add_command(click.Command("serve", callback=mount.callback, params=mount.params,
@@ -755,7 +730,6 @@ def fsck(data: str | None, remote: str | None, catalog: str | None) -> None:
     every published snapshot has its trees and content records published and matching their
     ids, its chunks published, in packs the object store holds (docs/remote.md).
     """
-    from rametfs import errors
     if remote is not None or catalog is not None:
         return fsck_remote(remote, catalog)
     if data is None:
@@ -763,7 +737,7 @@ def fsck(data: str | None, remote: str | None, catalog: str | None) -> None:
     from rametfs.store import Store, fsck as check_store
     try:
         store = Store.open_read_only(data)
-    except errors.RametError as exc:
+    except RametError as exc:
         raise RametError(exc.errno, f"fsck: {exc}") from None
     try:
         report = check_store(store)
@@ -781,12 +755,11 @@ def fsck(data: str | None, remote: str | None, catalog: str | None) -> None:
 
 
 def fsck_remote(remote: str | None, catalog: str | None) -> None:
-    from rametfs import errors
     from rametfs.store.remote_fsck import check
     where = open_remote(remote, catalog)
     try:
         report = check(where)
-    except errors.RametError as exc:
+    except RametError as exc:
         raise RametError(exc.errno, f"fsck: {exc}") from None
     finally:
         where.close()
@@ -1473,10 +1446,9 @@ def _gc_local(ramet: Ramet, dry_run: bool, compact: bool, as_json: bool) -> None
         if ramet.mode != "fallback":
             raise click.UsageError("--compact is offline: give --mode fallback --data DIR of a "
                                    "data directory no daemon serves (rametfs umount first)")
-        from rametfs import errors
         try:
             lock = mounts.take_data_lock(str(ramet.data))  # EBUSY while a daemon serves it
-        except errors.RametError as exc:
+        except RametError as exc:
             raise RametError(exc.errno, f"gc --compact: {exc}") from None
     with _progress_bar() as progress:
         report = ramet.gc(dry_run=dry_run, progress=progress)
@@ -1549,9 +1521,9 @@ def _forget_remote(catalog: str | None, keep_last: int | None, keep_within: str 
     import msgpack
     from rametfs.core import retention
     with remote_catalog(catalog, "forget") as cat:
-        policy = retention.policy_of({"keep-last": None if keep_last is None
-                                      else str(keep_last), "keep-within": keep_within,
-                                      "keep-name": keep_name})
+        policy = retention.policy_of(protocol.Forget(
+            keep_last, None if keep_within is None else protocol.Duration.parse(keep_within),
+            keep_name, dry_run))
         records = {sid.hex(): msgpack.unpackb(value) for sid, value in cat.snapshots()}
         names = cat.names()
         decided = retention.plan([(sid, r["created_ns"]) for sid, r in records.items()],

@@ -33,6 +33,7 @@ Failures raise :class:`RametError` with the daemon's (or the file system's) errn
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -46,7 +47,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rametfs import errors, protocol
+from rametfs import protocol
+from rametfs.errors import RametError
+from rametfs.types import ExecutionId, SnapshotId
 
 MOUNT_ENV = "RAMET_MOUNT"
 DATA_ENV = "RAMET_DATA"
@@ -56,16 +59,6 @@ FUSE_DEVICE = "/dev/fuse"
 _MAX_REPLY = 1 << 20
 DEFAULT_TTL = 30.0  # seconds a lease lasts unless renewed; the wrapper renews at a third
 _POLL_FIRST, _POLL_MAX = 0.002, 0.05  # seconds between acquires of a busy pool (doubling)
-
-
-class RametError(OSError):
-    """A failed rametfs operation: ``errno`` and ``strerror`` (the daemon's message).
-
-    Built as ``RametError(errno, message)``; ``str()`` is the message alone.
-    """
-
-    def __str__(self) -> str:
-        return self.strerror or super().__str__()
 
 
 class NotMountedError(RametError):
@@ -151,7 +144,7 @@ class Ramet:
         return f"Ramet({str(self.mount)!r})"
 
     def snapshot(self, source: str | os.PathLike, label: str | None = None,
-                 message: str | None = None, on_change: str | None = None) -> str:
+                 message: str | None = None, on_change: str | None = None) -> SnapshotId:
         """Import the directory tree at ``source`` as a new snapshot; return its id (64 hex).
         An entry that changes while it is imported fails the import (``on_change="fail"``,
         the default) or is left out (``"skip"``, counted in the snapshot's ``skipped``).
@@ -160,13 +153,12 @@ class Ramet:
         ``on_change`` is neither, EAGAIN an entry changed (the message names it), ENOSPC, EIO.
         """
         path = os.path.abspath(os.fspath(source))
-        reply = self._backend.root_command("snapshot", path, label=label, message=message,
-                                           on_change=on_change)
-        return reply["snapshot"]
+        return self._backend.run(protocol.Snapshot(
+            path, label or "", message or "", on_change or protocol.ON_CHANGE[0]))["snapshot"]
 
     def snapshot_git(self, repo: str | os.PathLike, rev: str | None = None,
                      with_git_dir: bool = False, label: str | None = None,
-                     message: str | None = None) -> str:
+                     message: str | None = None) -> SnapshotId:
         """Import the tree of revision ``rev`` (default ``HEAD``) of the git repository at
         ``repo`` as a new snapshot, from the repository's objects (no checkout); return its
         id.  ``with_git_dir`` takes the repository's ``.git`` directory along, so its local
@@ -177,10 +169,8 @@ class Ramet:
         ENOSPC, EIO.
         """
         path = os.path.abspath(os.fspath(repo))
-        reply = self._backend.root_command(
-            "snapshot-git", path, rev=rev, gitdir=protocol.YES if with_git_dir else None,
-            label=label, message=message)
-        return reply["snapshot"]
+        return self._backend.run(protocol.SnapshotGit(
+            path, rev or "HEAD", with_git_dir, label or "", message or ""))["snapshot"]
 
     def create(self, snapshot: str, name: str | None = None,
                policy: str | os.PathLike | None = None, *, owner: int | None = None,
@@ -204,41 +194,37 @@ class Ramet:
         Errors: ENOENT unknown snapshot, EINVAL bad name, setting or malformed policy,
         EEXIST name taken.
         """
-        reply = self._backend.root_command("create", snapshot, name=name,
-                                           policy=_policy_text(policy),
-                                           **_access(owner, group, share, control, max_bytes,
-                                                     max_inodes))
+        reply = self._backend.run(protocol.Create(
+            snapshot, name, _policy_text(policy),
+            protocol.Access(owner, group, share, control, max_bytes, max_inodes)))
         return Execution(self, reply["execution"])
 
     def release(self, execution: str | Execution) -> None:
         """Drop an execution and its changes.  Errors: ENOENT unknown execution."""
-        self._backend.root_command("release", _execution_id(execution))
+        self._backend.run(protocol.Release(_execution_id(execution)))
 
     def name(self, name: str, snapshot: str) -> dict:
         """Point the snapshot name ``name`` at ``snapshot`` (id, prefix or name), creating
         or moving it like a git branch; ``{"name", "snapshot", "previous"}`` (the id it
         pointed at before, or None).  Errors: EINVAL bad name (docs/lifecycle.md), ENOENT
         unknown snapshot."""
-        return self._backend.root_command("name", name, snapshot)
+        return self._backend.run(protocol.Name(name, snapshot))
 
     def unname(self, name: str) -> str:
         """Delete the snapshot name ``name``; the id it pointed at.  Errors: ENOENT."""
-        return self._backend.root_command("unname", name)["snapshot"]
+        return self._backend.run(protocol.Unname(name))["snapshot"]
 
     def resolve(self, snapshot: str) -> str:
         """The full id of the snapshot ``snapshot`` (id, unique prefix of at least 8 hex
         digits, or name) names.  Errors: ENOENT none, or several."""
-        return self._backend.root_command("resolve", snapshot)["snapshot"]
+        return self._backend.run(protocol.Resolve(snapshot))["snapshot"]
 
     def publish(self, snapshot: str) -> dict:
         """Publish ``snapshot`` to the daemon's remote (docs/remote.md); what it did:
         ``{"snapshot", "already", "packs", "trees", "contents", "chunks", "bytes",
         "requests", "seconds"}``.  EINVAL in fallback mode or without a remote, EIO when the
         remote fails (the next publish resumes)."""
-        if self.mode == "fallback":
-            raise RametError(errno.EINVAL, "publish: fallback mode has no remote (use "
-                                           "rametfs publish --data DIR)")
-        return self._backend.root_command("publish", snapshot)["published"]
+        return self._backend.run(protocol.Publish(snapshot))["published"]
 
     def rm(self, snapshot: str, force: bool = False) -> dict:
         """Forget the snapshot ``snapshot`` (its record; gc frees its data):
@@ -246,8 +232,7 @@ class Ramet:
         EBUSY, saying why, while it is an execution's base or head (reset returns to it) or a
         pool's base, or (unless ``force``: the names go) a name points at it
         (docs/lifecycle.md)."""
-        return self._backend.root_command("rm", snapshot,
-                                          force=protocol.YES if force else None)
+        return self._backend.run(protocol.Rm(snapshot, force))
 
     def forget(self, keep_last: int | None = None, keep_within: str | None = None,
                keep_name: str | None = None, dry_run: bool = False, prune: bool = False,
@@ -261,10 +246,9 @@ class Ramet:
         [deleted]}``, newest first; ``prune`` then runs :meth:`gc` (not in a dry run) and
         adds its report as ``"gc"``.  docs/lifecycle.md.  Errors: EINVAL no rule, or a bad
         count or duration; those of gc."""
-        reply = self._backend.root_command(
-            "forget", keep_last=None if keep_last is None else str(keep_last),
-            keep_within=keep_within, keep_name=keep_name,
-            dry_run=protocol.YES if dry_run else None)
+        reply = self._backend.run(protocol.Forget(
+            keep_last, None if keep_within is None else protocol.Duration.parse(keep_within),
+            keep_name, dry_run))
         if prune and not dry_run:
             reply["gc"] = self.gc(progress=progress)
         return reply
@@ -279,9 +263,9 @@ class Ramet:
         it goes (FUSE mode: from a thread reading the root status twice a second).
         docs/lifecycle.md.  Errors: EBUSY a gc runs already, EIO the store is damaged
         (nothing deleted)."""
-        dry = protocol.YES if dry_run else None
+        command = protocol.Gc(dry_run)
         if self.mode == "fallback" or progress is None:
-            return self._backend.root_command("gc", dry_run=dry, progress=progress)["gc"]
+            return self._backend.run(command, progress)["gc"]
         done = threading.Event()
 
         def poll() -> None:
@@ -294,7 +278,7 @@ class Ramet:
         poller = threading.Thread(target=poll, name="rametfs-gc-progress", daemon=True)
         poller.start()
         try:
-            return self._backend.root_command("gc", dry_run=dry)["gc"]
+            return self._backend.run(command)["gc"]
         finally:
             done.set()
             poller.join()
@@ -307,7 +291,7 @@ class Ramet:
         if self.mode == "fallback":
             return []
         execution_id = None if execution is None else _execution_id(execution)
-        return self._backend.root_command("cancel", execution=execution_id)["cancelled"]
+        return self._backend.run(protocol.Cancel(execution_id))["cancelled"]
 
     def execution(self, execution_id: str) -> Execution:
         """A handle on an existing execution (not checked until first used)."""
@@ -338,7 +322,7 @@ class Ramet:
         records no sandbox and ``runtime`` is None (nothing is left behind).
         """
         from rametfs import restore  # only here: it hashes with BLAKE3
-        reply = self._backend.root_command("create", snapshot, name=name)
+        reply = self._backend.run(protocol.Create(snapshot, name))
         execution = Execution(self, reply["execution"])
         record = next(s for s in self.snapshots() if s["id"] == reply["snapshot"])
         recipes = record.get("recipes", [])
@@ -395,12 +379,9 @@ class Ramet:
         :meth:`execution_pool` it holds nothing here: the pool stays until :meth:`drop_pool`.
         Returns ``{"ok", "pool", "snapshot", "size", "created", "executions"}``.  Errors as
         :meth:`execution_pool`'s."""
-        return self._backend.root_command("pool", snapshot, size=str(size), name=name,
-                                          policy=_policy_text(policy),
-                                          keep_last=None if keep_last is None
-                                          else str(keep_last),
-                                          **_access(owner, group, share, control, max_bytes,
-                                                    max_inodes))
+        return self._backend.run(protocol.Pool(
+            snapshot, size, name, _policy_text(policy), keep_last,
+            protocol.Access(owner, group, share, control, max_bytes, max_inodes)))
 
     def acquire(self, pool: str, holder: str, ttl: float = DEFAULT_TTL,
                 pid: int | None = None, host: str | None = None) -> dict:
@@ -410,10 +391,9 @@ class Ramet:
         this host's name) for people.  Answers at once: ``{"ok", "execution", "path", "pool",
         "snapshot", "lease"}``.  Errors: EBUSY none ready (poll; :meth:`ExecutionPool.acquire`
         does), ENOENT unknown pool, EINVAL a bad ``ttl``."""
-        return self._backend.root_command(
-            "acquire", pool, holder=holder, ttl=str(ttl),
-            pid=str(os.getpid() if pid is None else pid),
-            host=socket.gethostname() if host is None else host)
+        return self._backend.run(protocol.Acquire(
+            pool, holder, protocol.seconds_ns(ttl), os.getpid() if pid is None else pid,
+            socket.gethostname() if host is None else host))
 
     def renew(self, execution: str | Execution, holder: str, ttl: float = DEFAULT_TTL
               ) -> dict:
@@ -421,8 +401,8 @@ class Ramet:
         record (``{"holder", "pid", "host", "expires_ns", "acquired_ns"}``).  Errors: EBUSY
         another holder's, EINVAL not leased (it ended: the execution went back to its pool),
         ENOENT not in a pool."""
-        return self._backend.root_command("renew", _execution_id(execution), holder=holder,
-                                          ttl=str(ttl))["lease"]
+        return self._backend.run(protocol.Renew(_execution_id(execution), holder,
+                                                protocol.seconds_ns(ttl)))["lease"]
 
     def return_execution(self, execution: str | Execution, holder: str,
                          verify: str = "root") -> dict:
@@ -430,13 +410,12 @@ class Ramet:
         verified (``"root"`` or ``"deep"``) and made ready, or quarantined when it differs.
         Returns ``{"ok", "execution", "pool", "state", "reset_ms", "verification"}``.  Errors
         as :meth:`renew`."""
-        return self._backend.root_command("return", _execution_id(execution), holder=holder,
-                                          verify=verify)
+        return self._backend.run(protocol.Return(_execution_id(execution), holder, verify))
 
     def drop_pool(self, pool: str) -> list[str]:
         """Release every execution of ``pool``, leased ones too, and forget it; the ids of
         the executions released.  Errors: ENOENT unknown pool."""
-        return self._backend.root_command("drop", pool)["executions"]
+        return self._backend.run(protocol.Drop(pool))["executions"]
 
     def pools(self) -> list[dict]:
         """Every pool: ``{"name", "base", "size", "created_ns", "keep_last", "executions",
@@ -487,7 +466,7 @@ class Execution:
     """
 
     ramet: Ramet
-    id: str
+    id: ExecutionId
 
     @property
     def path(self) -> Path:
@@ -496,7 +475,7 @@ class Execution:
         return self.ramet._backend.execution_path(self.id)
 
     def promote(self, label: str | None = None, message: str | None = None,
-                policy: str | os.PathLike | None = None, publish: bool = False) -> str:
+                policy: str | os.PathLike | None = None, publish: bool = False) -> SnapshotId:
         """Save the current tree as a new snapshot and carry on from it; return its id.
 
         The persistence policy applied is ``policy`` (a TOML file, ``"tree"``: the tree's
@@ -508,21 +487,15 @@ class Execution:
         fails (the snapshot is made and is the head; publish it again with
         :meth:`Ramet.publish`).
         """
-        if publish and self.ramet.mode == "fallback":
-            raise RametError(errno.EINVAL, "promote: fallback mode has no remote to publish "
-                                           "to (docs/remote.md)")
-        reply = self.ramet._backend.command(self.id, "promote", label=label, message=message,
-                                            policy=_policy_text(policy),
-                                            publish=protocol.YES if publish else None)
-        return reply["snapshot"]
+        return self.ramet._backend.run(protocol.Promote(
+            self.id, label or "", message or "", _policy_text(policy), publish))["snapshot"]
 
     def checkpoint(self, label: str | None = None, message: str | None = None,
-                   policy: str | os.PathLike | None = None) -> str:
+                   policy: str | os.PathLike | None = None) -> SnapshotId:
         """Save the current tree as a new snapshot without moving the head; return its id.
         Everything is kept unless a ``policy`` is given (as :meth:`promote` takes it)."""
-        reply = self.ramet._backend.command(self.id, "checkpoint", label=label,
-                                            message=message, policy=_policy_text(policy))
-        return reply["snapshot"]
+        return self.ramet._backend.run(protocol.Checkpoint(
+            self.id, label or "", message or "", _policy_text(policy)))["snapshot"]
 
     def preview(self, policy: str | os.PathLike | None = None) -> dict:
         """What a promote would keep, changing nothing: ``{"ok", "policy", "paths",
@@ -530,8 +503,7 @@ class Execution:
         its ``"class"`` and ``"bytes"``, ``totals`` the paths, files and bytes per class.
         Under ``policy`` (as :meth:`promote` takes it), else the execution's stored policy,
         else none."""
-        return self.ramet._backend.command(self.id, "preview",
-                                           policy=_policy_text(policy))["preview"]
+        return self.ramet._backend.run(protocol.Preview(self.id, _policy_text(policy)))["preview"]
 
     def reset(self, to: str | None = None, base: bool = False) -> str:
         """Drop every change since the head (the last promote, else the base it was created
@@ -544,8 +516,7 @@ class Execution:
         execution's own control file (a sandbox's: which snapshot it stands on is the
         harness's).
         """
-        return self.ramet._backend.command(self.id, "reset", to=to,
-                                           base=protocol.YES if base else None)["snapshot"]
+        return self.ramet._backend.run(protocol.Reset(self.id, to, base))["snapshot"]
 
     def record_runtime(self, name: str, uid: int, gid: int, image: str | None = None) -> None:
         """Record that sandbox ``name`` (``"bubblewrap"`` or ``"docker"``, with ``image``)
@@ -553,8 +524,7 @@ class Execution:
         it before each command.  A promote keeps it with the recipes it stores, and
         :meth:`Ramet.restore` runs them there by default.  A root command: only the harness
         can record it.  Errors: EINVAL a bad sandbox, ENOENT unknown execution."""
-        self.ramet._backend.root_command("runtime", self.id, name, uid=str(uid), gid=str(gid),
-                                         image=image)
+        self.ramet._backend.run(protocol.Runtime(self.id, name, uid, gid, image))
 
     def diff(self) -> list[tuple[str, str]]:
         """What changed against the head (see :meth:`reset`): sorted ``(status, path)`` pairs, status one of
@@ -572,7 +542,8 @@ class Execution:
         bytes; ``deep`` also rehashes every base byte it serves.  A ready execution of a
         pool that differs is quarantined by the daemon (never handed out again).
         """
-        return self.ramet._backend.verify(self.id, deep)
+        reply = self.ramet._backend.run(protocol.Verify(self.id, "deep" if deep else "root"))
+        return [tuple(pair) for pair in reply["verification"]["differences"]]
 
     def status(self) -> dict:
         """Its record (the keys of :meth:`Ramet.executions`); ``"last"`` is the reply of its
@@ -629,10 +600,21 @@ class _Mount:
                              "harness's, outside any sandbox); this execution's own commands "
                              "work here")
 
-    def root_command(self, command: str, *positional: str, **options: str | None) -> dict:
-        self._needs_mount(command)
-        line = protocol.format_command(command, *positional, **options)
-        return _command(self.root_ctl, line, self.mount)
+    def run(self, command: protocol.Command, progress=None) -> dict:
+        """Write ``command`` to the root ``ctl``, or, for an execution's command from a
+        process that is not the harness, to that execution's own ``ctl``; its reply."""
+        if isinstance(command, protocol.ExecutionCommand):
+            eid = command.execution
+            ctl = self._control(eid, protocol.CTL)
+            if not self.harness:
+                line = protocol.format(dataclasses.replace(command, execution=None))
+                return _command(ctl, line, self.mount, self._missing(eid))
+            return self._root_on(eid, command)
+        return self._root(command)
+
+    def _root(self, command: protocol.Command) -> dict:
+        self._needs_mount(command.NAME)
+        return _command(self.root_ctl, protocol.format(command), self.mount)
 
     def status(self) -> dict:
         self._needs_mount("the mount's status")
@@ -645,18 +627,11 @@ class _Mount:
             return self.own
         return self.mount / protocol.EXECUTIONS_DIR / execution_id
 
-    def command(self, execution_id: str, command: str, **options: str | None) -> dict:
-        ctl = self._control(execution_id, protocol.CTL)
-        if self.harness:
-            return self._root_on(execution_id, command, **options)
-        line = protocol.format_command(command, **options)
-        return _command(ctl, line, self.mount, self._missing(execution_id))
-
-    def _root_on(self, execution_id: str, command: str, **options: str | None) -> dict:
+    def _root_on(self, execution_id: str, command: protocol.Command) -> dict:
         """Root ``<command> <execution_id> ...``; the daemon's "no execution" error reads as
         the path route's does."""
         try:
-            return self.root_command(command, execution_id, **options)
+            return self._root(command)
         except RametError as exc:
             if exc.errno == errno.ENOENT and str(exc) == f"no execution {execution_id!r}":
                 raise RametError(errno.ENOENT, self._missing(execution_id)) from None
@@ -665,7 +640,8 @@ class _Mount:
     def diff(self, execution_id: str) -> list[tuple[str, str]]:
         if self.harness:
             self._control(execution_id, protocol.DIFF)  # the name's check
-            return [tuple(pair) for pair in self._root_on(execution_id, "diff")["diff"]]
+            return [tuple(pair) for pair in
+                    self._root_on(execution_id, protocol.Diff(execution_id))["diff"]]
         text = self._read(execution_id, protocol.DIFF)
         out = []
         for line in text.split("\n")[:-1]:  # one line per change, each ending in "\n"
@@ -676,14 +652,10 @@ class _Mount:
                 raise RametError(errno.EIO, f"{execution_id}/.ramet/diff: {exc}") from None
         return out
 
-    def verify(self, execution_id: str, deep: bool) -> list[tuple[str, str]]:
-        reply = self.command(execution_id, "verify", mode="deep" if deep else "root")
-        return [tuple(pair) for pair in reply["verification"]["differences"]]
-
     def execution_status(self, execution_id: str) -> dict:
         status = self._control(execution_id, protocol.STATUS)
         if self.harness:
-            return self._root_on(execution_id, "status")["status"]
+            return self._root_on(execution_id, protocol.Status(execution_id))["status"]
         return _read_json(status, self.mount, self._missing(execution_id))
 
     def _control(self, execution_id: str, name: str) -> Path:
@@ -710,67 +682,33 @@ class _Local:
             if not data:
                 raise RametError(errno.EINVAL, "fallback mode needs a data directory: "
                                  f"give data= or set ${DATA_ENV}")
-        from rametfs import fallback  # only here: it loads the store (lmdb, blake3, zstandard)
-        with _local_errors():
-            self.engine = fallback.Fallback(data)
+        # only here: they load the store (lmdb, blake3, zstandard)
+        from rametfs.fallback import Fallback, service
+        self.service = service
+        with service.file_errors():
+            self.engine = Fallback(data)
         self.data = self.engine.data
-        self.root_commands = {"snapshot": self.engine.snapshot, "create": self.engine.create,
-                              "release": self.engine.release,
-                              "snapshot-git": self.engine.snapshot_git,
-                              "runtime": self.engine.runtime, "name": self.engine.name,
-                              "unname": self.engine.unname, "resolve": self.engine.resolve,
-                              "rm": self.engine.rm, "gc": self.engine.gc,
-                              "forget": self.engine.forget}
-        pools = self.engine.pools
-        self.root_commands.update({"pool": pools.open, "acquire": pools.acquire,
-                                   "renew": pools.renew, "return": pools.return_,
-                                   "drop": pools.drop})
-        self.commands = {"promote": self.engine.promote, "checkpoint": self.engine.checkpoint,
-                         "reset": self.engine.reset,
-                         "preview": lambda eid, **kw: {"ok": True,
-                                                       "preview": self.engine.preview(eid, **kw)}}
 
     def close(self) -> None:
         self.engine.close()
 
-    def root_command(self, command: str, *positional: str, **options: str | None) -> dict:
-        with _local_errors():
-            return self.root_commands[command](*positional, **_given(options))
+    def run(self, command: protocol.Command, progress=None) -> dict:
+        return self.service.run(self.engine, command, progress)
 
     def status(self) -> dict:
-        with _local_errors():
+        with self.service.file_errors():
             return self.engine.status()
 
     def execution_path(self, execution_id: str) -> Path:
         return self.engine.path(execution_id)
 
-    def command(self, execution_id: str, command: str, **options: str | None) -> dict:
-        with _local_errors():
-            return self.commands[command](execution_id, **_given(options))
-
     def diff(self, execution_id: str) -> list[tuple[str, str]]:
-        with _local_errors():
+        with self.service.file_errors():
             return [(letter, os.fsdecode(path)) for letter, path in self.engine.diff(execution_id)]
 
-    def verify(self, execution_id: str, deep: bool) -> list[tuple[str, str]]:
-        with _local_errors():
-            return [(letter, os.fsdecode(path))
-                    for letter, path in self.engine.verify(execution_id, deep)]
-
     def execution_status(self, execution_id: str) -> dict:
-        with _local_errors():
+        with self.service.file_errors():
             return self.engine.execution_status(execution_id)
-
-
-def _access(owner: int | None, group: int | None, share: int | None, control: str | None,
-            max_bytes: int | None, max_inodes: int | None) -> dict[str, str | None]:
-    """The ``--owner``, ``--group``, ``--share``, ``--control``, ``--max-bytes`` and
-    ``--max-inodes`` options of a command."""
-    return {"owner": None if owner is None else str(owner),
-            "group": None if group is None else str(group),
-            "share": None if share is None else f"{share:04o}", "control": control,
-            "max_bytes": None if max_bytes is None else str(max_bytes),
-            "max_inodes": None if max_inodes is None else str(max_inodes)}
 
 
 def _policy_text(path: str | os.PathLike | None) -> str | None:
@@ -788,24 +726,6 @@ def _policy_text(path: str | os.PathLike | None) -> str | None:
 
 def _execution_id(execution: str | Execution) -> str:
     return execution.id if isinstance(execution, Execution) else execution
-
-
-def _given(options: dict[str, str | None]) -> dict[str, str]:
-    return {key: value for key, value in options.items() if value is not None}
-
-
-@contextlib.contextmanager
-def _local_errors() -> Iterator[None]:
-    """Turn the fallback's domain errors and OSErrors into :class:`RametError`."""
-    try:
-        yield
-    except RametError:
-        raise
-    except (errors.RametError, protocol.ProtocolError) as exc:
-        raise RametError(exc.errno, str(exc)) from None
-    except OSError as exc:
-        where = f"{os.fsdecode(exc.filename)}: " if exc.filename else ""
-        raise RametError(exc.errno or errno.EIO, f"{where}{exc.strerror or exc}") from None
 
 
 class ExecutionPool:

@@ -293,13 +293,13 @@ def check_mountpoint(mountpoint: str) -> None:
     not a directory, EBUSY mounted (from the mount table: a dead FUSE mount too),
     ENOTEMPTY not empty."""
     if mount_at(mountpoint) is not None:
-        raise RametError(f"{mountpoint} is already a mountpoint", errno.EBUSY)
+        raise RametError(errno.EBUSY, f"{mountpoint} is already a mountpoint")
     if not os.path.lexists(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} does not exist", errno.ENOENT)
+        raise RametError(errno.ENOENT, f"mountpoint {mountpoint} does not exist")
     if not os.path.isdir(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} is not a directory", errno.ENOTDIR)
+        raise RametError(errno.ENOTDIR, f"mountpoint {mountpoint} is not a directory")
     if os.listdir(mountpoint):
-        raise RametError(f"mountpoint {mountpoint} is not empty", errno.ENOTEMPTY)
+        raise RametError(errno.ENOTEMPTY, f"mountpoint {mountpoint} is not empty")
 
 
 LOCK_FILE = "daemon.lock"
@@ -317,8 +317,8 @@ def take_data_lock(data_dir: str) -> int:
     except BlockingIOError:
         pid, _, where = os.pread(fd, 4096, 0).decode(errors="replace").partition("\n")
         os.close(fd)
-        raise RametError(_in_use(data_dir, pid.strip() or "?", where.strip()),
-                         errno.EBUSY) from None
+        raise RametError(errno.EBUSY,
+                         _in_use(data_dir, pid.strip() or "?", where.strip())) from None
     return fd
 
 
@@ -342,8 +342,9 @@ def check_mount_options(allow_devices: bool, allow_suid: bool) -> None:
     asked = [flag for flag, on in (("--allow-devices", allow_devices),
                                    ("--allow-suid", allow_suid)) if on]
     if asked and os.geteuid() != 0:
-        raise RametError(f"{' and '.join(asked)}: only root may mount with device nodes or "
-                         f"set-user-ID bits honoured (euid {os.geteuid()})", errno.EPERM)
+        raise RametError(errno.EPERM,
+                         f"{' and '.join(asked)}: only root may mount with device nodes or "
+                         f"set-user-ID bits honoured (euid {os.geteuid()})")
 
 
 def check_can_serve(data_dir: str, mountpoint: str) -> None:

@@ -33,6 +33,16 @@ the reply as one JSON object followed by a newline: ``{"ok": true, ...}`` or
 ``{"ok": false, "errno": 22, "error": "..."}``; ``echo CMD > ctl; cat ctl`` in a shell reads
 the reply of the last command written to that ``ctl`` file.
 
+Each line parses to a typed Command (:func:`parse`; :func:`format` writes one back, and
+``parse(format(c)) == c``): a frozen dataclass per command (:data:`COMMANDS`, e.g.
+``Acquire(pool, holder, ttl_ns, pid, host)``), whose counts, durations, names, sizes and
+modes are checked there once, however it was made (a line written to a ``ctl``, or the
+client building it: fallback mode has no line at all), so both modes refuse a bad command
+with the same errno, class and message.  A value that is not one is EINVAL
+(:class:`rametfs.errors.ProtocolError`, an InvalidArgument) naming the option and the text
+given (``--ttl must be seconds >= 0, not 'soon'``).  Every error the daemon answers is a
+rametfs.errors.RametError, which the client raises again from the reply's errno and message.
+
 Root commands and their replies::
 
     snapshot <abs-path> [--label L] [--message M] [--on-change fail|skip]
@@ -230,12 +240,17 @@ names matching :data:`EXECUTION_NAME_RE`.
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import errno as _errno
 import json
-import math
 import re
 import secrets
 import shlex  # format_command quotes; split_command splits as shlex.split does
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Callable, ClassVar
+
+from rametfs.errors import ProtocolError
 
 CONTROL_DIR = ".ramet"
 CTL = "ctl"
@@ -330,12 +345,6 @@ RUNTIMES = ("bubblewrap", "docker")  # sandboxes a ``runtime`` command records
 IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}")  # a Docker image reference
 POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,47}")  # member ids add 9 characters
 MAX_POOL_SIZE = 4096
-
-
-class ProtocolError(ValueError):
-    """A command line that does not parse; ``errno`` is always EINVAL."""
-
-    errno = EINVAL
 
 
 def parse_command(line: str, table: dict[str, tuple[tuple[str, ...], frozenset[str]]]
@@ -451,13 +460,6 @@ def check_text(command: str, label: str | None, message: str | None) -> None:
             raise ProtocolError(f"{command}: --{option} is at most {limit} bytes, not {size}")
 
 
-def yes_no(command: str, option: str, value: str | None) -> bool:
-    """The boolean of a yes/no option (absent: no); ProtocolError (EINVAL) for another word."""
-    if value in (None, NO, YES):
-        return value == YES
-    raise ProtocolError(f"{command}: option --{option} takes {YES} or {NO}, not {value!r}")
-
-
 def format_command(name: str, /, *positional: str, **options: str | None) -> str:
     """Build one command line (with a trailing newline), quoting every word; an option's
     ``_`` becomes ``-`` (``on_change=`` gives ``--on-change``)."""
@@ -478,69 +480,9 @@ def decode_reply(data: bytes) -> dict:
     return json.loads(data.decode() or "{}")
 
 
-def parse_count(text: str, what: str, minimum: int = 1) -> int:
-    """A whole number >= ``minimum`` given as option ``what``; ProtocolError otherwise."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ProtocolError(f"{what} must be a whole number >= {minimum}, not {text!r}")
-    return value
-
-
-def parse_seconds_ns(text: str, what: str) -> int:
-    """A duration in seconds (decimals allowed) given as option ``what``, in ns;
-    ProtocolError otherwise."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < 1e9:
-        raise ProtocolError(f"{what} must be seconds >= 0, not {text!r}")
-    return int(value * 1e9)
-
-
-def parse_verify_mode(mode: str) -> str:
-    """``"root"`` or ``"deep"``; ProtocolError otherwise."""
-    if mode not in VERIFY_MODES:
-        raise ProtocolError(f"verification mode must be one of {', '.join(VERIFY_MODES)}, "
-                            f"not {mode!r}")
-    return mode
-
-
-def parse_runtime(args: dict[str, str]) -> dict:
-    """The sandbox record of a ``runtime`` command (``name``, ``uid``, ``gid``, ``image``
-    arguments): ``{"name", "uid", "gid"}``, with ``"image"`` for docker.  ProtocolError
-    (EINVAL) for another name, a uid or gid that is not a whole number below 2**32 - 1 (or
-    0 for bubblewrap, which never runs as root), an image that is missing for docker, given
-    for bubblewrap, or not matching :data:`IMAGE_RE`."""
-    name, image = args["name"], args.get("image")
-    if name not in RUNTIMES:
-        raise ProtocolError(f"runtime: the sandbox is one of {', '.join(RUNTIMES)}, "
-                            f"not {name!r}")
-    ids = {key: parse_count(args[key], f"--{key}", minimum=0) for key in ("uid", "gid")}
-    for key, value in ids.items():
-        if value >= 2**32 - 1:
-            raise ProtocolError(f"runtime: --{key} must be below {2**32 - 1}, not {value}")
-        if value == 0 and name == "bubblewrap":
-            raise ProtocolError(f"runtime: bubblewrap never runs as root: --{key} 0")
-    if (image is None) != (name == "bubblewrap"):
-        raise ProtocolError("runtime: --image is needed for docker, and only for docker")
-    if image is not None and not IMAGE_RE.fullmatch(image):
-        raise ProtocolError(f"runtime: image {image!r} must match {IMAGE_RE.pattern}")
-    return {"name": name, **ids, **({"image": image} if image is not None else {})}
-
-
-def check_pool(name: str | None, size: int) -> str:
-    """The pool name to use (``name``, or a new ``pool-<8 hex>``); ProtocolError for a name
-    not matching :data:`POOL_NAME_RE` or a size outside 1..:data:`MAX_POOL_SIZE`."""
-    if not 1 <= size <= MAX_POOL_SIZE:
-        raise ProtocolError(f"pool size must be 1 to {MAX_POOL_SIZE}, not {size}")
-    name = name or f"pool-{secrets.token_hex(4)}"
-    if not POOL_NAME_RE.fullmatch(name):
-        raise ProtocolError(f"pool name {name!r} must match {POOL_NAME_RE.pattern}")
-    return name
+def new_pool_name() -> str:
+    """A name for a pool made without one: ``pool-<8 hex>``."""
+    return f"pool-{secrets.token_hex(4)}"
 
 
 def member_name(pool: str) -> str:
@@ -548,10 +490,573 @@ def member_name(pool: str) -> str:
     return f"{pool}-{secrets.token_hex(4)}"
 
 
+# -- typed commands ---------------------------------------------------------------------------
+#
+# parse(line, scope) -> Command and format(Command) -> line: every command is a frozen
+# dataclass whose fields are typed values (ints, ns, bools), checked once, here: parse turns
+# the option strings into values, naming the text when it is not one; the dataclass checks
+# the values however it was made (parse, or the client building it), with the same message.
+# The runners (the daemon's rametfs.control, fallback mode's rametfs.fallback.service)
+# dispatch on the Command's type and take its fields as they are.
+
+ROOT, EXECUTION = "root", "execution"  # scopes: the root ctl, an execution's own ctl
+MAX_ID = 2**32 - 1  # (uid_t) -1 means "no change" to chown(2): never an owner
+MAX_LIMIT = 2**63  # of --max-bytes and --max-inodes (exclusive)
+MAX_SECONDS = 10**9  # of --ttl (exclusive)
+NS = 10**9
+
+# A duration: whole numbers, each with a unit, units in this order, each at most once
+# (restic's units; ``m`` is months, as in restic: ``2h30m`` is EINVAL, not 30 months).
+_DURATION = re.compile(r"(?:(\d+)y)?(?:(\d+)m)?(?:(\d+)d)?(?:(\d+)h)?")
+# Of each unit: 1,000 years before any time since 1970 is still a year datetime holds (>= 1).
+MAX_DURATION_PART = 1000
+
+
+@dataclass(frozen=True)
+class Duration:
+    """A calendar duration as restic's ``--keep-within`` takes it: ``1y2m7d3h`` is one year,
+    two months, seven days and three hours (units ``y`` years, ``m`` months, ``d`` days,
+    ``h`` hours, in that order, each at most once, at least one)."""
+
+    years: int = 0
+    months: int = 0
+    days: int = 0
+    hours: int = 0
+
+    def __post_init__(self) -> None:
+        parts = (self.years, self.months, self.days, self.hours)
+        if not any(parts) or min(parts) < 0 or max(parts) > MAX_DURATION_PART:
+            raise ProtocolError(_bad_duration(str(self)))
+
+    @classmethod
+    def parse(cls, text: str) -> Duration:
+        """The duration ``text`` spells; ProtocolError (EINVAL), saying the units, for
+        anything else (an empty or zero duration, another unit, units out of order)."""
+        match = _DURATION.fullmatch(text)
+        if match is None or not any(match.groups()):
+            raise ProtocolError(_bad_duration(text))
+        parts = [int(p) if p else 0 for p in match.groups()]
+        if not any(parts) or max(parts) > MAX_DURATION_PART:
+            raise ProtocolError(_bad_duration(text))
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return "".join(f"{n}{unit}" for n, unit in zip(
+            (self.years, self.months, self.days, self.hours), "ymdh") if n)
+
+    def before(self, ns: int) -> int:
+        """The time (ns since the epoch, UTC) this duration before ``ns``: years and months
+        by the calendar, a day past a month's end rolling over as Go's ``AddDate`` does
+        (restic's arithmetic: Mar 31 less one month is Mar 3, or Mar 2 in a leap year)."""
+        seconds, rest = divmod(ns, NS)
+        t = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+        month0 = t.year * 12 + (t.month - 1) - self.years * 12 - self.months
+        first = t.replace(year=month0 // 12, month=month0 % 12 + 1, day=1)
+        moved = first + datetime.timedelta(days=t.day - 1 - self.days, hours=-self.hours)
+        return int(moved.timestamp()) * NS + rest
+
+
+def _bad_duration(text: str) -> str:
+    return (f"bad duration {text!r}: give whole numbers of y (years), m (months), d (days) and "
+            f"h (hours), in that order, each at most {MAX_DURATION_PART} and not all zero, as "
+            "restic does: 7d, 36h, 1y2m (m is months, so 2h30m is not a duration)")
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How one option's text becomes its value: ``convert`` (ValueError, KeyError or
+    ArithmeticError for text that is none), ``valid`` (the value's range), ``show`` (the
+    value as its text again) and ``message`` (of ``(command, option, text)``, for text or a
+    value that is not valid)."""
+
+    convert: Callable[[str], object]
+    valid: Callable[[object], bool]
+    show: Callable[[object], str]
+    message: Callable[[str, str, str], str]
+
+
+def _digits(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(text)
+    return int(text)
+
+
+def _seconds_ns(text: str) -> int:
+    value = decimal.Decimal(text)
+    if not value.is_finite():
+        raise ValueError(text)
+    return int(value * NS)
+
+
+def _show_ns(ns: object) -> str:
+    whole, part = divmod(int(ns), NS)  # type: ignore[call-overload]
+    return f"{whole}.{part:09d}".rstrip("0").rstrip(".")
+
+
+def _count(minimum: int) -> _Kind:
+    return _Kind(int, lambda v: isinstance(v, int) and v >= minimum, str,
+                 lambda c, o, t: f"--{o} must be a whole number >= {minimum}, not {t!r}")
+
+
+def _choice(values: tuple[str, ...], subject: str | None = None) -> _Kind:
+    return _Kind(str, lambda v: v in values, str,
+                 lambda c, o, t: f"{subject or '--' + o} must be one of {', '.join(values)}, "
+                                 f"not {t!r}")
+
+
+_TEXT = _Kind(str, lambda v: isinstance(v, str), str, lambda c, o, t: f"--{o}: {t!r}")
+_YES_NO = _Kind({YES: True, NO: False}.__getitem__, lambda v: isinstance(v, bool),
+                lambda v: {True: YES, False: NO}.get(v, repr(v)),
+                lambda c, o, t: f"{c}: option --{o} takes {YES} or {NO}, not {t!r}")
+_ID = _Kind(_digits, lambda v: isinstance(v, int) and 0 <= v < MAX_ID, str,
+            lambda c, o, t: f"--{o} must be a numeric id below {MAX_ID}, not {t!r}")
+_LIMIT = _Kind(_digits, lambda v: isinstance(v, int) and 1 <= v < MAX_LIMIT, str,
+               lambda c, o, t: f"--{o} must be a whole number from 1 to 2**63 - 1, not {t!r}")
+_SHARE = _Kind(lambda t: int(t, 8), lambda v: isinstance(v, int) and 0o700 <= v <= 0o777,
+               lambda v: f"{v:04o}",
+               lambda c, o, t: f"--share must be octal permission bits that give the owner "
+                               f"rwx (0700 to 0777), not {t!r}")
+_SECONDS = _Kind(_seconds_ns, lambda v: isinstance(v, int) and 0 <= v < MAX_SECONDS * NS,
+                 _show_ns, lambda c, o, t: f"--{o} must be seconds >= 0, not {t!r}")
+_VERIFY = _choice(VERIFY_MODES, "verification mode")
+_DURATION_KIND = _Kind(Duration.parse, lambda v: isinstance(v, Duration), str,
+                       lambda c, o, t: _bad_duration(t))
+# Each option's kind (text when not named here).
+KINDS: dict[str, _Kind] = {
+    "gitdir": _YES_NO, "force": _YES_NO, "dry-run": _YES_NO, "compact": _YES_NO,
+    "publish": _YES_NO, "base": _YES_NO,
+    "size": _count(1), "keep-last": _count(1), "pid": _count(0), "count": _count(0),
+    "uid": _count(0), "gid": _count(0),
+    "owner": _ID, "group": _ID, "share": _SHARE, "control": _choice(CONTROLS),
+    "max-bytes": _LIMIT, "max-inodes": _LIMIT, "ttl": _SECONDS, "verify": _VERIFY,
+    "mode": _VERIFY, "on-change": _choice(ON_CHANGE), "keep-within": _DURATION_KIND,
+}
+
+
+def _option(name: str) -> Any:
+    """A required dataclass field that is option ``--name`` of its command."""
+    return field(metadata={"option": name})
+
+
+class Command:
+    """One control command as values: a frozen dataclass per command (``NAME`` its word).
+    Its fields, in order: the positional arguments (``POSITIONAL``), then the options
+    (each ``--option`` of the field's name with ``-`` for ``_``, or as ``_option`` names
+    it).  Building one checks every value (ProtocolError, EINVAL), however it is built."""
+
+    NAME: ClassVar[str]
+    POSITIONAL: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is not None and f.name != "access":  # (Access checks itself)
+                kind = KINDS.get(_option_name(f), _TEXT)
+                if not kind.valid(value):
+                    raise ProtocolError(kind.message(self.NAME, _option_name(f),
+                                                     _shown_value(kind, value)))
+        if hasattr(self, "label"):
+            check_text(self.NAME, getattr(self, "label"), getattr(self, "message"))
+
+
+def _option_name(f: Field) -> str:
+    return f.metadata.get("option", f.name.replace("_", "-"))
+
+
+def _shown_value(kind: _Kind, value: object) -> str:
+    try:
+        return kind.show(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+class ExecutionCommand(Command):
+    """A command on one execution: ``execution`` is its id at the root ``ctl`` (given first),
+    None at the execution's own (it acts on the execution it was written to)."""
+
+    POSITIONAL = ("execution",)
+
+
+@dataclass(frozen=True)
+class Access:
+    """The ``--owner``, ``--group``, ``--share``, ``--control``, ``--max-bytes`` and
+    ``--max-inodes`` of ``create`` and ``pool``: None where not given (rametfs.authority
+    applies them over its defaults)."""
+
+    owner: int | None = None
+    group: int | None = None
+    share: int | None = None
+    control: str | None = None
+    max_bytes: int | None = None
+    max_inodes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("owner", "group", "share", "control", "max_bytes", "max_inodes"):
+            value, option = getattr(self, name), name.replace("_", "-")
+            kind = KINDS[option]
+            if value is not None and not kind.valid(value):
+                raise ProtocolError(kind.message("", option, _shown_value(kind, value)))
+
+    def options(self) -> dict[str, str]:
+        """The options given, as text."""
+        return {name.replace("_", "-"): KINDS[name.replace("_", "-")].show(value)
+                for name, value in vars(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class Snapshot(Command):
+    NAME = "snapshot"
+    POSITIONAL = ("path",)
+    path: str
+    label: str = ""
+    message: str = ""
+    on_change: str = ON_CHANGE[0]
+
+
+@dataclass(frozen=True)
+class SnapshotGit(Command):
+    NAME = "snapshot-git"
+    POSITIONAL = ("repo",)
+    repo: str
+    rev: str = "HEAD"
+    gitdir: bool = False
+    label: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Create(Command):
+    NAME = "create"
+    POSITIONAL = ("snapshot",)
+    snapshot: str
+    name: str | None = None  # None: the runner makes one
+    policy: str | None = None
+    access: Access = Access()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.name is not None and not EXECUTION_NAME_RE.fullmatch(self.name):
+            raise ProtocolError(f"create: execution name {self.name!r} must match "
+                                f"{EXECUTION_NAME_RE.pattern}")
+
+
+@dataclass(frozen=True)
+class Release(Command):
+    NAME = "release"
+    POSITIONAL = ("execution",)
+    execution: str
+
+
+@dataclass(frozen=True)
+class Runtime(Command):
+    """``runtime``: which sandbox runs the execution's commands.  A uid or gid is below
+    2**32 - 1 (and not 0 for bubblewrap, which never runs as root); ``image`` is given for
+    docker, and only for docker, and matches :data:`IMAGE_RE`."""
+
+    NAME = "runtime"
+    POSITIONAL = ("execution", "name")
+    execution: str
+    name: str
+    uid: int
+    gid: int
+    image: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in RUNTIMES:
+            raise ProtocolError(f"runtime: the sandbox is one of {', '.join(RUNTIMES)}, "
+                                f"not {self.name!r}")
+        super().__post_init__()
+        for key in ("uid", "gid"):
+            value = getattr(self, key)
+            if value >= MAX_ID:
+                raise ProtocolError(f"runtime: --{key} must be below {MAX_ID}, not {value}")
+            if value == 0 and self.name == "bubblewrap":
+                raise ProtocolError(f"runtime: bubblewrap never runs as root: --{key} 0")
+        if (self.image is None) != (self.name == "bubblewrap"):
+            raise ProtocolError("runtime: --image is needed for docker, and only for docker")
+        if self.image is not None and not IMAGE_RE.fullmatch(self.image):
+            raise ProtocolError(f"runtime: image {self.image!r} must match {IMAGE_RE.pattern}")
+
+    def record(self) -> dict:
+        """The sandbox record: ``{"name", "uid", "gid"}``, with ``"image"`` for docker."""
+        return {"name": self.name, "uid": self.uid, "gid": self.gid,
+                **({"image": self.image} if self.image is not None else {})}
+
+
+@dataclass(frozen=True)
+class Pool(Command):
+    NAME = "pool"
+    POSITIONAL = ("snapshot",)
+    snapshot: str
+    size: int
+    name: str | None = None  # None: rametfs.core.pools makes one
+    policy: str | None = None
+    keep_last: int | None = None
+    access: Access = Access()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.size <= MAX_POOL_SIZE:
+            raise ProtocolError(f"pool size must be 1 to {MAX_POOL_SIZE}, not {self.size}")
+        if self.name is not None and not POOL_NAME_RE.fullmatch(self.name):
+            raise ProtocolError(f"pool name {self.name!r} must match {POOL_NAME_RE.pattern}")
+
+
+@dataclass(frozen=True)
+class Acquire(Command):
+    NAME = "acquire"
+    POSITIONAL = ("pool",)
+    pool: str
+    holder: str
+    ttl_ns: int = _option("ttl")
+    pid: int = 0
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class Renew(Command):
+    NAME = "renew"
+    POSITIONAL = ("execution",)
+    execution: str
+    holder: str
+    ttl_ns: int = _option("ttl")
+
+
+@dataclass(frozen=True)
+class Return(Command):
+    NAME = "return"
+    POSITIONAL = ("execution",)
+    execution: str
+    holder: str
+    verify: str = VERIFY_MODES[0]
+
+
+@dataclass(frozen=True)
+class Drop(Command):
+    NAME = "drop"
+    POSITIONAL = ("pool",)
+    pool: str
+
+
+@dataclass(frozen=True)
+class Fault(Command):
+    NAME = "fault"
+    POSITIONAL = ("site",)
+    site: str
+    execution: str | None = None
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Cancel(Command):
+    NAME = "cancel"
+    execution: str | None = None
+
+
+@dataclass(frozen=True)
+class Name(Command):
+    NAME = "name"
+    POSITIONAL = ("name", "snapshot")
+    name: str
+    snapshot: str
+
+
+@dataclass(frozen=True)
+class Unname(Command):
+    NAME = "unname"
+    POSITIONAL = ("name",)
+    name: str
+
+
+@dataclass(frozen=True)
+class Resolve(Command):
+    NAME = "resolve"
+    POSITIONAL = ("snapshot",)
+    snapshot: str
+
+
+@dataclass(frozen=True)
+class Rm(Command):
+    NAME = "rm"
+    POSITIONAL = ("snapshot",)
+    snapshot: str
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class Gc(Command):
+    NAME = "gc"
+    dry_run: bool = False
+    compact: bool = False
+
+
+@dataclass(frozen=True)
+class Forget(Command):
+    NAME = "forget"
+    keep_last: int | None = None
+    keep_within: Duration | None = None
+    keep_name: str | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class Publish(Command):
+    NAME = "publish"
+    POSITIONAL = ("snapshot",)
+    snapshot: str
+
+
+@dataclass(frozen=True)
+class Diff(Command):
+    NAME = "diff"
+    POSITIONAL = ("execution",)
+    execution: str
+
+
+@dataclass(frozen=True)
+class Status(Command):
+    NAME = "status"
+    POSITIONAL = ("execution",)
+    execution: str
+
+
+@dataclass(frozen=True)
+class Promote(ExecutionCommand):
+    NAME = "promote"
+    execution: str | None = None
+    label: str = ""
+    message: str = ""
+    policy: str | None = None
+    publish: bool = False
+
+
+@dataclass(frozen=True)
+class Checkpoint(ExecutionCommand):
+    NAME = "checkpoint"
+    execution: str | None = None
+    label: str = ""
+    message: str = ""
+    policy: str | None = None
+
+
+@dataclass(frozen=True)
+class Reset(ExecutionCommand):
+    """``reset``: to ``to`` (a snapshot), to the base (``base``), else to the head."""
+
+    NAME = "reset"
+    execution: str | None = None
+    to: str | None = None
+    base: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.to is not None and self.base:
+            raise ProtocolError("reset: --to SNAPSHOT and --base yes name two snapshots; "
+                                "give one")
+
+
+@dataclass(frozen=True)
+class Verify(ExecutionCommand):
+    NAME = "verify"
+    execution: str | None = None
+    mode: str = VERIFY_MODES[0]
+
+
+@dataclass(frozen=True)
+class Preview(ExecutionCommand):
+    NAME = "preview"
+    execution: str | None = None
+    policy: str | None = None
+
+
+COMMANDS: dict[str, type[Command]] = {cls.NAME: cls for cls in (
+    Snapshot, SnapshotGit, Create, Release, Runtime, Pool, Acquire, Renew, Return, Drop, Fault,
+    Cancel, Name, Unname, Resolve, Rm, Gc, Forget, Publish, Diff, Status,
+    Promote, Checkpoint, Reset, Verify, Preview)}
+
+
+def parse(line: str, scope: str = ROOT) -> Command:
+    """The Command of one line written to a ``ctl`` of ``scope`` (:data:`ROOT` or
+    :data:`EXECUTION`): split (:func:`parse_command`), each option's text made its value
+    (:data:`KINDS`) and the whole checked.  Raises ProtocolError (EINVAL) naming what is
+    wrong; for a command of the other scope, where it belongs."""
+    table = ROOT_COMMANDS if scope == ROOT else EXECUTION_COMMANDS
+    try:
+        name, args = parse_command(line, table)
+    except ProtocolError as exc:
+        raise ProtocolError(_elsewhere(line, scope, exc)) from None
+    cls = COMMANDS[name]
+    values: dict[str, object] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name == "access":
+            values["access"] = Access(**{  # type: ignore[arg-type]
+                option.replace("-", "_"): _value(name, option, args[option])
+                for option in sorted(ACCESS_OPTIONS) if option in args})
+        elif f.name in cls.POSITIONAL:
+            if f.name in args:
+                values[f.name] = args[f.name]
+        elif _option_name(f) in args:
+            values[f.name] = _value(name, _option_name(f), args[_option_name(f)])
+    return cls(**values)
+
+
+def _value(command: str, option: str, text: str) -> object:
+    """The value of option ``--option`` of ``command`` given as ``text``; ProtocolError
+    (EINVAL) naming the text when it is none."""
+    kind = KINDS.get(option, _TEXT)
+    try:
+        value = kind.convert(text)
+    except (ValueError, KeyError, ArithmeticError):
+        raise ProtocolError(kind.message(command, option, text)) from None
+    if not kind.valid(value):
+        raise ProtocolError(kind.message(command, option, text))
+    return value
+
+
+def seconds_ns(seconds: float, option: str = "ttl") -> int:
+    """``seconds`` (a float, as the client takes a ``--ttl``) in ns, checked as that option's
+    text would be."""
+    return _value("", option, str(seconds))  # type: ignore[return-value]
+
+
+def _elsewhere(line: str, scope: str, exc: ProtocolError) -> str:
+    """``exc``'s message, or for a command of the other scope, where it belongs."""
+    words = line.split()
+    name = words[0] if words else ""
+    if scope == EXECUTION and name in (DIFF, STATUS):
+        return f"{name}: read this execution's .ramet/{name} instead"
+    if scope == EXECUTION and name in ROOT_COMMANDS and name not in EXECUTION_COMMANDS:
+        return (f"{name}: a command of the root .ramet/ctl, at the top of the mount (the "
+                f"harness's), not of an execution's; this one takes "
+                f"{', '.join(sorted(EXECUTION_COMMANDS))}")
+    if scope == ROOT and name in ROOT_EXECUTION_COMMANDS \
+            and (len(words) == 1 or words[1].startswith("--")):
+        return (f"{exc}: on the root ctl, {name} names its execution first "
+                f"({name} <execution-id> ...); an execution's own .ramet/ctl takes {name} "
+                "alone")
+    return str(exc)
+
+
+def format(command: Command) -> str:  # noqa: A001 - the protocol's word, as parse
+    """The line of ``command`` (with a trailing newline) that :func:`parse` reads back as it:
+    an execution command without its ``execution`` is one for the execution's own ``ctl``;
+    options at their defaults are left out."""
+    positional = [getattr(command, p) for p in command.POSITIONAL
+                  if getattr(command, p) is not None]
+    options: dict[str, str | None] = {}
+    for f in fields(command):  # type: ignore[arg-type]
+        value = getattr(command, f.name)
+        if f.name == "access":
+            options.update(value.options())
+        elif f.name not in command.POSITIONAL and value is not None and value != f.default:
+            options[_option_name(f)] = KINDS.get(_option_name(f), _TEXT).show(value)
+    return format_command(command.NAME, *positional, **options)
+
+
 # -- quoting names as git does --------------------------------------------------------------
 
 _C_ESCAPES = {7: "a", 8: "b", 9: "t", 10: "n", 11: "v", 12: "f", 13: "r", 34: '"', 92: "\\"}
-_QUOTED_BYTE = {b: f"\\{_C_ESCAPES.get(b) or format(b, '03o')}".encode()
+_QUOTED_BYTE = {b: f"\\{_C_ESCAPES.get(b) or f'{b:03o}'}".encode()
                 for b in (*range(0x20), 34, 92, *range(0x7F, 0x100))}
 _MUST_QUOTE = re.compile(rb'[\x00-\x1f"\\\x7f-\xff]')
 _QUOTE_IF = re.compile(rb'[\x00-\x20"\\\x7f-\xff]')  # those, or a space

@@ -367,6 +367,12 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules that run container engines go last: Podman's pause process (catatonit)
+    # and conmon live for the session, and every mount made while they live is copied into
+    # their namespaces, where it outlives a later test's unmount (umount exits 5, EBUSY).
+    engines = {item.module.__name__ for item in items
+               if "container_engine" in item.fixturenames}
+    items.sort(key=lambda item: item.module.__name__ in engines)  # stable: order kept
     for item in items:
         module = item.module.__name__.rpartition(".")[2]
         fuse = getattr(item, "callspec", None) is not None and \

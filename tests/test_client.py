@@ -27,7 +27,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import cli_where, wait_until
-from rametfs import Ramet, RametError
+from rametfs import Ramet, RametError, client, errors
 from rametfs.cli import main
 from rametfs.client import PoolTimeout
 from test_control import KNOWN_DIFF, make_known_changes
@@ -343,6 +343,46 @@ def test_errors_carry_their_errno(ramet, source, tmp_path):
     assert (execution_ids(ramet), len(ramet.snapshots())) == before  # nothing made
     assert ex.reset() == base  # and the execution still works
     ramet.release(ex)
+
+
+# A line a harness may write to the root ctl, and the same command through the wrapper.
+BAD_COMMANDS = [
+    ("acquire p --holder h --ttl -1", lambda r: r.acquire("p", "h", ttl=-1)),
+    ("acquire p --holder h --ttl nan", lambda r: r.acquire("p", "h", ttl=float("nan"))),
+    ("renew e --holder h --ttl 1000000000.0", lambda r: r.renew("e", "h", ttl=1e9)),
+    (f"pool {NO_SNAPSHOT} --size 0", lambda r: r.open_pool(NO_SNAPSHOT, 0)),
+    (f"pool {NO_SNAPSHOT} --size 1 --keep-last 0",
+     lambda r: r.open_pool(NO_SNAPSHOT, 1, keep_last=0)),
+    (f"create {NO_SNAPSHOT} --share 0644", lambda r: r.create(NO_SNAPSHOT, share=0o644)),
+    (f"create {NO_SNAPSHOT} --name ../up", lambda r: r.create(NO_SNAPSHOT, name="../up")),
+    (f"create {NO_SNAPSHOT} --owner 4294967295",
+     lambda r: r.create(NO_SNAPSHOT, owner=2**32 - 1)),
+    (f"create {NO_SNAPSHOT} --control write", lambda r: r.create(NO_SNAPSHOT, control="write")),
+    ("forget --keep-within 2h30m", lambda r: r.forget(keep_within="2h30m")),
+    ("return e --holder h --verify shallow",
+     lambda r: r.return_execution("e", "h", verify="shallow")),
+    (f"reset e --to {NO_SNAPSHOT} --base yes",
+     lambda r: r.execution("e").reset(to=NO_SNAPSHOT, base=True)),
+    ("runtime e bubblewrap --uid 0 --gid 0",
+     lambda r: r.execution("e").record_runtime("bubblewrap", 0, 0)),
+    ("promote e --label " + "x" * 300, lambda r: r.execution("e").promote(label="x" * 300)),
+]
+
+
+def test_a_bad_command_fails_alike_written_to_the_mount_and_in_both_modes(shared_daemon,
+                                                                          tmp_path):
+    mount = Path(shared_daemon.mnt)
+    with Ramet(mount) as fuse, Ramet(data=tmp_path / "data", mode="fallback") as fallback:
+        for line, call in BAD_COMMANDS:
+            with pytest.raises(RametError) as written:  # the daemon's parse, its reply
+                client._command(mount / ".ramet" / "ctl", line + "\n", mount)
+            seen = [(type(written.value), written.value.errno, str(written.value))]
+            for ramet in (fuse, fallback):
+                with pytest.raises(RametError) as caught:
+                    call(ramet)
+                seen.append((type(caught.value), caught.value.errno, str(caught.value)))
+            assert seen[0][:2] == (errors.InvalidArgument, errno.EINVAL), (line, seen)
+            assert seen == [seen[0]] * 3, line
 
 
 def test_cli_in_either_mode(ramet, source):

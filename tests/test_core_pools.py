@@ -13,8 +13,11 @@ import pytest
 from rametfs.authority import DAEMON_GID, DAEMON_UID, Access
 from rametfs.core import pools as core
 from rametfs.core import status
-from rametfs.errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
+from rametfs.errors import (Busy, Cancelled, Exists, IntegrityError, InvalidArgument, NoSpace,
+                            NotFound)
+from rametfs import protocol
 from rametfs.protocol import ProtocolError
+from rametfs.protocol import Access as Options
 from rametfs.store import Store
 from rametfs.store.catalog import Lease, Member
 
@@ -44,8 +47,8 @@ def made(pools: core.Pools, opened: core.Opened, now_ns: int = T0) -> list[str]:
     return [new.execution for new in opened.new]
 
 
-def pool_of(pools: core.Pools, size: int = 2, name: str = "p", **options: str) -> list[str]:
-    return made(pools, pools.open(name, BASE, size, options, None, T0))
+def pool_of(pools: core.Pools, size: int = 2, name: str = "p", **options) -> list[str]:
+    return made(pools, pools.open(name, BASE, size, Options(**options), None, T0))
 
 
 def caught(call) -> tuple[type, int, str]:
@@ -57,7 +60,7 @@ def caught(call) -> tuple[type, int, str]:
 # -- open, members, drop ---------------------------------------------------------------------
 
 def test_open_makes_a_pool_and_asks_for_its_members(pools):
-    opened = pools.open("p", BASE, 2, {"share": "0750"}, POLICY, T0)
+    opened = pools.open("p", BASE, 2, Options(share=0o750), POLICY, T0)
     access = Access(share=0o750)
     assert (opened.pool, opened.base, opened.size, opened.created) == ("p", BASE, 2, True)
     assert [(n.pool, n.base, n.access, n.policy) for n in opened.new] == [
@@ -79,51 +82,51 @@ def test_open_makes_a_pool_and_asks_for_its_members(pools):
 
 
 def test_an_unnamed_pool_gets_a_name_and_bad_names_and_sizes_are_einval(pools):
-    assert re.fullmatch(r"pool-[0-9a-f]{8}", pools.open(None, BASE, 1, {}, None, T0).pool)
-    for name, size, message in [
-            ("p", 0, "pool size must be 1 to 4096, not 0"),
+    assert re.fullmatch(r"pool-[0-9a-f]{8}", pools.open(None, BASE, 1, Options(), None, T0).pool)
+    for name, size, message in [  # the pool command's checks (rametfs.protocol.Pool)
+            ("p", 0, "--size must be a whole number >= 1, not '0'"),
             ("p", 4097, "pool size must be 1 to 4096, not 4097"),
             ("bad/name", 1, "pool name 'bad/name' must match [A-Za-z0-9][A-Za-z0-9._-]{0,47}")]:
         with pytest.raises(ProtocolError) as info:
-            pools.open(name, BASE, size, {}, None, T0)
+            protocol.Pool(BASE, size, name)
         assert (info.value.errno, str(info.value)) == (errno.EINVAL, message)
-    assert caught(lambda: pools.open("q", BASE, 1, {"share": "0644"}, None, T0)) == (
+    assert caught(lambda: Options(share=0o644)) == (
         InvalidArgument, errno.EINVAL, "--share must be octal permission bits that give the "
         "owner rwx (0700 to 0777), not '0644'")
-    assert len(pools.to_json()) == 1  # the unnamed one: the others stored nothing
+    assert len(pools.to_json()) == 1
 
 
 def test_reattaching_grows_never_shrinks_and_checks_base_settings_and_policy(pools):
-    first = made(pools, pools.open("p", BASE, 2, {"control": "read"}, POLICY, T0))
-    again = pools.open("p", BASE, 1, {}, None, T0 + S)  # neither options nor policy: fine
+    first = made(pools, pools.open("p", BASE, 2, Options(control="read"), POLICY, T0))
+    again = pools.open("p", BASE, 1, Options(), None, T0 + S)  # neither options nor policy: fine
     assert (again.size, again.created, again.new) == (2, False, ())
-    grown = pools.open("p", BASE, 3, {"control": "read"}, POLICY, T0 + S)
+    grown = pools.open("p", BASE, 3, Options(control="read"), POLICY, T0 + S)
     assert (grown.size, grown.created, len(grown.new)) == (3, False, 1)
     assert grown.new[0].access == Access(control="read")
     made(pools, grown)
     assert pools.to_json()[0]["created_ns"] == T0 and len(pools.to_json()[0]["executions"]) == 3
     ids = f"owner {DAEMON_UID}, group {DAEMON_GID}, share 0700"
     for base, options, policy, message in [
-            (OTHER, {}, None, f"pool 'p' exists with base {BASE}, not {OTHER}"),
-            (BASE, {"control": "full"}, None,
+            (OTHER, Options(), None, f"pool 'p' exists with base {BASE}, not {OTHER}"),
+            (BASE, Options(control="full"), None,
              f"pool 'p' exists with {ids}, control read, max_bytes None, max_inodes None, "
              f"not {ids}, control full, max_bytes None, max_inodes None"),
-            (BASE, {}, {"from": "pool", "text": "[other]\n"},
+            (BASE, Options(), {"from": "pool", "text": "[other]\n"},
              "pool 'p' exists with another persistence policy")]:
         assert caught(lambda: pools.open("p", base, 2, options, policy, T0)) == (
-            RametError, errno.EEXIST, message)
+            Exists, errno.EEXIST, message)
     assert pools.to_json()[0]["size"] == 3 and sorted(first) == sorted(
         set(pools.to_json()[0]["executions"]) - {grown.new[0].execution})
 
 
 def test_a_member_the_pool_no_longer_wants_is_refused(pools):
-    opened = pools.open("p", BASE, 1, {}, None, T0)
-    spare = pools.open("p", BASE, 1, {}, None, T0)  # another process, meanwhile
+    opened = pools.open("p", BASE, 1, Options(), None, T0)
+    spare = pools.open("p", BASE, 1, Options(), None, T0)  # another process, meanwhile
     assert pools.add_member(opened.new[0], T0)
     assert not pools.add_member(spare.new[0], T0)  # the pool serves its size already
     assert pools.drop("p") == {"ok": True, "pool": "p", "executions": [opened.new[0].execution]}
     assert not pools.add_member(opened.new[0], T0)  # dropped
-    remade = pools.open("p", OTHER, 1, {}, None, T0)
+    remade = pools.open("p", OTHER, 1, Options(), None, T0)
     assert not pools.add_member(opened.new[0], T0)  # made again, of another base
     assert pools.add_member(remade.new[0], T0)
 
@@ -319,7 +322,10 @@ def test_quarantine_reasons_name_five_differences_quoted_as_diff_does():
     assert status.quarantine_reason(status.verification_json("root", "1", "1", [], 0.1)) == ""
     assert status.failure_reason("root", IntegrityError("chunk 00ff is corrupt")) == (
         "root verification failed: chunk 00ff is corrupt")
-    assert core.VERIFICATION_FAILURES == (IntegrityError, OSError)
+    verdicts = [IntegrityError("chunk 00ff is corrupt"), OSError(errno.EIO, "read"),
+                Cancelled("return cancelled"), Busy("busy"), NoSpace("full")]
+    assert [core.verification_failed(exc) for exc in verdicts] == [
+        True, True, False, False, False]
 
 
 # -- release ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run
-from rametfs import Ramet
+from rametfs import Ramet, protocol
 from test_snapshots import TIMES_NS, rich_source  # noqa: F401
 
 DEPTH = 4096  # directories below the execution root: 8 KiB of path, twice PATH_MAX
@@ -175,7 +175,7 @@ def root_tree(ramet: Ramet, snapshot: str) -> str:
         return ramet._backend.engine.store.snapshot(snapshot).root.ref.hex()
     ex = ramet.create(snapshot)
     try:
-        reply = ramet._backend.command(ex.id, "verify", mode="root")
+        reply = ramet._backend.run(protocol.Verify(ex.id))
         return reply["verification"]["base_root"]
     finally:
         ramet.release(ex)

@@ -409,14 +409,16 @@ def test_cli_and_ctl_take_on_change(ramet, tmp_path):
     assert bad.returncode == 2 and "'maybe' is not one of 'fail', 'skip'" in bad.stderr
     with pytest.raises(RametError) as info:
         ramet.snapshot(src, on_change="maybe")
-    assert info.value.errno == errno.EINVAL and "fail or skip" in str(info.value)
+    assert (info.value.errno, str(info.value)) == (
+        errno.EINVAL, "--on-change must be one of fail, skip, not 'maybe'")
     if ramet.mode == "fuse":
         ctl = ramet.mount / ".ramet" / "ctl"
         reply = ctl_command(ctl, f"snapshot {src} --on-change skip")
         assert reply["stats"]["skipped"] == 0 and reply["stats"]["cached_files"] == 1
         with pytest.raises(OSError) as info:
             ctl_command(ctl, f"snapshot {src} --on-change maybe")
-        assert info.value.errno == errno.EINVAL
+        assert (info.value.errno, info.value.reply["error"]) == (
+            errno.EINVAL, "--on-change must be one of fail, skip, not 'maybe'")
 
 
 # ----- long paths, deep trees, timestamps -------------------------------------------------------

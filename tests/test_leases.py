@@ -23,7 +23,7 @@ import msgpack
 import pytest
 
 from conftest import run, wait_until
-from rametfs import Ramet, RametError
+from rametfs import Ramet, RametError, protocol
 from rametfs.client import PoolTimeout
 from rametfs.errors import Busy
 from rametfs.store import Store
@@ -436,7 +436,7 @@ def test_fallback_leases_expire_into_the_next_acquire_and_quarantine(tmp_path, s
         pool = ramet.execution_pool(base, concurrency=2, name="fb")  # reattach
         assert pool_record(ramet, "fb")["leased"] == 1
         with pytest.raises(RametError) as caught:
-            ramet._backend.root_command("renew", held, holder=pool.holder, ttl="5")
+            ramet._backend.run(protocol.Renew(held, pool.holder, 5 * SECOND))
         assert caught.value.errno == errno.EBUSY
         engine = ramet._backend.engine
         with pool.acquire() as first:
@@ -474,16 +474,16 @@ def test_fallback_take_over_of_a_member_failing_verification_quarantines_it(tmp_
     with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
         engine = ramet._backend.engine
         base = ramet.snapshot(source)
-        reply = ramet._backend.root_command("pool", base, size="1", name="fb")
+        reply = ramet._backend.run(protocol.Pool(base, 1, "fb"))
         stale, = reply["executions"]
-        ramet._backend.root_command("acquire", "fb", holder="gone", ttl="10")
+        ramet._backend.run(protocol.Acquire("fb", "gone", 10 * SECOND))
         engine.pools.clock = lambda: time.time_ns() + 11 * SECOND  # its lease has ended
         verification = engine.verification
         monkeypatch.setattr(engine, "verification", lambda eid, mode: {
             **verification(eid, mode), "equal": False, "differences": [["A", "junk"]]}
             if eid == stale else verification(eid, mode))
 
-        got = ramet._backend.root_command("acquire", "fb", holder="next", ttl="10")
+        got = ramet._backend.run(protocol.Acquire("fb", "next", 10 * SECOND))
         assert got["execution"] != stale  # the replacement, made when it was quarantined
         record = member(ramet, stale)
         assert (record["state"], record["lease"], record["quarantine_reason"]) == (
@@ -491,7 +491,7 @@ def test_fallback_take_over_of_a_member_failing_verification_quarantines_it(tmp_
         record = pool_record(ramet, "fb")
         assert (record["size"], record["ready"], record["leased"], record["quarantined"]) == (
             1, 0, 1, 1)
-        ramet._backend.root_command("drop", "fb")
+        ramet._backend.run(protocol.Drop("fb"))
 
 
 def test_fallback_return_quarantines_on_unreadable_data_but_not_on_a_busy_execution(
@@ -499,8 +499,8 @@ def test_fallback_return_quarantines_on_unreadable_data_but_not_on_a_busy_execut
     with Ramet(data=tmp_path / "data", mode="fallback") as ramet:
         engine = ramet._backend.engine
         base = ramet.snapshot(source)
-        ramet._backend.root_command("pool", base, size="1", name="fb")
-        eid = ramet._backend.root_command("acquire", "fb", holder="h", ttl="60")["execution"]
+        ramet._backend.run(protocol.Pool(base, 1, "fb"))
+        eid = ramet._backend.run(protocol.Acquire("fb", "h", 60 * SECOND))["execution"]
         verification = engine.verification
 
         def busy(eid, mode):
@@ -508,7 +508,7 @@ def test_fallback_return_quarantines_on_unreadable_data_but_not_on_a_busy_execut
 
         monkeypatch.setattr(engine, "verification", busy)
         with pytest.raises(RametError) as caught:  # no verdict on the execution: kept leased
-            ramet._backend.root_command("return", eid, holder="h")
+            ramet._backend.run(protocol.Return(eid, "h"))
         assert (caught.value.errno, str(caught.value)) == (
             errno.EBUSY, f"execution {eid!r} is running another command")
         assert member(ramet, eid)["state"] == "leased"
@@ -517,9 +517,9 @@ def test_fallback_return_quarantines_on_unreadable_data_but_not_on_a_busy_execut
             raise PermissionError(errno.EACCES, "Permission denied", "data/big.bin")
 
         monkeypatch.setattr(engine, "verification", unreadable)
-        reply = ramet._backend.root_command("return", eid, holder="h")
+        reply = ramet._backend.run(protocol.Return(eid, "h"))
         assert (reply["state"], reply["verification"]) == ("quarantined", None)
         assert member(ramet, eid)["quarantine_reason"] == (
             "root verification failed: [Errno 13] Permission denied: 'data/big.bin'")
         monkeypatch.setattr(engine, "verification", verification)
-        ramet._backend.root_command("drop", "fb")
+        ramet._backend.run(protocol.Drop("fb"))

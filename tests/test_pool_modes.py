@@ -2,8 +2,9 @@
 cannot drift apart again (both drive rametfs.core.pools).
 
 Each test takes the ``ramet`` fixture (conftest): a ``Ramet`` on the shared FUSE daemon, or
-``Ramet(data=DIR, mode="fallback")``, and sends the pool commands as the wrapper does
-(``_backend.root_command``), comparing whole replies and messages.  Leases here are long: what
+``Ramet(data=DIR, mode="fallback")``, and sends the pool commands as lines parsed into
+Commands (rametfs.protocol.parse), which the wrapper's backend runs (``_backend.run``),
+comparing whole replies and messages.  Leases here are long: what
 happens when one ends is tests/test_core_pools.py (a fake clock) and tests/test_leases.py
 (real time, the daemon's lease task and fallback mode's take-over).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rametfs import Ramet, RametError
+from rametfs import Ramet, RametError, protocol
 from rametfs.store import Store, import_tree
 from test_snapshots import write_tree
 
@@ -44,7 +45,8 @@ def base_root(tmp_path, source) -> str:
 
 
 def command(ramet: Ramet, verb: str, *positional: str, **options: str) -> dict:
-    return ramet._backend.root_command(verb, *positional, **options)
+    line = protocol.format_command(verb, *positional, **options)
+    return ramet._backend.run(protocol.parse(line))
 
 
 def failure(ramet: Ramet, verb: str, *positional: str, **options: str) -> tuple[int, str]:

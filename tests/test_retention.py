@@ -175,7 +175,7 @@ def test_forget_keep_within_counts_back_from_the_newest(own, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     ((), "forget: give at least one of --keep-last, --keep-within, --keep-name"),
-    (("--keep-last", "0"), "forget: --keep-last must be a whole number >= 1, not '0'"),
+    (("--keep-last", "0"), "--keep-last must be a whole number >= 1, not '0'"),
     (("--keep-within", "2h30m"), "bad duration '2h30m': give whole numbers of y (years)"),
 ])
 def test_forget_without_a_rule_or_with_a_bad_one_is_einval(own, tmp_path, args, message):

@@ -1,8 +1,9 @@
 """The control commands behind the ``.ramet/`` files, and what those files read.
 
-A dispatch table per scope (root, execution) maps each command of rametfs.protocol to a
-coroutine.  Every command returns a JSON-ready reply dict; a failure raises RametError and its
-message is kept for ``.ramet/error``.  Kernel cache invalidation is handed to the adapter
+A dispatch table per scope (root, execution) maps each Command type of rametfs.protocol
+(parsed and checked there: the handlers take its values as they are) to a coroutine.  Every
+command returns a JSON-ready reply dict; a failure raises RametError and its message is kept
+for ``.ramet/error``.  Kernel cache invalidation is handed to the adapter
 through the ``invalidate`` callback, so this module stays free of FUSE.
 """
 
@@ -19,7 +20,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -27,7 +28,7 @@ from .. import mounts, protocol
 from ..authority import HARNESS, Access, Caller
 from ..capture import CancelToken, capture, diff_in_slices, preview
 from ..core import heads, lifecycle, policy, pools, retention, status
-from ..errors import Busy, Cancelled, InvalidArgument, NotFound, RametError
+from ..errors import Busy, Cancelled, Denied, InvalidArgument, NotFound, RametError
 from ..faults import FAULTS
 from ..fallback import manifest
 from ..overlay import Execution, Overlay, in_slices
@@ -35,7 +36,7 @@ from ..treewalk import Steps
 from ..store import Snapshot, gc, import_git, import_tree
 from ..store.catalog import Lease
 from ..store.publish import publish
-from ..verify import ROOT, verify
+from ..verify import verify
 from ..version import __version__
 
 log = logging.getLogger(__name__)
@@ -79,31 +80,6 @@ class Running:
     done: trio.Event = field(default_factory=trio.Event)
 
 
-def _parse(text: str, table: dict) -> tuple[str, dict[str, str]]:
-    """:func:`protocol.parse_command` of ``text`` for ``table`` (the root's or an
-    execution's), whose error, for a command of the other scope, says where it belongs."""
-    try:
-        return protocol.parse_command(text, table)
-    except protocol.ProtocolError as exc:
-        words = text.split()
-        name = words[0] if words else ""
-        if table is protocol.EXECUTION_COMMANDS and name in (protocol.DIFF, protocol.STATUS):
-            raise InvalidArgument(f"{name}: read this execution's .ramet/{name} "
-                                  "instead") from None
-        if table is protocol.EXECUTION_COMMANDS and name in protocol.ROOT_COMMANDS \
-                and name not in protocol.EXECUTION_COMMANDS:
-            raise InvalidArgument(
-                f"{name}: a command of the root .ramet/ctl, at the top of the mount (the "
-                f"harness's), not of an execution's; this one takes "
-                f"{', '.join(sorted(protocol.EXECUTION_COMMANDS))}") from None
-        if table is protocol.ROOT_COMMANDS and name in protocol.ROOT_EXECUTION_COMMANDS \
-                and (len(words) == 1 or words[1].startswith("--")):
-            raise InvalidArgument(f"{exc}: on the root ctl, {name} names its execution first "
-                                  f"({name} <execution-id> ...); an execution's own "
-                                  f".ramet/ctl takes {name} alone") from None
-        raise
-
-
 class Control:
     """Runs control commands against an Overlay; ``invalidate`` drops kernel caches of
     ``(parent ino, name)`` dentries and ``(ino, b"")`` inodes, and returns when done;
@@ -142,21 +118,18 @@ class Control:
         # it sooner (:meth:`_lease_set`).
         self.leases_wake_ns = 0
         self.leases_changed = trio.Event()
-        self.root_handlers: dict[str, Callable[[dict], Awaitable[dict]]] = {
-            "snapshot": self._snapshot, "create": self._create, "release": self._release,
-            "snapshot-git": self._snapshot_git, "pool": self._pool, "acquire": self._acquire,
-            "renew": self._renew, "return": self._return, "drop": self._drop,
-            "fault": self._fault, "runtime": self._runtime, "cancel": self._cancel,
-            "name": self._name, "unname": self._unname, "resolve": self._resolve,
-            "publish": self._publish,
-            "rm": self._rm, "gc": self._gc, "forget": self._forget}
-        self.execution_handlers: dict[str, Callable[[Execution, dict], Awaitable[dict]]] = {
-            "promote": self._promote, "checkpoint": self._checkpoint, "reset": self._reset,
-            "preview": self._preview, "verify": self._verify}
-        # The harness's commands on one execution, whatever its --control.
-        self.root_handlers.update({name: functools.partial(self._root_on_execution, name)
-                                   for name in self.execution_handlers})
-        self.root_handlers.update({"diff": self._diff, "status": self._status})
+        P = protocol
+        self.root_handlers: dict[type, Callable[[Any], Awaitable[dict]]] = {
+            P.Snapshot: self._snapshot, P.Create: self._create, P.Release: self._release,
+            P.SnapshotGit: self._snapshot_git, P.Pool: self._pool, P.Acquire: self._acquire,
+            P.Renew: self._renew, P.Return: self._return, P.Drop: self._drop,
+            P.Fault: self._fault, P.Runtime: self._runtime, P.Cancel: self._cancel,
+            P.Name: self._name, P.Unname: self._unname, P.Resolve: self._resolve,
+            P.Publish: self._publish, P.Rm: self._rm, P.Gc: self._gc, P.Forget: self._forget,
+            P.Diff: self._diff, P.Status: self._status}
+        self.execution_handlers: dict[type, Callable[[Execution, Any], Awaitable[dict]]] = {
+            P.Promote: self._promote, P.Checkpoint: self._checkpoint, P.Reset: self._reset,
+            P.Preview: self._preview, P.Verify: self._verify}
 
     # -- running commands ----------------------------------------------------------------
 
@@ -166,8 +139,13 @@ class Control:
         UTF-8)."""
         try:
             try:
-                name, args = _parse(self._text(command), protocol.ROOT_COMMANDS)
-                reply = await self.root_handlers[name](args)
+                cmd = protocol.parse(self._text(command), protocol.ROOT)
+                if isinstance(cmd, protocol.ExecutionCommand):
+                    # The harness's command on one execution, whatever its --control.
+                    reply = await self._on_execution(self.overlay.execution(cmd.execution),
+                                                     cmd, harness=True)
+                else:
+                    reply = await self.root_handlers[type(cmd)](cmd)
             except Exception as exc:
                 raise self._as_rametfs(exc, ROOT_SCOPE, command) from None
         except RametError as exc:
@@ -182,21 +160,20 @@ class Control:
         execution sees it (:func:`execution_reply`), raises RametError (as :meth:`run_root`)."""
         try:
             try:
-                name, args = _parse(self._text(command), protocol.EXECUTION_COMMANDS)
-                if "policy" in args:
-                    raise RametError(f"{name}: the policy is the harness's (create --policy, "
-                                     f"or the root ctl); an execution cannot give its own",
-                                     errno.EACCES)
-                if "publish" in args:
-                    raise RametError("promote --publish: what goes to the remote is the "
-                                     "harness's (the root ctl: promote <execution-id> "
-                                     "--publish yes)", errno.EACCES)
-                if "to" in args:
-                    raise RametError("reset --to: which snapshot an execution stands on is "
-                                     "the harness's (the root ctl: reset <execution-id> --to "
-                                     "SNAPSHOT); an execution resets to its head, or to its "
-                                     "base with --base yes", errno.EACCES)
-                reply = await self._on_execution(ex, name, args, harness=False)
+                cmd = protocol.parse(self._text(command), protocol.EXECUTION)
+                if getattr(cmd, "policy", None) is not None:
+                    raise Denied(f"{cmd.NAME}: the policy is the harness's (create --policy, "
+                                 f"or the root ctl); an execution cannot give its own")
+                if getattr(cmd, "publish", False):
+                    raise Denied("promote --publish: what goes to the remote is the "
+                                 "harness's (the root ctl: promote <execution-id> "
+                                 "--publish yes)")
+                if getattr(cmd, "to", None) is not None:
+                    raise Denied("reset --to: which snapshot an execution stands on is "
+                                 "the harness's (the root ctl: reset <execution-id> --to "
+                                 "SNAPSHOT); an execution resets to its head, or to its "
+                                 "base with --base yes")
+                reply = await self._on_execution(ex, cmd, harness=False)
             except Exception as exc:
                 raise self._as_rametfs(exc, ex.id, command) from None
         except RametError as exc:
@@ -205,18 +182,18 @@ class Control:
             raise
         return execution_reply(reply)
 
-    async def _on_execution(self, ex: Execution, name: str, args: dict, harness: bool
-                            ) -> dict:
-        """Run execution command ``name`` on ``ex``, from the root scope (``harness``) or its
+    async def _on_execution(self, ex: Execution, cmd: protocol.ExecutionCommand,
+                            harness: bool) -> dict:
+        """Run execution command ``cmd`` on ``ex``, from the root scope (``harness``) or its
         own, alone on it (:meth:`_alone`); the reply, whole, becomes the execution's
         ``last``.  An unexpected exception (a bug) marks ``ex`` failed (Overlay.fail)."""
-        async with self._alone(ex, name, harness):
+        async with self._alone(ex, cmd.NAME, harness):
             try:
-                reply = await self.execution_handlers[name](ex, args)
-            except (RametError, protocol.ProtocolError):
+                reply = await self.execution_handlers[type(cmd)](ex, cmd)
+            except RametError:
                 raise
             except Exception as exc:
-                self.overlay.fail(ex, f"internal error in {name}: {exc!r}")
+                self.overlay.fail(ex, f"internal error in {cmd.NAME}: {exc!r}")
                 raise
         self.last[ex.id] = kept_reply(reply)
         return reply
@@ -275,34 +252,27 @@ class Control:
                 cancelled.append(eid)
         return cancelled
 
-    async def _root_on_execution(self, name: str, args: dict) -> dict:
-        """Root ``<name> <execution-id> ...``: the execution command on that execution."""
-        ex = self.overlay.execution(args.pop("execution"))
-        return await self._on_execution(ex, name, args, harness=True)
-
     @staticmethod
     def _text(command: bytes) -> str:
         if len(command) > protocol.MAX_COMMAND_BYTES:
-            raise RametError(f"a command is at most {protocol.MAX_COMMAND_BYTES} bytes",
-                             errno.E2BIG)
+            raise RametError(errno.E2BIG,
+                             f"a command is at most {protocol.MAX_COMMAND_BYTES} bytes")
         try:
             return command.decode()
         except UnicodeDecodeError:
             raise InvalidArgument("a command is UTF-8 text") from None
 
     def _as_rametfs(self, exc: Exception, scope: str, command: bytes) -> RametError:
-        """``exc`` as the RametError a command fails with: a ProtocolError is EINVAL; any
+        """``exc`` as the RametError a command fails with: itself when it is one; any
         other exception is a bug, logged with its traceback (at most one per ``scope`` and
         :data:`LOG_INTERVAL_S`, :class:`LogLimit`) and answered EIO."""
         if isinstance(exc, RametError):
             return exc
-        if isinstance(exc, protocol.ProtocolError):
-            return InvalidArgument(str(exc))
         if (skipped := self.logs.take("error", scope)) is not None:
             log.error("internal error in command %s%s",
                       protocol.shown(command.decode(errors="replace").strip()),
                       _skipped(skipped), exc_info=exc)
-        return RametError(f"internal error: {protocol.shown(repr(exc))}", errno.EIO)
+        return RametError(errno.EIO, f"internal error: {protocol.shown(repr(exc))}")
 
     @staticmethod
     def _error_reply(exc: Exception) -> dict:
@@ -331,8 +301,8 @@ class Control:
         done (the truncation of ``echo cmd > ctl`` comes first).  (A writer the kernel
         refuses by the file's mode at the open never reaches the daemon: only root's
         writes come here.)"""
-        exc = RametError("this execution's control files are read-only (--control read); "
-                         "the harness acts on it through the root ctl", errno.EACCES)
+        exc = Denied("this execution's control files are read-only (--control read); "
+                     "the harness acts on it through the root ctl")
         self.errors[ex.id] = self._failed(ex.id, exc, command)
         self.last[ex.id] = kept_reply(self._error_reply(exc))
 
@@ -360,51 +330,43 @@ class Control:
                                  if parts[0] == protocol.SNAPSHOTS_DIR and len(parts) > 1
                                  else ""))
 
-    async def _snapshot(self, args: dict) -> dict:
-        path = args["path"]
-        self._check_source("snapshot", path)
-        snap = await trio.to_thread.run_sync(import_tree, self.overlay.store, path,
-                                             args.get("label", ""), args.get("message", ""),
-                                             args.get("on-change", protocol.ON_CHANGE[0]))
+    async def _snapshot(self, cmd: protocol.Snapshot) -> dict:
+        self._check_source("snapshot", cmd.path)
+        snap = await trio.to_thread.run_sync(import_tree, self.overlay.store, cmd.path,
+                                             cmd.label, cmd.message, cmd.on_change)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
-    async def _snapshot_git(self, args: dict) -> dict:
-        repo = args["repo"]
-        self._check_source("snapshot-git", repo)
-        with_git_dir = protocol.yes_no("snapshot-git", "gitdir", args.get("gitdir"))
-        snap = await trio.to_thread.run_sync(
-            import_git, self.overlay.store, repo, args.get("rev", "HEAD"), with_git_dir,
-            args.get("label", ""), args.get("message", ""))
+    async def _snapshot_git(self, cmd: protocol.SnapshotGit) -> dict:
+        self._check_source("snapshot-git", cmd.repo)
+        snap = await trio.to_thread.run_sync(import_git, self.overlay.store, cmd.repo, cmd.rev,
+                                             cmd.gitdir, cmd.label, cmd.message)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
-    async def _create(self, args: dict) -> dict:
-        snap = await self.overlay.resolve(args["snapshot"])
-        eid = args["name"] if "name" in args else secrets.token_hex(6)  # "": EINVAL below
-        if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
-            raise InvalidArgument(f"create: execution name {eid!r} must match "
-                                  f"{protocol.EXECUTION_NAME_RE.pattern}")
-        ex = self.overlay.create_execution(snap, eid, Access().given(args),
-                                           policy.stored(args.get("policy"), policy.CREATE))
+    async def _create(self, cmd: protocol.Create) -> dict:
+        snap = await self.overlay.resolve(cmd.snapshot)
+        eid = secrets.token_hex(6) if cmd.name is None else cmd.name
+        ex = self.overlay.create_execution(snap, eid, Access().given(cmd.access),
+                                           policy.stored(cmd.policy, policy.CREATE))
         path = os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id)
         return {"ok": True, "execution": ex.id, "snapshot": snap.id, "path": path}
 
-    async def _runtime(self, args: dict) -> dict:
-        ex = self.overlay.execution(args["execution"])
-        runtime = protocol.parse_runtime(args)
+    async def _runtime(self, cmd: protocol.Runtime) -> dict:
+        ex = self.overlay.execution(cmd.execution)
+        runtime = cmd.record()
         if ex.runtime != runtime:  # the adapters send it before every command they run
             self.overlay.set_runtime(ex, runtime)
         return {"ok": True, "execution": ex.id, "runtime": runtime}
 
-    async def _release(self, args: dict) -> dict:
-        ex = self.overlay.execution(args["execution"])
+    async def _release(self, cmd: protocol.Release) -> dict:
+        ex = self.overlay.execution(cmd.execution)
         async with self._alone(ex, "release"):
             self.pools.forget(ex.id, time.time_ns())
             await self.invalidate(*self.overlay.release(ex))
         self._forget_replies(ex.id)
         return {"ok": True, "execution": ex.id}
 
-    async def _cancel(self, args: dict) -> dict:
-        eid = args.get("execution")
+    async def _cancel(self, cmd: protocol.Cancel) -> dict:
+        eid = cmd.execution
         if eid is None:
             cancelled = await self.cancel_all("the harness (cancel)")
         else:
@@ -412,41 +374,37 @@ class Control:
             cancelled = [eid] if await self.cancel(eid, "the harness (cancel)") else []
         return {"ok": True, "cancelled": cancelled}
 
-    async def _fault(self, args: dict) -> dict:
+    async def _fault(self, cmd: protocol.Fault) -> dict:
         if not self.faults:
             raise InvalidArgument("fault: fault injection is off (rametfs serve --faults)")
-        count = protocol.parse_count(args.get("count", "1"), "--count", minimum=0)
-        FAULTS.arm(args["site"], args.get("execution"), count)
-        return {"ok": True, "site": args["site"], "execution": args.get("execution"),
-                "count": count}
+        FAULTS.arm(cmd.site, cmd.execution, cmd.count)
+        return {"ok": True, "site": cmd.site, "execution": cmd.execution, "count": cmd.count}
 
     # -- snapshot lifecycle (rametfs.core.lifecycle, docs/lifecycle.md) --------------------
 
-    async def _name(self, args: dict) -> dict:
-        snap = await self.overlay.resolve(args["snapshot"])
-        snap, previous = self.overlay.store.set_name(args["name"], snap.id)
+    async def _name(self, cmd: protocol.Name) -> dict:
+        snap = await self.overlay.resolve(cmd.snapshot)
+        snap, previous = self.overlay.store.set_name(cmd.name, snap.id)
         self._listing_changes += 1
-        return {"ok": True, "name": args["name"], "snapshot": snap.id, "previous": previous}
+        return {"ok": True, "name": cmd.name, "snapshot": snap.id, "previous": previous}
 
-    async def _unname(self, args: dict) -> dict:
-        sid = self.overlay.store.delete_name(args["name"])
+    async def _unname(self, cmd: protocol.Unname) -> dict:
+        sid = self.overlay.store.delete_name(cmd.name)
         self._listing_changes += 1
-        return {"ok": True, "name": args["name"], "snapshot": sid}
+        return {"ok": True, "name": cmd.name, "snapshot": sid}
 
-    async def _resolve(self, args: dict) -> dict:
-        return {"ok": True, "snapshot": (await self.overlay.resolve(args["snapshot"])).id}
+    async def _resolve(self, cmd: protocol.Resolve) -> dict:
+        return {"ok": True, "snapshot": (await self.overlay.resolve(cmd.snapshot)).id}
 
-    async def _rm(self, args: dict) -> dict:
-        force = protocol.yes_no("rm", "force", args.get("force"))
+    async def _rm(self, cmd: protocol.Rm) -> dict:
         # On the trio thread, one transaction: no create or promote comes in between.
-        reply = lifecycle.remove_snapshots(self.overlay.store, [args["snapshot"]], force,
+        reply = lifecycle.remove_snapshots(self.overlay.store, [cmd.snapshot], cmd.force,
                                            self._execution_uses())
         await self._removed(reply["removed"])
         return reply
 
-    async def _forget(self, args: dict) -> dict:
-        policy = retention.policy_of(args)
-        dry_run = protocol.yes_no("forget", "dry-run", args.get("dry-run"))
+    async def _forget(self, cmd: protocol.Forget) -> dict:
+        policy, dry_run = retention.policy_of(cmd), cmd.dry_run
         # On the trio thread, one transaction, as rm; a plan reads every snapshot record
         # (201 snapshots: 8 ms, the control round trip included: docs/benchmarks.md).
         reply = lifecycle.forget_snapshots(self.overlay.store, policy, dry_run,
@@ -476,9 +434,9 @@ class Control:
                 stale.append((self.snapshots_dir_ino, sid.encode()))
         await self.invalidate(stale, ())
 
-    async def _gc(self, args: dict) -> dict:
-        dry_run = protocol.yes_no("gc", "dry-run", args.get("dry-run"))
-        if protocol.yes_no("gc", "compact", args.get("compact")):
+    async def _gc(self, cmd: protocol.Gc) -> dict:
+        dry_run = cmd.dry_run
+        if cmd.compact:
             raise Busy("gc --compact rewrites the metadata file, which this daemon has open: "
                        "stop it (rametfs umount), then run rametfs gc --compact --data DIR")
         store = self.overlay.store
@@ -498,20 +456,20 @@ class Control:
 
     # -- execution commands --------------------------------------------------------------
 
-    async def _promote(self, ex: Execution, args: dict) -> dict:
-        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), ex.policy), self._token(ex),
+    async def _promote(self, ex: Execution, cmd: protocol.Promote) -> dict:
+        snap = await capture(self.overlay, ex, cmd.label, cmd.message,
+                             policy.choose(cmd.policy, ex.policy), self._token(ex),
                              charged=not self.running[ex.id].harness)
         self.overlay.set_head(ex, snap)
         self.promoted[ex.id] = snap.id
         await self._trim_pool(ex)
         reply = {"ok": True, "snapshot": snap.id, "stats": snap.stats}
-        if protocol.yes_no("promote", "publish", args.get("publish")):
+        if cmd.publish:
             reply["published"] = await self._published(snap.id)
         return reply
 
-    async def _publish(self, args: dict) -> dict:
-        snap = await self.overlay.resolve(args["snapshot"])
+    async def _publish(self, cmd: protocol.Publish) -> dict:
+        snap = await self.overlay.resolve(cmd.snapshot)
         return {"ok": True, "snapshot": snap.id, "published": await self._published(snap.id)}
 
     async def _published(self, sid: str) -> dict:
@@ -535,14 +493,15 @@ class Control:
             log.info("pool of %s: --keep-last forgot %d promotes", ex.id,
                      len(trimmed["removed"]))
 
-    async def _checkpoint(self, ex: Execution, args: dict) -> dict:
-        snap = await capture(self.overlay, ex, args.get("label", ""), args.get("message", ""),
-                             policy.choose(args.get("policy"), None), self._token(ex),
+    async def _checkpoint(self, ex: Execution, cmd: protocol.Checkpoint) -> dict:
+        snap = await capture(self.overlay, ex, cmd.label, cmd.message,
+                             policy.choose(cmd.policy, None), self._token(ex),
                              charged=not self.running[ex.id].harness)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
-    async def _reset(self, ex: Execution, args: dict) -> dict:
-        to = await self.overlay.resolve(heads.reset_target(args, ex.base.id, ex.head.id))
+    async def _reset(self, ex: Execution, cmd: protocol.Reset) -> dict:
+        to = await self.overlay.resolve(heads.reset_target(cmd.to, cmd.base, ex.base.id,
+                                                           ex.head.id))
         return {"ok": True, "snapshot": to.id, "reset_ms": await self._reset_layer(ex, to)}
 
     async def _reset_layer(self, ex: Execution, to: Snapshot) -> float:
@@ -557,12 +516,12 @@ class Control:
             table.pop(eid, None)
         self.logs.forget(eid)
 
-    async def _preview(self, ex: Execution, args: dict) -> dict:
+    async def _preview(self, ex: Execution, cmd: protocol.Preview) -> dict:
         return {"ok": True, "preview": await self._bounded_preview(
-            ex, policy.choose(args.get("policy"), ex.policy))}
+            ex, policy.choose(cmd.policy, ex.policy))}
 
-    async def _diff(self, args: dict) -> dict:
-        ex = self.overlay.execution(args["execution"])
+    async def _diff(self, cmd: protocol.Diff) -> dict:
+        ex = self.overlay.execution(cmd.execution)
         return {"ok": True, "execution": ex.id, "diff": await self._bounded_diff(
             ex, lambda item: [item[0], os.fsdecode(item[1])])}
 
@@ -595,25 +554,22 @@ class Control:
             raise too_big(what, self.max_answer_bytes)
         return data
 
-    async def _status(self, args: dict) -> dict:
-        ex = self.overlay.execution(args["execution"])
+    async def _status(self, cmd: protocol.Status) -> dict:
+        ex = self.overlay.execution(cmd.execution)
         return {"ok": True, "status": self.execution_json(ex)}
 
     # -- pools and leases (the rules: rametfs.core.pools) ----------------------------------
 
-    async def _pool(self, args: dict) -> dict:
-        snap = await self.overlay.resolve(args["snapshot"])
-        size = protocol.parse_count(args["size"], "--size")
-        keep = args.get("keep-last")
-        opened = self.pools.open(args.get("name"), snap.id, size, args,
-                                 policy.stored(args.get("policy"), policy.POOL), time.time_ns(),
-                                 None if keep is None
-                                 else protocol.parse_count(keep, "--keep-last"))
+    async def _pool(self, cmd: protocol.Pool) -> dict:
+        snap = await self.overlay.resolve(cmd.snapshot)
+        opened = self.pools.open(cmd.name, snap.id, cmd.size, cmd.access,
+                                 policy.stored(cmd.policy, policy.POOL), time.time_ns(),
+                                 cmd.keep_last)
         try:
             await self._make_members(opened.new)
         except RametError:
             if opened.created:  # half made: no one could use it
-                await self._drop({"pool": opened.pool})
+                await self._drop(protocol.Drop(opened.pool))
             raise
         return self.pools.opened_reply(opened)
 
@@ -624,14 +580,11 @@ class Control:
             ex = self.overlay.create_execution(await self.overlay.resolve(member.base),
                                                member.execution, member.access, member.policy)
             if not self.pools.add_member(member, time.time_ns()):
-                await self._release({"execution": ex.id})
+                await self._release(protocol.Release(ex.id))
 
-    async def _acquire(self, args: dict) -> dict:
-        acquired = self.pools.acquire(
-            args["pool"], args["holder"],
-            protocol.parse_count(args.get("pid", "0"), "--pid", minimum=0),
-            args.get("host", ""), protocol.parse_seconds_ns(args["ttl"], "--ttl"),
-            time.time_ns())
+    async def _acquire(self, cmd: protocol.Acquire) -> dict:
+        acquired = self.pools.acquire(cmd.pool, cmd.holder, cmd.pid, cmd.host, cmd.ttl_ns,
+                                      time.time_ns())
         self._lease_set(acquired.member.lease.expires_ns)
         ex = self.overlay.execution(acquired.member.execution)
         if not self.overlay.pristine(ex):  # a process of an earlier holder wrote after return
@@ -641,9 +594,8 @@ class Control:
         return self.pools.acquired_reply(
             acquired, os.path.join(self.mountpoint, protocol.EXECUTIONS_DIR, ex.id))
 
-    async def _renew(self, args: dict) -> dict:
-        reply = self.pools.renew(args["execution"], args["holder"],
-                                 protocol.parse_seconds_ns(args["ttl"], "--ttl"), time.time_ns())
+    async def _renew(self, cmd: protocol.Renew) -> dict:
+        reply = self.pools.renew(cmd.execution, cmd.holder, cmd.ttl_ns, time.time_ns())
         self._lease_set(reply["lease"]["expires_ns"])
         return reply
 
@@ -654,16 +606,15 @@ class Control:
         if expires_ns < self.leases_wake_ns:
             self.leases_changed.set()
 
-    async def _return(self, args: dict) -> dict:
-        mode = protocol.parse_verify_mode(args.get("verify", ROOT))
-        self.pools.held(args["execution"], args["holder"])  # before cancelling anything
-        return await self.recycle(args["execution"], args["holder"], mode)
+    async def _return(self, cmd: protocol.Return) -> dict:
+        self.pools.held(cmd.execution, cmd.holder)  # before cancelling anything
+        return await self.recycle(cmd.execution, cmd.holder, cmd.verify)
 
-    async def _drop(self, args: dict) -> dict:
-        reply = self.pools.drop(args["pool"])
+    async def _drop(self, cmd: protocol.Drop) -> dict:
+        reply = self.pools.drop(cmd.pool)
         for eid in reply["executions"]:
             with contextlib.suppress(NotFound):  # released meanwhile
-                await self._release({"execution": eid})
+                await self._release(protocol.Release(eid))
         return reply
 
     async def recycle(self, eid: str, holder: str, mode: str,
@@ -684,7 +635,9 @@ class Control:
                 verification = await verify(self.overlay, ex, mode, run.token)
                 result = await in_slices(verification.json_steps())
                 reason = status.quarantine_reason(result)
-            except pools.VERIFICATION_FAILURES as exc:  # e.g. an upper data file unreadable
+            except OSError as exc:  # e.g. an upper data file unreadable
+                if not pools.verification_failed(exc):
+                    raise
                 result, reason = None, status.failure_reason(mode, exc)
         self._forget_replies(ex.id)
         settled = self.pools.returned(eid, holder, reason, time.time_ns())
@@ -693,9 +646,8 @@ class Control:
         await self._make_members(settled.new)
         return pools.return_reply(settled, reset_ms, result)
 
-    async def _verify(self, ex: Execution, args: dict) -> dict:
-        mode = protocol.parse_verify_mode(args.get("mode", ROOT))
-        verification = await verify(self.overlay, ex, mode, self._token(ex))
+    async def _verify(self, ex: Execution, cmd: protocol.Verify) -> dict:
+        verification = await verify(self.overlay, ex, cmd.mode, self._token(ex))
         result = await in_slices(verification.json_steps())
         reason = status.quarantine_reason(result)
         settled = self.pools.verified(ex.id, reason)
@@ -899,8 +851,9 @@ def _diff_line(item: tuple[str, bytes]) -> bytes:
 
 def too_big(what: str, limit: int) -> RametError:
     """EFBIG for an answer over ``limit`` bytes, named by ``what``."""
-    return RametError(f"{what} is more than {limit} bytes; it is not made (the limit of one "
-                      f"answer: rametfs mount --max-answer-bytes)", errno.EFBIG)
+    return RametError(errno.EFBIG,
+                      f"{what} is more than {limit} bytes; it is not made (the limit of one "
+                      f"answer: rametfs mount --max-answer-bytes)")
 
 
 class Bounded(list):

@@ -18,26 +18,10 @@ back to it, in O(1) in FUSE mode whatever the target (a fresh upper layer over i
 
 from __future__ import annotations
 
-from .. import protocol
-from ..errors import InvalidArgument
 
-RESET = "reset"
-
-
-def reset_target(args: dict[str, str], base: str, head: str) -> str:
-    """The snapshot a ``reset`` command with ``args`` takes an execution whose base and head
-    are the snapshot ids ``base`` and ``head`` to: the one given with ``--to`` (an id or a
-    prefix, which the caller's store resolves: ENOENT unknown), the base for ``--base yes``,
-    else the head.
-
-    Raises InvalidArgument (EINVAL) for ``--base`` other than yes or no, or with ``--to``.
-    """
-    try:
-        to_base = protocol.yes_no(RESET, "base", args.get("base"))
-    except protocol.ProtocolError as exc:
-        raise InvalidArgument(str(exc)) from None
-    to = args.get("to")
-    if to is not None and to_base:
-        raise InvalidArgument("reset: --to SNAPSHOT and --base yes name two snapshots; "
-                              "give one")
+def reset_target(to: str | None, to_base: bool, base: str, head: str) -> str:
+    """The snapshot a ``reset`` (rametfs.protocol.Reset: ``to``, ``to_base``, never both)
+    takes an execution whose base and head are the snapshot ids ``base`` and ``head`` to:
+    ``to`` (an id or a prefix, which the caller's store resolves: ENOENT unknown), the base
+    for ``--base yes``, else the head."""
     return to if to is not None else base if to_base else head

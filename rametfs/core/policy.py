@@ -613,7 +613,7 @@ class Plan:
     def stopped(self, exc: RametError) -> RametError:
         """``exc`` (of an input's digest: :class:`InputError`) as the error of the promote
         it stops, its errno kept."""
-        return type(exc)(self._stopped(str(exc)), exc.errno)
+        return type(exc)(exc.errno, self._stopped(str(exc)))
 
     def _stopped(self, why: str) -> str:
         return f"promote stopped by the policy ({self.policy.source}): {why}"
@@ -726,8 +726,8 @@ class InputError(RametError):
 def input_too_big(path: str) -> InputError:
     """EFBIG: the regular files of input ``path`` hold more than :data:`MAX_INPUT_BYTES`
     (holes counted: its digest hashes every byte)."""
-    return InputError(f"input {quote_path(os.fsencode(path))} holds more than "
-                      f"{MAX_INPUT_BYTES} bytes", errno.EFBIG)
+    return InputError(errno.EFBIG, f"input {quote_path(os.fsencode(path))} holds more than "
+                                   f"{MAX_INPUT_BYTES} bytes")
 
 
 def tree_digest(items: Iterable[tuple[bytes, str, str]]) -> str:
@@ -799,7 +799,7 @@ class _Input:
         self.buffer: bytearray | None = None
 
     def fail(self, what: str, err: int) -> InputError:
-        return InputError(f"input {quote_path(os.fsencode(self.path))} {what}", err)
+        return InputError(err, f"input {quote_path(os.fsencode(self.path))} {what}")
 
     def changed(self, rel: bytes, what: str) -> InputError:
         """``rel`` (below the input, ``b""`` itself) changed under the walk: EAGAIN."""

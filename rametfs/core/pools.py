@@ -33,7 +33,7 @@ fallback mode, with no lease task, such a member could otherwise only be dropped
 pool) and ``renew`` refuses it in both (the daemon's in-memory postponement of a busy one let
 its holder renew it); "not leased" is InvalidArgument with its hint in both; a verification
 reply carries tree ids in both (rametfs.core.status.verification_json); and only unreadable
-or corrupt data is a failed verification (:data:`VERIFICATION_FAILURES`), in both.
+or corrupt data is a failed verification (:func:`verification_failed`), in both.
 """
 
 from __future__ import annotations
@@ -47,16 +47,21 @@ from ..authority import Access
 from ..errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
 from ..store import Store
 from ..store.catalog import LEASED, QUARANTINED, READY, Catalog, Lease, Member, PoolRecord
+from ..types import ExecutionId, PoolName
 
-__all__ = ["LEASED", "QUARANTINED", "READY", "VERIFICATION_FAILURES", "Acquired", "NewMember",
-           "Opened", "Pools", "Settled", "return_reply"]
+__all__ = ["LEASED", "QUARANTINED", "READY", "Acquired", "NewMember",
+           "Opened", "Pools", "Settled", "return_reply", "verification_failed"]
 
 NOT_POOLED = {"pool": None, "state": READY, "lease": None, "quarantine_reason": None}
-# What a verification may raise that quarantines the execution
-# (rametfs.core.status.failure_reason):
-# stored bytes unreadable or corrupt.  Anything else (cancelled, busy, no space) is no verdict
-# on the execution: the return fails and the member stays as it was.
-VERIFICATION_FAILURES = (IntegrityError, OSError)
+
+
+def verification_failed(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a verification, quarantines the execution
+    (rametfs.core.status.failure_reason): stored bytes corrupt (IntegrityError) or unreadable
+    (an OSError of the file system).  Any other RametError (cancelled, busy, no space) is no
+    verdict on the execution: the return fails and the member stays as it was."""
+    return isinstance(exc, IntegrityError) or \
+        isinstance(exc, OSError) and not isinstance(exc, RametError)
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class Pools:
 
     # -- pools ---------------------------------------------------------------------------
 
-    def open(self, name: str | None, base: str, size: int, options: dict[str, str],
+    def open(self, name: PoolName | None, base: str, size: int, options: protocol.Access,
              policy: dict | None, now_ns: int, keep_last: int | None = None) -> Opened:
         """Create pool ``name`` (generated when None) of ``size`` executions of snapshot
         ``base`` (hex id), or reattach to the pool of that name, growing it to ``size``.
@@ -125,12 +130,11 @@ class Pools:
         promote of a member, only the pool's N newest promotes are kept
         (rametfs.core.lifecycle.trim_pool; None: not given, a new pool keeps all).
 
-        Raises ProtocolError (EINVAL) for a bad name or size (``protocol.check_pool``),
-        InvalidArgument (EINVAL) for a bad option, RametError (EEXIST) when the pool exists
-        with another base or other access settings, or ``policy`` or ``keep_last`` is given
-        and is not the pool's.
+        The name, size and options are a ``pool`` command's (rametfs.protocol.Pool checks
+        them).  Raises RametError (EEXIST) when the pool exists with another base or other
+        access settings, or ``policy`` or ``keep_last`` is given and is not the pool's.
         """
-        name = protocol.check_pool(name, size)
+        name = name or protocol.new_pool_name()
         with self.store.write() as txn:
             pool = self.catalog.pool(txn, name)
             created = pool is None
@@ -140,9 +144,9 @@ class Pools:
             else:
                 _check_reattach(name, pool, base, options, policy)
                 if keep_last is not None and keep_last != pool.keep_last:
-                    raise RametError(f"pool {name!r} exists with --keep-last "
-                                     f"{pool.keep_last or 'unset'}, not {keep_last}",
-                                     errno.EEXIST)
+                    raise RametError(errno.EEXIST,
+                                     f"pool {name!r} exists with --keep-last "
+                                     f"{pool.keep_last or 'unset'}, not {keep_last}")
                 pool.size = max(pool.size, size)
             self.catalog.put_pool(txn, name, pool)
             new = self._missing(txn, name, pool)
@@ -168,7 +172,7 @@ class Pools:
             self.catalog.put_member(txn, Member(new.execution, new.pool, returned_ns=now_ns))
         return True
 
-    def drop(self, name: str) -> dict:
+    def drop(self, name: PoolName) -> dict:
         """Forget pool ``name`` and its members; the ``drop`` command's reply, ``{"ok",
         "pool", "executions"}``, names the members' executions, which the driver releases.
         Raises NotFound (ENOENT) when there is no such pool."""
@@ -193,7 +197,7 @@ class Pools:
 
     # -- leases --------------------------------------------------------------------------
 
-    def acquire(self, name: str, holder: str, pid: int, host: str, ttl_ns: int, now_ns: int,
+    def acquire(self, name: PoolName, holder: str, pid: int, host: str, ttl_ns: int, now_ns: int,
                 *, take_expired: bool = False) -> Acquired:
         """Lease the last returned ready member of pool ``name`` to ``holder`` (``pid`` on
         ``host``) from ``now_ns`` for ``ttl_ns``; with none ready and ``take_expired``, the
@@ -226,7 +230,7 @@ class Pools:
         return {"ok": True, "execution": member.execution, "pool": member.pool,
                 "snapshot": acquired.base, "path": path, "lease": member.lease.to_json()}
 
-    def held(self, eid: str, holder: str) -> Member:
+    def held(self, eid: ExecutionId, holder: str) -> Member:
         """The member ``eid`` leased by ``holder``.  Raises NotFound (ENOENT) when ``eid`` is
         no pool member, InvalidArgument (EINVAL) when it is not leased, Busy (EBUSY) when
         another holder has it."""
@@ -239,7 +243,7 @@ class Pools:
             member = self.catalog.member(txn, eid)
         return None if member is None else member.lease
 
-    def renew(self, eid: str, holder: str, ttl_ns: int, now_ns: int) -> dict:
+    def renew(self, eid: ExecutionId, holder: str, ttl_ns: int, now_ns: int) -> dict:
         """Extend ``holder``'s lease on ``eid`` to ``ttl_ns`` from ``now_ns``; the ``renew``
         command's reply, ``{"ok", "execution", "lease"}``.  Errors: those of :meth:`held`,
         and InvalidArgument (EINVAL) when the lease has ended (an ended lease holds nothing:
@@ -252,7 +256,7 @@ class Pools:
             self.catalog.put_member(txn, member)
         return {"ok": True, "execution": eid, "lease": member.lease.to_json()}
 
-    def returned(self, eid: str, holder: str, reason: str, now_ns: int) -> Settled:
+    def returned(self, eid: ExecutionId, holder: str, reason: str, now_ns: int) -> Settled:
         """``holder``'s member ``eid`` was reset and verified: back to the pool, ready, when
         ``reason`` is empty, else quarantined with ``reason`` (rametfs.core.status
         .quarantine_reason, .failure_reason) and :attr:`Settled.new` its replacement.
@@ -279,7 +283,7 @@ class Pools:
                 return None
             return self._quarantine(txn, member, reason)
 
-    def forget(self, eid: str, now_ns: int) -> None:
+    def forget(self, eid: ExecutionId, now_ns: int) -> None:
         """Execution ``eid`` is being released: it leaves its pool, which shrinks by one
         (unless it was quarantined).  Raises Busy (EBUSY) while a lease on it runs
         (a lease that has ended at ``now_ns`` holds nothing)."""
@@ -385,21 +389,20 @@ def _spec(pool: PoolRecord) -> tuple[str, Access, dict | None]:
     return pool.base, Access.from_record(pool.access), pool.policy
 
 
-def _check_reattach(name: str, pool: PoolRecord, base: str, options: dict[str, str],
+def _check_reattach(name: str, pool: PoolRecord, base: str, options: protocol.Access,
                     policy: dict | None) -> None:
     """RametError (EEXIST) when pool ``name`` (``pool``) is reattached to with another base
-    snapshot, access options other than its own, or a policy (given: not None) not its own;
-    InvalidArgument (EINVAL) for a bad option."""
+    snapshot, access options other than its own, or a policy (given: not None) not its own."""
     if pool.base != base:
-        raise RametError(f"pool {name!r} exists with base {pool.base}, not {base}",
-                         errno.EEXIST)
+        raise RametError(errno.EEXIST,
+                         f"pool {name!r} exists with base {pool.base}, not {base}")
     settings = Access.from_record(pool.access)
     if settings.given(options) != settings:
-        raise RametError(f"pool {name!r} exists with {settings.describe()}, not "
-                         f"{settings.given(options).describe()}", errno.EEXIST)
+        raise RametError(errno.EEXIST, f"pool {name!r} exists with {settings.describe()}, not "
+                         f"{settings.given(options).describe()}")
     if policy is not None and policy != pool.policy:
-        raise RametError(f"pool {name!r} exists with another persistence policy",
-                         errno.EEXIST)
+        raise RametError(errno.EEXIST,
+                         f"pool {name!r} exists with another persistence policy")
 
 
 def _serving(members) -> int:

@@ -22,62 +22,15 @@ applies it inside one write transaction.
 
 from __future__ import annotations
 
-import datetime
 import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .. import protocol
 from ..errors import InvalidArgument
+from ..protocol import Duration  # the calendar duration of --keep-within
 
-# A duration: whole numbers, each with a unit, units in this order, each at most once
-# (restic's units; ``m`` is months, as in restic: ``2h30m`` is EINVAL, not 30 months).
-_DURATION = re.compile(r"(?:(\d+)y)?(?:(\d+)m)?(?:(\d+)d)?(?:(\d+)h)?")
-# Of each unit: 1,000 years before any time since 1970 is still a year datetime holds (>= 1).
-MAX_DURATION_PART = 1000
-
-
-@dataclass(frozen=True)
-class Duration:
-    """A calendar duration as restic's ``--keep-within`` takes it: ``1y2m7d3h`` is one year,
-    two months, seven days and three hours (units ``y`` years, ``m`` months, ``d`` days,
-    ``h`` hours, in that order, each at most once, at least one)."""
-
-    years: int = 0
-    months: int = 0
-    days: int = 0
-    hours: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> Duration:
-        """The duration ``text`` spells; InvalidArgument (EINVAL), saying the units, for
-        anything else (an empty or zero duration, another unit, units out of order)."""
-        match = _DURATION.fullmatch(text)
-        parts = [int(p) if p else 0 for p in match.groups()] if match else []
-        if not any(parts) or max(parts) > MAX_DURATION_PART:
-            raise InvalidArgument(
-                f"bad duration {text!r}: give whole numbers of y (years), m (months), "
-                f"d (days) and h (hours), in that order, each at most {MAX_DURATION_PART} "
-                "and not all zero, as restic does: 7d, 36h, 1y2m (m is months, so 2h30m "
-                "is not a duration)")
-        return cls(*parts)
-
-    def __str__(self) -> str:
-        return "".join(f"{n}{unit}" for n, unit in zip(
-            (self.years, self.months, self.days, self.hours), "ymdh") if n)
-
-    def before(self, ns: int) -> int:
-        """The time (ns since the epoch, UTC) this duration before ``ns``: years and months
-        by the calendar, a day past a month's end rolling over as Go's ``AddDate`` does
-        (restic's arithmetic: Mar 31 less one month is Mar 3, or Mar 2 in a leap year)."""
-        seconds, rest = divmod(ns, 1_000_000_000)
-        t = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
-        month0 = t.year * 12 + (t.month - 1) - self.years * 12 - self.months
-        first = t.replace(year=month0 // 12, month=month0 % 12 + 1, day=1)
-        moved = first + datetime.timedelta(days=t.day - 1 - self.days, hours=-self.hours)
-        return int(moved.timestamp()) * 1_000_000_000 + rest
-
+__all__ = ["Duration", "Plan", "Policy", "plan", "policy_of"]
 
 @dataclass(frozen=True)
 class Policy:
@@ -96,16 +49,10 @@ class Policy:
                                   f"{self.keep_last}")
 
 
-def policy_of(args: Mapping[str, str | None]) -> Policy:
-    """The policy of a ``forget`` command's ``keep-last``, ``keep-within`` and ``keep-name``
-    arguments (absent or None: the rule is left out); InvalidArgument (EINVAL) for a bad
-    value or none at all."""
-    last, within, name = (args.get(k) for k in ("keep-last", "keep-within", "keep-name"))
-    try:
-        count = None if last is None else protocol.parse_count(last, "--keep-last")
-    except protocol.ProtocolError as exc:
-        raise InvalidArgument(f"forget: {exc}") from None
-    return Policy(count, None if within is None else Duration.parse(within), name)
+def policy_of(command: protocol.Forget) -> Policy:
+    """The policy of a ``forget`` command (its values checked by rametfs.protocol);
+    InvalidArgument (EINVAL) for none at all."""
+    return Policy(command.keep_last, command.keep_within, command.keep_name)
 
 
 @dataclass(frozen=True)

@@ -115,8 +115,7 @@ def quarantine_reason(verification: dict) -> str:
 
 
 def failure_reason(mode: str, exc: Exception) -> str:
-    """Why a verification in ``mode`` that raised ``exc`` (one of
-    :data:`rametfs.core.pools.VERIFICATION_FAILURES`: e.g. an upper data file gone
-    unreadable) quarantines the
+    """Why a verification in ``mode`` that raised ``exc`` (rametfs.core.pools
+    .verification_failed: e.g. an upper data file gone unreadable) quarantines the
     execution."""
     return f"{mode} verification failed: {exc}"

@@ -7,7 +7,8 @@ in the same store as in FUSE mode.  docs/fallback.md has the design, format and 
 
 Modules: ``clone`` (copy methods), ``manifest`` (the per-execution record file), ``scan``
 (the tree as snapshot entries), ``sync`` (make a directory equal to a snapshot),
-``executions`` (the commands); the diff is rametfs.core.diff's, over the scan's entries.
+``executions`` (the commands), ``pools`` (pools and leases), ``service`` (each protocol
+Command run by its type); the diff is rametfs.core.diff's, over the scan's entries.
 """
 
 from .clone import CLONEFILE, COPY, REFLINK

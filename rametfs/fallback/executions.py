@@ -10,8 +10,10 @@ An execution exists while its record does.  Every command on one execution takes
 (EBUSY when another holds it), so processes and threads sharing a data directory do not
 interleave.  Snapshots live in the data directory's store, shared with FUSE mode.
 
-Replies are the dicts the control protocol returns (``{"ok": true, "snapshot": ...}``).
-Errors are rametfs.errors classes with their errno, or OSError from the file system.
+Arguments are the values of rametfs.protocol's commands, checked there; rametfs.fallback.service
+runs each command here.  Replies are the dicts the control protocol returns (``{"ok": true,
+"snapshot": ...}``).  Errors are rametfs.errors classes with their errno, or OSError from the
+file system.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..core import lifecycle, retention, status
 from ..core import policy as _policy
 from ..core.heads import reset_target
 from ..core.diff import diff_trees
-from ..errors import Busy, InvalidArgument, NotFound, RametError
+from ..errors import Busy, Exists, InvalidArgument, NotFound, RametError
 from ..longpath import cached
 from ..store import Entry, Store, gc, import_git, import_tree
 from ..store.gc_guard import Progress
@@ -104,24 +106,19 @@ class Fallback:
     def snapshot(self, source: str, label: str = "", message: str = "",
                  on_change: str = "fail") -> dict:
         """Import the directory ``source`` (absolute) as a snapshot (``import_tree``)."""
-        protocol.check_text("snapshot", label, message)
         snap = import_tree(self.store, source, label, message, on_change)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
-    def snapshot_git(self, repo: str, rev: str = "HEAD", gitdir: str | None = None,
+    def snapshot_git(self, repo: str, rev: str = "HEAD", with_git_dir: bool = False,
                      label: str = "", message: str = "") -> dict:
         """Import revision ``rev`` of the git repository ``repo`` (absolute) as a snapshot
-        (``import_git``); ``gitdir`` ``"yes"`` takes its ``.git`` directory along."""
-        try:
-            with_git_dir = protocol.yes_no("snapshot-git", "gitdir", gitdir)
-            protocol.check_text("snapshot-git", label, message)
-        except protocol.ProtocolError as exc:
-            raise InvalidArgument(str(exc)) from None
+        (``import_git``); ``with_git_dir`` takes its ``.git`` directory along."""
         snap = import_git(self.store, repo, rev, with_git_dir, label, message)
         return {"ok": True, "snapshot": snap.id, "stats": snap.stats}
 
     def create(self, snapshot: str, name: str | None = None, policy: str | None = None, *,
-               stored_policy: dict | None = None, **access: str) -> dict:
+               stored_policy: dict | None = None,
+               access: protocol.Access = protocol.Access()) -> dict:
         """Materialise ``snapshot`` (id or unique prefix) as a new execution, storing with it
         the persistence policy ``policy`` (a ``--policy`` value: text, ``tree`` or
         ``none``), or the policy record ``stored_policy`` (a pool's); ``access`` the
@@ -129,26 +126,23 @@ class Fallback:
         status (the data directory, 0700, keeps every other uid out, and the tree has no
         control files, so neither changes what a sandbox may do; docs/fallback.md).
 
-        Raises NotFound (ENOENT) unknown snapshot, InvalidArgument (EINVAL) bad name,
-        setting or malformed policy, RametError (EEXIST) name taken, OSError (ENOSPC ...)
-        while writing the tree.
+        Raises NotFound (ENOENT) unknown snapshot, InvalidArgument (EINVAL) malformed policy,
+        Exists (EEXIST) name taken, OSError (ENOSPC ...) while writing the tree.
         """
         settings = Access().given(access)
         if settings.max_bytes is not None or settings.max_inodes is not None:
-            raise RametError("create: --max-bytes and --max-inodes need FUSE mode (a fallback "
+            raise RametError(errno.EOPNOTSUPP,
+                             "create: --max-bytes and --max-inodes need FUSE mode (a fallback "
                              "execution is a plain directory: use the file system's project "
-                             "quotas)", errno.EOPNOTSUPP)
+                             "quotas)")
         stored_policy = _policy.stored(policy, _policy.CREATE) or stored_policy
         snap = self.store.snapshot(snapshot)
         eid = name or secrets.token_hex(6)
-        if not protocol.EXECUTION_NAME_RE.fullmatch(eid):
-            raise InvalidArgument(f"create: execution name {eid!r} must match "
-                                  f"{protocol.EXECUTION_NAME_RE.pattern}")
         path = self.path(eid)
         try:
             path.mkdir(mode=0o700)  # reserves the name
         except FileExistsError:
-            raise RametError(f"execution {eid!r} already exists", errno.EEXIST) from None
+            raise Exists(f"execution {eid!r} already exists") from None
         try:
             with self._locked(eid, create=True):
                 started = time.monotonic_ns()
@@ -180,12 +174,9 @@ class Fallback:
             raise NotFound(self._missing(eid))
         return {"ok": True, "execution": eid}
 
-    def runtime(self, eid: str, name: str, uid: str, gid: str, image: str | None = None
-                ) -> dict:
-        """Record the sandbox that runs execution ``eid`` (protocol.parse_runtime: ProtocolError
-        EINVAL for a bad one); the manifest is rewritten only when it changes."""
-        runtime = protocol.parse_runtime({"name": name, "uid": uid, "gid": gid,
-                                          **({"image": image} if image is not None else {})})
+    def runtime(self, eid: str, runtime: dict) -> dict:
+        """Record the sandbox that runs execution ``eid`` (its record: protocol.Runtime.record);
+        the manifest is rewritten only when it changes."""
         with self._locked(eid):
             if self._load(eid, records=False).runtime != runtime:
                 meta = self._load(eid)
@@ -217,41 +208,25 @@ class Fallback:
         """The id of the snapshot ``snapshot`` names (Store.snapshot)."""
         return {"ok": True, "snapshot": self.store.snapshot(snapshot).id}
 
-    def rm(self, snapshot: str, force: str | None = None) -> dict:
+    def rm(self, snapshot: str, force: bool = False) -> dict:
         """Forget ``snapshot`` (lifecycle.remove_snapshots); EBUSY while it is used."""
-        try:
-            forced = protocol.yes_no("rm", "force", force)
-        except protocol.ProtocolError as exc:
-            raise InvalidArgument(str(exc)) from None
-        return lifecycle.remove_snapshots(self.store, [snapshot], forced,
+        return lifecycle.remove_snapshots(self.store, [snapshot], force,
                                           self._execution_uses())
 
-    def forget(self, keep_last: str | None = None, keep_within: str | None = None,
-               keep_name: str | None = None, dry_run: str | None = None) -> dict:
+    def forget(self, policy: retention.Policy, dry_run: bool = False) -> dict:
         """Forget what the retention policy does not keep (lifecycle.forget_snapshots)."""
-        policy = retention.policy_of({"keep-last": keep_last, "keep-within": keep_within,
-                                      "keep-name": keep_name})
-        try:
-            dry = protocol.yes_no("forget", "dry-run", dry_run)
-        except protocol.ProtocolError as exc:
-            raise InvalidArgument(str(exc)) from None
-        return lifecycle.forget_snapshots(self.store, policy, dry,
-                                          self._execution_uses())
+        return lifecycle.forget_snapshots(self.store, policy, dry_run, self._execution_uses())
 
-    def gc(self, dry_run: str | None = None, compact: str | None = None,
+    def gc(self, dry_run: bool = False, compact: bool = False,
            progress: Progress | None = None) -> dict:
         """Collect the store's garbage in this process (rametfs.store.gc.collect), its roots
         the store's and every execution manifest's; ``compact`` is offline only (the CLI's
         ``gc --compact --data``: this store is open here).  Raises as ``collect``."""
-        try:
-            dry = protocol.yes_no("gc", "dry-run", dry_run)
-            if protocol.yes_no("gc", "compact", compact):
-                raise InvalidArgument("gc --compact runs on a closed store: rametfs gc "
-                                      "--compact --data DIR")
-        except protocol.ProtocolError as exc:
-            raise InvalidArgument(str(exc)) from None
-        report = gc.collect(self.store, functools.partial(manifest.gc_roots, self.data), dry,
-                            progress)
+        if compact:
+            raise InvalidArgument("gc --compact runs on a closed store: rametfs gc "
+                                  "--compact --data DIR")
+        report = gc.collect(self.store, functools.partial(manifest.gc_roots, self.data),
+                            dry_run, progress)
         return {"ok": True, "gc": report.to_json()}
 
     def _execution_uses(self) -> list[tuple[str, str, str, str]]:
@@ -302,16 +277,14 @@ class Fallback:
                                         _Side(self.store, root, meta), durable=True)
         return applied.report()
 
-    def reset(self, eid: str, to: str | None = None, base: str | None = None) -> dict:
+    def reset(self, eid: str, to: str | None = None, base: bool = False) -> dict:
         """Make the tree equal its head again (``to``: the snapshot with that id or prefix;
-        ``base`` ``"yes"``: its base), which becomes its head (rametfs.core.heads): put back
-        the paths that differ and remove the added ones.  Raises InvalidArgument (EINVAL)
-        for both or a bad ``base``, NotFound (ENOENT) for an unknown snapshot."""
+        ``base``: its base), which becomes its head (rametfs.core.heads): put back the paths
+        that differ and remove the added ones.  Raises NotFound (ENOENT) for an unknown
+        snapshot."""
         with self._locked(eid):
             meta = self._load(eid)
-            target = self.store.snapshot(reset_target(
-                {key: value for key, value in (("to", to), ("base", base)) if value is not None},
-                meta.base, meta.head))
+            target = self.store.snapshot(reset_target(to, base, meta.base, meta.head))
             started = time.monotonic_ns()
             meta.records, stats = sync.sync(self.store, os.fsencode(self.path(eid)), target,
                                             meta.records, self.copy_method)
@@ -330,20 +303,10 @@ class Fallback:
         head = self.store.snapshot(meta.head)
         return diff_trees(head.root, now.root, lambda tid: now.tree(self.store, tid))
 
-    def verify(self, eid: str, deep: bool = False) -> list[tuple[str, bytes]]:
-        """How the tree differs from the head; empty when it equals the head (after a reset).
-
-        Quick: as far as the manifest tells, reading no file (a path it does not vouch for
-        counts as different).  ``deep``: reads and hashes every file, as ``diff`` reports.  A
-        ready pool member that differs is quarantined (rametfs.fallback.pools).
-        """
-        verification = self.verification(eid, "deep" if deep else "root")
-        self.pools.verified(eid, verification)
-        return [(letter, os.fsencode(path)) for letter, path in verification["differences"]]
-
     def verification(self, eid: str, mode: str) -> dict:
-        """Verify execution ``eid`` in ``mode`` (``"root"``: quick, ``"deep"``; see
-        :meth:`verify`): the verification as replies carry it
+        """Verify execution ``eid`` in ``mode``: ``"root"``, quick, as far as the manifest
+        tells, reading no file (a path it does not vouch for counts as different), or
+        ``"deep"``, reading and hashing every file; the verification as replies carry it
         (rametfs.core.status.verification_json).  Its ``root`` is the tree id the execution
         holds: the base's when quick mode finds no difference, else that of a scan (reading
         what the manifest does not vouch for; every file in deep mode).  It compares with the
@@ -378,7 +341,6 @@ class Fallback:
 
     def _capture(self, eid: str, label: str, message: str, move_head: bool,
                  policy: str | None, stored: bool) -> dict:
-        protocol.check_text("promote" if move_head else "checkpoint", label, message)
         with self._locked(eid), self.store.gc_guard.writing():
             meta = self._load(eid)
             root = self.path(eid)

@@ -2,8 +2,8 @@
 this process over the rules of rametfs.core.pools, whose records are in the data directory's
 LMDB, shared by every process using it.
 
-This driver does the mechanics: it parses the commands' arguments (strings, as the protocol
-gives them) and makes, resets, verifies and releases executions (rametfs.fallback.executions).
+This driver does the mechanics, on the values of the protocol's commands (rametfs.protocol
+checks them): it makes, resets, verifies and releases executions (rametfs.fallback.executions).
 No daemon watches the leases: ``acquire`` takes over the execution of an ended lease when no
 member is ready, resetting and verifying it first (quarantined: it looks again).  Replies are
 those of the daemon's commands.
@@ -37,19 +37,16 @@ class Pools:
 
     # -- commands ------------------------------------------------------------------------
 
-    def open(self, snapshot: str, size: str, name: str | None = None,
-             policy: str | None = None, keep_last: str | None = None, **access: str) -> dict:
-        """Create pool ``name`` of ``size`` executions of ``snapshot``, whose members are
-        created with the persistence policy ``policy`` (a ``--policy`` value) and whose
-        promotes are trimmed to the ``keep_last`` newest, or reattach to it (growing it to
-        ``size``); ``access`` the members' settings, as the daemon's ``pool`` takes them.
-        Errors: ENOENT snapshot, EINVAL, EEXIST other base, settings, policy or keep_last
-        (rametfs.core.pools.Pools.open)."""
-        snap = self.engine.store.snapshot(snapshot)
-        count = protocol.parse_count(size, "--size")
-        keep = None if keep_last is None else protocol.parse_count(keep_last, "--keep-last")
-        opened = self.rules.open(name, snap.id, count, access,
-                                 _policy.stored(policy, _policy.POOL), self.clock(), keep)
+    def open(self, command: protocol.Pool) -> dict:
+        """Create pool ``command.name`` of ``command.size`` executions of its snapshot, whose
+        members are created with its persistence policy (a ``--policy`` value) and access
+        settings, and whose promotes are trimmed to the ``keep_last`` newest, or reattach to
+        it (growing it to the size).  Errors: ENOENT snapshot, EINVAL policy, EEXIST other
+        base, settings, policy or keep_last (rametfs.core.pools.Pools.open)."""
+        snap = self.engine.store.snapshot(command.snapshot)
+        opened = self.rules.open(command.name, snap.id, command.size, command.access,
+                                 _policy.stored(command.policy, _policy.POOL), self.clock(),
+                                 command.keep_last)
         try:
             self._make(opened.new)
         except BaseException:
@@ -58,13 +55,13 @@ class Pools:
             raise
         return self.rules.opened_reply(opened)
 
-    def acquire(self, pool: str, holder: str, ttl: str, pid: str = "0", host: str = "") -> dict:
+    def acquire(self, pool: str, holder: str, ttl_ns: int, pid: int = 0, host: str = ""
+                ) -> dict:
         """Lease a ready execution of ``pool`` (the last returned), else one whose lease
-        ended (reset and verified first).  Errors: ENOENT unknown pool, EBUSY none free."""
-        ttl_ns = protocol.parse_seconds_ns(ttl, "--ttl")
-        lease_pid = protocol.parse_count(pid, "--pid", minimum=0)
+        ended (reset and verified first), for ``ttl_ns``.  Errors: ENOENT unknown pool,
+        EBUSY none free."""
         while True:
-            acquired = self.rules.acquire(pool, holder, lease_pid, host, ttl_ns, self.clock(),
+            acquired = self.rules.acquire(pool, holder, pid, host, ttl_ns, self.clock(),
                                           take_expired=True)
             eid = acquired.member.execution
             if acquired.taken_over:
@@ -74,16 +71,15 @@ class Pools:
                     continue
             return self.rules.acquired_reply(acquired, str(self.engine.path(eid)))
 
-    def renew(self, execution: str, holder: str, ttl: str) -> dict:
-        """Extend ``holder``'s lease on ``execution`` to ``ttl`` seconds from now.  Errors:
-        ENOENT not in a pool, EBUSY another holder, EINVAL not leased or the lease ended."""
-        return self.rules.renew(execution, holder, protocol.parse_seconds_ns(ttl, "--ttl"),
-                                self.clock())
+    def renew(self, execution: str, holder: str, ttl_ns: int) -> dict:
+        """Extend ``holder``'s lease on ``execution`` to ``ttl_ns`` from now.  Errors: ENOENT
+        not in a pool, EBUSY another holder, EINVAL not leased or the lease ended."""
+        return self.rules.renew(execution, holder, ttl_ns, self.clock())
 
-    def return_(self, execution: str, holder: str, verify: str = "root") -> dict:
-        """Reset ``execution``, verify it (``root``: the manifest; ``deep``: every file
-        hashed) and put it back in its pool, or quarantine it.  Errors as :meth:`renew`."""
-        mode = protocol.parse_verify_mode(verify)
+    def return_(self, execution: str, holder: str, mode: str = "root") -> dict:
+        """Reset ``execution``, verify it in ``mode`` (``root``: the manifest; ``deep``:
+        every file hashed) and put it back in its pool, or quarantine it.  Errors as
+        :meth:`renew`."""
         self.rules.held(execution, holder)
         reset_ms, verification, reason = self._reset_and_verify(execution, mode)
         settled = self.rules.returned(execution, holder, reason, self.clock())
@@ -106,7 +102,7 @@ class Pools:
         self.rules.forget(execution, self.clock())
 
     def verified(self, execution: str, verification: dict) -> None:
-        """An explicit verification (rametfs.core.pools.verification_json): a ready member
+        """An explicit verification (rametfs.core.status.verification_json): a ready member
         that differs from its base is quarantined and replaced."""
         settled = self.rules.verified(execution, status.quarantine_reason(verification))
         if settled is not None:
@@ -124,10 +120,12 @@ class Pools:
         """Reset execution ``eid`` to its base (the pool's snapshot) and verify it in
         ``mode``: ``(reset_ms, verification, quarantine reason)``, the reason empty when it
         equals its base."""
-        reset_ms = self.engine.reset(eid, base=protocol.YES)["reset_ms"]  # the pool's snapshot
+        reset_ms = self.engine.reset(eid, base=True)["reset_ms"]  # the pool's snapshot
         try:
             verification = self.engine.verification(eid, mode)
-        except core.VERIFICATION_FAILURES as exc:
+        except OSError as exc:
+            if not core.verification_failed(exc):
+                raise
             return reset_ms, None, status.failure_reason(mode, exc)
         return reset_ms, verification, status.quarantine_reason(verification)
 
@@ -136,6 +134,6 @@ class Pools:
         wants (dropped, or filled by another process meanwhile) is released again."""
         for member in new:
             self.engine.create(member.base, member.execution, stored_policy=member.policy,
-                               **member.access.options())
+                               access=member.access.options())
             if not self.rules.add_member(member, self.clock()):
                 self.engine.release(member.execution)

@@ -183,8 +183,9 @@ class _Scanner:
         try:
             before = os.fstat(fd)
             if not stat.S_ISREG(before.st_mode):
-                raise RametError(f"{os.fsdecode(path)} changed while it was scanned: stop "
-                                 "what writes in the execution, then try again", errno.EBUSY)
+                raise RametError(errno.EBUSY,
+                                 f"{os.fsdecode(path)} changed while it was scanned: stop "
+                                 "what writes in the execution, then try again")
             while page := _read_page(fd):
                 ids.append(self.writer.add(page) if self.writer else page_id(page))
                 size += len(page)

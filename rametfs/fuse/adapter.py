@@ -34,7 +34,7 @@ import trio
 
 from ..authority import HARNESS, Caller
 from ..control.tree import NAME_MAX, Absence, Entry, MountTree
-from ..errors import NotFound, RametError, ReadOnly
+from ..errors import NotFound, ReadOnly
 from ..faults import FAULTS
 from .kernel import KernelState
 
@@ -109,7 +109,7 @@ def _translate(fn):
             if FAULTS.armed:
                 FAULTS.check(f"handler:{name}", *self.tree.culprits(_inos(args)))
             return await fn(self, *args)
-        except (pyfuse3.FUSEError, RametError, OSError) as exc:
+        except (pyfuse3.FUSEError, OSError) as exc:  # a RametError is an OSError
             if not replies:
                 log.warning("forget: %s", exc)
                 return None

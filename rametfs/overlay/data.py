@@ -356,8 +356,10 @@ class FileData:
         try:
             whole = self._copy_up_pages(node, u, fd, off, end)  # theirs once written
             done = off + os.pwrite(fd, data, off)
+        except RametError:  # of the base's read (IntegrityError, NoSpace)
+            raise
         except OSError as exc:
-            raise RametError(f"upper data write failed: {exc.strerror}", exc.errno) from None
+            raise RametError(exc.errno, f"upper data write failed: {exc.strerror}") from None
         finally:
             self._allocated(node, fd)
         for page, limit in whole:
@@ -446,9 +448,11 @@ class FileData:
                 self._punch(node, u, fd, off, min(end, u.size))
             for a, b in ranges:
                 fallocate(fd, keep, a, b - a)
+        except RametError:  # the room (EDQUOT, ENOSPC): as it was said
+            raise
         except OSError as exc:
-            raise RametError(f"fallocate of the upper data failed: {exc.strerror}",
-                             exc.errno) from None
+            raise RametError(exc.errno, f"fallocate of the upper data failed: {exc.strerror}"
+                             ) from None
         finally:
             self._allocated(node, fd)
             self.upper.mark_dirty(node)  # pages a failed punch masked or copied up, too

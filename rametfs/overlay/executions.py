@@ -23,6 +23,7 @@ from ..store.catalog import Catalog
 from ..store.format import ExecutionRecord, UpperInode
 from ..store.names import SNAPSHOT_ID_RE
 from ..treewalk import Steps
+from ..types import ExecutionId
 from .nodes import COLLECT_BATCH, RELEASED, Execution, InodeTable, Node, SnapshotView, View
 from .slices import in_slices
 from .trees import BaseTrees
@@ -90,7 +91,7 @@ class Executions:
         node = self.table.add(Node(ex.root_ino, ex, ex.lower.root, root, 0, ex.id.encode()))
         node.record_bytes = record_bytes  # the root's record is not counted in upper_bytes
 
-    def create_execution(self, snap: Snapshot, eid: str, access: Access = Access(),
+    def create_execution(self, snap: Snapshot, eid: ExecutionId, access: Access = Access(),
                          policy: dict | None = None) -> Execution:
         """A new execution of ``snap`` named ``eid`` with ``access``: one record, O(1) in the
         tree size; ``policy`` is stored with it (``Execution.policy``).
@@ -98,7 +99,7 @@ class Executions:
         Raises RametError(EEXIST) when ``eid`` is taken.
         """
         if eid in self.executions:
-            raise RametError(f"execution {eid!r} already exists", errno.EEXIST)
+            raise RametError(errno.EEXIST, f"execution {eid!r} already exists")
         ex = Execution(eid, snap, snap, snap, 0, self.table.alloc_ino(), time.time_ns(), access)
         ex.policy = policy
         with self.store.write() as txn:
@@ -108,7 +109,7 @@ class Executions:
         self.readers.add(eid, ex.access)
         return ex
 
-    def execution(self, eid: str) -> Execution:
+    def execution(self, eid: ExecutionId) -> Execution:
         try:
             return self.executions[eid]
         except KeyError:

@@ -103,8 +103,8 @@ class Lookup:
             with self.store.read() as txn:
                 stored = self.layers.inode(txn, ex.layer, ino)
             if stored is None:
-                raise RametError(f"execution {ex.id}: dentry {name!r} names missing inode {ino}",
-                                 errno.EIO)
+                raise RametError(errno.EIO,
+                                 f"execution {ex.id}: dentry {name!r} names missing inode {ino}")
             upper, node_bytes = stored
             node = Node(ino, ex, upper.base, upper, parent, name)
             node.record_bytes = node_bytes

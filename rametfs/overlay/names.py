@@ -38,7 +38,7 @@ def check_not_reserved(ex: Execution, parent: Node, name: bytes) -> None:
     would hide ``.ramet`` (and land in a snapshot, where it hides it from every execution
     of it)."""
     if parent.ino == ex.root_ino and name == RESERVED:
-        raise RametError(f"{CONTROL_DIR} is reserved for rametfs control files", errno.EEXIST)
+        raise RametError(errno.EEXIST, f"{CONTROL_DIR} is reserved for rametfs control files")
 
 
 class Names:

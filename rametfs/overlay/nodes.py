@@ -22,6 +22,7 @@ from ..authority import Access
 from ..errors import fs_error
 from ..store import Entry, Snapshot, Store
 from ..store.format import ExecutionRecord, UpperInode
+from ..types import Ino
 
 FIRST_DYNAMIC_INO = 1000  # inode numbers below are the mount's fixed virtual nodes
 RELEASED = -1  # the layer of a released execution: every node of it is stale
@@ -236,8 +237,8 @@ class InodeTable:
         self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
         self.nodes_dropped = 0  # freed from :attr:`nodes` since its table was last remade
 
-    def alloc_ino(self) -> int:
-        ino = self.next_ino
+    def alloc_ino(self) -> Ino:
+        ino = Ino(self.next_ino)
         self.next_ino += 1
         return ino
 
@@ -255,7 +256,7 @@ class InodeTable:
         if not self.is_live(node):
             raise fs_error(errno.ESTALE, f"inode {node.ino} is stale")
 
-    def node(self, ino: int) -> Node:
+    def node(self, ino: Ino) -> Node:
         """The node for ``ino``; ESTALE when it belongs to a dropped layer or view."""
         node = self.nodes.get(ino)
         if node is None or node.layer != node.view.layer:

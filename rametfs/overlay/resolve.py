@@ -58,8 +58,8 @@ class Resolver:
         if snap is not None:
             return snap
         if self._entries_waiting >= CATALOG_WAITING:
-            raise RametError(f"snapshot {ref!r}: {CATALOG_WAITING} lookups wait for the remote's "
-                             "catalog already: try again", errno.EAGAIN)
+            raise RametError(errno.EAGAIN, f"snapshot {ref!r}: {CATALOG_WAITING} lookups wait "
+                             "for the remote's catalog already: try again")
         self._entries_waiting += 1
         try:
             snap = await trio.to_thread.run_sync(self.store.published_snapshot, ref,

@@ -52,8 +52,8 @@ class Upper:
         """Raise RametError (EIO) when an internal error marked ``ex`` failed (:meth:`fail`):
         it takes no change and no capture until its reset."""
         if ex.failure is not None:
-            raise RametError(f"execution {ex.id} failed: an internal error hit it (the "
-                             f"harness's status says which); reset it to go on", errno.EIO)
+            raise RametError(errno.EIO, f"execution {ex.id} failed: an internal error hit it (the "
+                             f"harness's status says which); reset it to go on")
 
     @staticmethod
     def fail(ex: Execution, reason: str) -> None:

@@ -203,8 +203,8 @@ def compact(data_dir: str | os.PathLike) -> tuple[int, int]:
         env.copy(str(tmp), compact=True)
     except lmdb.Error as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RametError(f"gc --compact: the copy of {meta} failed: {exc}",
-                         errno.ENOSPC if "space" in str(exc).lower() else errno.EIO) from None
+        raise RametError(errno.ENOSPC if "space" in str(exc).lower() else errno.EIO,
+                         f"gc --compact: the copy of {meta} failed: {exc}") from None
     finally:
         env.close()
     fd = os.open(tmp / "data.mdb", os.O_RDONLY)

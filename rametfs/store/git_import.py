@@ -69,9 +69,9 @@ def _pygit2():
     try:
         import pygit2
     except ImportError:
-        raise RametError("git import needs pygit2: pip install 'rametfs[git]' (in a clone: "
-                         "tools/setup git)",
-                         errno.EOPNOTSUPP) from None
+        raise RametError(errno.EOPNOTSUPP,
+                         "git import needs pygit2: pip install 'rametfs[git]' (in a clone: "
+                         "tools/setup git)") from None
     return pygit2
 
 
@@ -269,4 +269,4 @@ def import_git(store: Store, repo: str | os.PathLike, rev: str = "HEAD",
         with store.gc_guard.writing():
             return importer.run(label, message)
     except importer.pygit2.GitError as exc:  # a damaged repository: a missing or bad object
-        raise RametError(f"{repo}: {exc}", errno.EIO) from None
+        raise RametError(errno.EIO, f"{repo}: {exc}") from None

@@ -69,7 +69,7 @@ class SourceChanged(RametError):
     """An entry of the source changed while it was imported (EAGAIN: import again, or skip
     such entries with ``on_change="skip"``)."""
 
-    errno = errno.EAGAIN
+    code = errno.EAGAIN
 
     def __init__(self, path: str, what: str):
         super().__init__(f"source {path} {what}: it changed during the import; import "
@@ -120,8 +120,9 @@ def _fd_xattrs(fd: int, o_path: bool) -> tuple[tuple[bytes, bytes], ...]:
     try:
         return _xattrs(f"/proc/self/fd/{fd}", True)
     except FileNotFoundError:
-        raise RametError("importing symlinks and special files needs /proc mounted (their "
-                         "xattrs are read through /proc/self/fd)", errno.EOPNOTSUPP) from None
+        raise RametError(errno.EOPNOTSUPP,
+                         "importing symlinks and special files needs /proc mounted (their "
+                         "xattrs are read through /proc/self/fd)") from None
 
 
 def _shown(path: bytes) -> str:
@@ -240,9 +241,11 @@ class DirectoryImporter:
         return _shown(self._prefix + rel)
 
     def _unreadable(self, rel: bytes, exc: OSError) -> RametError:
+        if isinstance(exc, RametError):  # said already (SourceChanged, NoSpace...)
+            return exc
         if exc.errno == errno.ENOSPC:
             return NoSpace("no space left while importing")
-        return RametError(f"cannot read {self._show(rel)}: {exc.strerror}", exc.errno)
+        return RametError(exc.errno, f"cannot read {self._show(rel)}: {exc.strerror}")
 
     def _changed(self, node: _Node, what: str) -> None:
         """``node`` changed under the walk: skip it, or raise SourceChanged."""

@@ -86,7 +86,7 @@ class ObjectStore:
         return f"{self.prefix}packs/{pack}"
 
     def _error(self, what: str, exc: Exception) -> RametError:
-        return RametError(f"s3://{self.bucket}/{what}: {exc}", errno.EIO)
+        return RametError(errno.EIO, f"s3://{self.bucket}/{what}: {exc}")
 
     def put(self, pack: str, data: bytes) -> None:
         """Store pack ``pack`` (durable once this returns).  RametError (EIO) on failure."""
@@ -130,8 +130,9 @@ class ObjectStore:
             self.requests += 1
             self.bytes_received += len(data)
         if len(data) != length:
-            raise RametError(f"s3://{self.bucket}/{self.key(pack)}: {len(data)} bytes at "
-                             f"{start}, {length} expected", errno.EIO)
+            raise RametError(errno.EIO,
+                             f"s3://{self.bucket}/{self.key(pack)}: {len(data)} bytes at "
+                             f"{start}, {length} expected")
         return data
 
 
@@ -151,8 +152,8 @@ class ObjectStore:
                     self.requests += 1
             if reply.get("Errors"):
                 e = reply["Errors"][0]
-                raise RametError(f"s3://{self.bucket}/{e.get('Key')}: delete: "
-                                 f"{e.get('Code')} {e.get('Message')}", errno.EIO)
+                raise RametError(errno.EIO, f"s3://{self.bucket}/{e.get('Key')}: delete: "
+                                 f"{e.get('Code')} {e.get('Message')}")
 
     def list_packs(self) -> list[tuple[str, float]]:
         """``(name, last modified: epoch seconds)`` of every pack object, 1,000 a request.

@@ -118,7 +118,7 @@ class Catalog:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if self._secret:
             text = text.replace(self._secret, "***")
-        return RametError(f"catalog {self.where}: {what}: {text}", errno.EIO)
+        return RametError(errno.EIO, f"catalog {self.where}: {what}: {text}")
 
     def _connect(self):
         import psycopg
@@ -243,8 +243,8 @@ class Catalog:
                 there = conn.execute("SELECT 1 FROM rametfs_objects WHERE kind = %s AND "
                                      "id = %s", (kind_tree, root_tree)).fetchone()
                 if there is None:
-                    raise RametError(f"snapshot {sid.hex()}: its root tree "
-                                     f"{root_tree.hex()} is not published", errno.EIO)
+                    raise RametError(errno.EIO, f"snapshot {sid.hex()}: its root tree "
+                                     f"{root_tree.hex()} is not published")
                 cur = conn.execute("INSERT INTO rametfs_snapshots (id, record, label, "
                                    "created_ns) VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
                                    (sid, record, label, created_ns))
@@ -420,9 +420,9 @@ def _renew(conn, publishing: int) -> None:
     holds the table); RametError (EIO) when a gc deleted it as dead."""
     if conn.execute("UPDATE rametfs_publishes SET seen = now() WHERE id = %s",
                     (publishing,)).rowcount != 1:
-        raise RametError("a remote gc took this publish for dead (not seen within its grace "
-                         "period) and may have deleted what it found published: run it again",
-                         errno.EIO)
+        raise RametError(errno.EIO, "a remote gc took this publish for dead (not seen within "
+                         "its grace period) and may have deleted what it found published: run "
+                         "it again")
 
 
 def _batches(ids: Iterable[bytes]) -> Iterator[list[bytes]]:

@@ -36,6 +36,7 @@ from .gc_guard import GcGuard
 from .layers import Layers
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
 from ..treewalk import Steps, run_steps
+from ..types import ChunkId, ContentId, Layer, SnapshotId, TreeId
 from .names import HEX_REF, MIN_ID_PREFIX, check_name
 from .remote import KIND_CHUNK, KIND_CONTENT, KIND_TREE
 from .trees import TREE_STEP, Entry, decode_tree_steps, encode_tree
@@ -56,9 +57,9 @@ class Snapshot:
     ``recipes`` the rebuild recipes a promote with a policy stored (rametfs.core.policy), and
     ``runtime`` the sandbox recorded for the execution promoted (None: none)."""
 
-    id: str
+    id: SnapshotId
     root: Entry
-    parents: tuple[str, ...]
+    parents: tuple[SnapshotId, ...]
     created_ns: int
     label: str
     message: str
@@ -106,8 +107,8 @@ class Store:
         with self.write() as txn:
             version = txn.get(b"format", db=self.db["meta"])
             if version is not None and from_u64(version) not in READABLE_VERSIONS:
-                raise RametError(f"{self.root}: store format {from_u64(version)}, "
-                                 f"this rametfs reads {READABLE_VERSIONS}", errno.EIO)
+                raise RametError(errno.EIO, f"{self.root}: store format {from_u64(version)}, "
+                                 f"this rametfs reads {READABLE_VERSIONS}")
             if version is None or from_u64(version) != FORMAT_VERSION:
                 # A format 1 store is a format 2 store without sparse contents: marked
                 # 2, so that no older rametfs reads the sparse records written from now on.
@@ -130,12 +131,13 @@ class Store:
         """
         root = Path(data_dir).absolute()
         if not root.exists():
-            raise RametError(f"{root} does not exist", errno.ENOENT)
+            raise RametError(errno.ENOENT, f"{root} does not exist")
         if not root.is_dir():
-            raise RametError(f"{root} is not a directory", errno.EINVAL)
+            raise RametError(errno.EINVAL, f"{root} is not a directory")
         if not (root / "meta" / "data.mdb").is_file():
-            raise RametError(f"{root} holds no rametfs store (no meta/data.mdb): give the "
-                             "--data directory a daemon was served with", errno.ENOENT)
+            raise RametError(errno.ENOENT,
+                             f"{root} holds no rametfs store (no meta/data.mdb): give the "
+                             "--data directory a daemon was served with")
         store = cls.__new__(cls)
         store.root, store.page_size, store.read_only = root, PAGE_SIZE, True
         store.gc_guard = GcGuard()
@@ -150,16 +152,16 @@ class Store:
                     if name != "names":
                         raise
         except lmdb.Error as exc:
-            raise RametError(f"{root}/meta: not a rametfs store's metadata: {exc}",
-                             errno.EIO) from None
+            raise RametError(errno.EIO,
+                             f"{root}/meta: not a rametfs store's metadata: {exc}") from None
         store.layers = Layers(store.db)
         with store.read() as txn:
             version = txn.get(b"format", db=store.db["meta"])
         if version is None or from_u64(version) not in READABLE_VERSIONS:
             store.close()
-            raise RametError(f"{root}: store format "
+            raise RametError(errno.EIO, f"{root}: store format "
                              f"{'unknown' if version is None else from_u64(version)}, this "
-                             f"rametfs reads {READABLE_VERSIONS}", errno.EIO)
+                             f"rametfs reads {READABLE_VERSIONS}")
         store.cache = HydrationCache(root / "cache")
         return store
 
@@ -216,11 +218,11 @@ class Store:
 
     # -- chunks and contents -------------------------------------------------------------
 
-    def has_chunk(self, cid: bytes) -> bool:
+    def has_chunk(self, cid: ChunkId) -> bool:
         with self.env.begin(db=self.db["chunks"]) as txn:
             return txn.get(cid) is not None
 
-    def chunk(self, cid: bytes) -> bytes:
+    def chunk(self, cid: ChunkId) -> bytes:
         """Raw bytes of chunk ``cid``; IntegrityError (EIO) when missing or corrupt."""
         with self.env.begin(db=self.db["chunks"], buffers=True) as txn:
             envelope = txn.get(cid)
@@ -230,7 +232,7 @@ class Store:
             return self.chunk(cid)
         raise IntegrityError(f"chunk {cid.hex()} is missing")
 
-    def content(self, cid: bytes) -> Content:
+    def content(self, cid: ContentId) -> Content:
         """The content record ``cid``; IntegrityError (EIO) when missing or malformed."""
         if cid == EMPTY_CONTENT:
             return _EMPTY
@@ -252,7 +254,7 @@ class Store:
         with self.env.begin(db=self.db[db]) as txn:
             return txn.get(ids[0]) is not None
 
-    def put_content(self, txn: lmdb.Transaction, content: Content) -> bytes:
+    def put_content(self, txn: lmdb.Transaction, content: Content) -> ContentId:
         """Record ``content`` (its chunks already stored) in ``txn``; returns its id."""
         cid = content.id
         if cid != EMPTY_CONTENT:
@@ -260,7 +262,7 @@ class Store:
             txn.put(cid, content.pack(), db=self.db["contents"], overwrite=False)
         return cid
 
-    def hydrate(self, cid: bytes) -> str:
+    def hydrate(self, cid: ContentId) -> str:
         """Path of the decompressed content ``cid`` in the shared cache
         (:mod:`rametfs.store.cache`), building it if absent.  Blocking (reads every chunk
         holding data): call it from a worker thread.  Raises IntegrityError (EIO), NoSpace
@@ -268,7 +270,7 @@ class Store:
         self._hydrated(cid, hold=False)
         return self.cache.path(cid)
 
-    def open_hydrated(self, cid: bytes) -> int:
+    def open_hydrated(self, cid: ContentId) -> int:
         """A descriptor (O_RDONLY) of the hydrated content ``cid``, hydrating it first if
         absent; the cache never removes the content while it is held: call
         ``cache.release(cid)`` after closing it.  Blocking; raises as :meth:`hydrate`."""
@@ -316,8 +318,9 @@ class Store:
             if exc.errno == errno.ENOSPC:
                 raise NoSpace(f"no space left to hydrate content {cid.hex()}") from None
             if exc.errno == errno.EFBIG:
-                raise RametError(f"content {cid.hex()} of {content.size} bytes is larger than "
-                                 "the cache's file system holds", errno.EFBIG) from None
+                raise RametError(errno.EFBIG,
+                                 f"content {cid.hex()} of {content.size} bytes is larger than "
+                                 "the cache's file system holds") from None
             raise
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -328,7 +331,7 @@ class Store:
         """Where the hydrated copy of content ``cid`` lives (it may not exist yet)."""
         return self.cache.path(cid)
 
-    def read_page(self, cid: bytes, page: int) -> bytes:
+    def read_page(self, cid: ContentId, page: int) -> bytes:
         """Raw bytes of page ``page`` of content ``cid``: zeros for a hole, b"" past the end.
         Blocking."""
         try:
@@ -347,11 +350,11 @@ class Store:
 
     # -- trees ---------------------------------------------------------------------------
 
-    def tree(self, tid: bytes) -> dict[bytes, Entry]:
+    def tree(self, tid: TreeId) -> dict[bytes, Entry]:
         """Entries of tree ``tid`` by name; IntegrityError (EIO) when missing."""
         return run_steps(self.tree_steps(tid))
 
-    def tree_steps(self, tid: bytes) -> Steps[dict[bytes, Entry]]:
+    def tree_steps(self, tid: TreeId) -> Steps[dict[bytes, Entry]]:
         """:meth:`tree` as steps (``trees.decode_tree_steps``); no transaction is held
         across a step."""
         with self.env.begin(db=self.db["trees"]) as txn:
@@ -373,7 +376,7 @@ class Store:
                 return 0 if self.remote is None else REMOTE_TREE_BYTES
             return len(value)
 
-    def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> bytes:
+    def put_tree(self, txn: lmdb.Transaction, entries: list[Entry]) -> TreeId:
         """Store a tree (its subtrees already stored, in ``txn`` or before) and its totals."""
         tid, value = encode_tree(entries)
         self.put_encoded_tree(txn, tid, value, lambda: run_steps(
@@ -600,6 +603,6 @@ class Store:
 
     # -- maintenance ---------------------------------------------------------------------
 
-    def remove_upper_dir(self, layer: int) -> None:
+    def remove_upper_dir(self, layer: Layer) -> None:
         """Delete an upper layer's data files. Blocking."""
         shutil.rmtree(self.root / "upper" / str(layer), ignore_errors=True)
