@@ -49,7 +49,7 @@ from pathlib import Path
 
 from rametfs import protocol
 from rametfs.errors import RametError
-from rametfs.types import ExecutionId, SnapshotId
+from rametfs.ids import ExecutionId, SnapshotId
 
 MOUNT_ENV = "RAMET_MOUNT"
 DATA_ENV = "RAMET_DATA"

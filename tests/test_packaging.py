@@ -38,6 +38,16 @@ def test_module_has_docstring(path):
     assert ast.get_docstring(ast.parse(path.read_text(), str(path)))
 
 
+def test_no_top_level_module_shadows_the_standard_library():
+    """tools/setup runs rametfs/pyfuse3_build.py by path, which puts rametfs/ first on the
+    import path: a rametfs/types.py there made the build import it for the standard
+    library's ``types``, fail, and fall back to plain mode on a fresh machine."""
+    package = Path(__file__).resolve().parent.parent / "rametfs"
+    names = {p.stem for p in package.glob("*.py")} | {p.name for p in package.iterdir()
+                                                      if (p / "__init__.py").exists()}
+    assert sorted(names & set(sys.stdlib_module_names)) == []
+
+
 def test_readme_quick_start_is_two_commands():
     readme = (ROOT / "README.md").read_text()
     section = re.search(r"^## Quick start.*?$(.*?)(?=^## )", readme, re.M | re.S)

@@ -47,7 +47,7 @@ from ..authority import Access
 from ..errors import Busy, IntegrityError, InvalidArgument, NotFound, RametError
 from ..store import Store
 from ..store.catalog import LEASED, QUARANTINED, READY, Catalog, Lease, Member, PoolRecord
-from ..types import ExecutionId, PoolName
+from ..ids import ExecutionId, PoolName
 
 __all__ = ["LEASED", "QUARANTINED", "READY", "Acquired", "NewMember",
            "Opened", "Pools", "Settled", "return_reply", "verification_failed"]

@@ -23,7 +23,7 @@ from ..store.catalog import Catalog
 from ..store.format import ExecutionRecord, UpperInode
 from ..store.names import SNAPSHOT_ID_RE
 from ..treewalk import Steps
-from ..types import ExecutionId
+from ..ids import ExecutionId
 from .nodes import COLLECT_BATCH, RELEASED, Execution, InodeTable, Node, SnapshotView, View
 from .slices import in_slices
 from .trees import BaseTrees

@@ -22,7 +22,7 @@ from ..authority import Access
 from ..errors import fs_error
 from ..store import Entry, Snapshot, Store
 from ..store.format import ExecutionRecord, UpperInode
-from ..types import Ino
+from ..ids import Ino
 
 FIRST_DYNAMIC_INO = 1000  # inode numbers below are the mount's fixed virtual nodes
 RELEASED = -1  # the layer of a released execution: every node of it is stale

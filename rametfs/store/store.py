@@ -36,7 +36,7 @@ from .gc_guard import GcGuard
 from .layers import Layers
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
 from ..treewalk import Steps, run_steps
-from ..types import ChunkId, ContentId, Layer, SnapshotId, TreeId
+from ..ids import ChunkId, ContentId, Layer, SnapshotId, TreeId
 from .names import HEX_REF, MIN_ID_PREFIX, check_name
 from .remote import KIND_CHUNK, KIND_CONTENT, KIND_TREE
 from .trees import TREE_STEP, Entry, decode_tree_steps, encode_tree
