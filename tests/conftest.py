@@ -20,6 +20,7 @@ Fixtures:
   ``python3``); nothing is pulled from a registry.  Removed, its processes ended and its
   mounts gone, at the end of the session.
 - a session janitor that lazily unmounts whatever is still mounted under pytest's basetemp.
+- ``store``: a store of the test's own under ``tmp_path``, fsck'd clean and closed after it.
 - ``fsck_clean``: ``fsck_clean(store)`` asserts that ``rametfs.store.fsck`` finds no problem
   in a store, its executions' layers included: the model and store fixtures call it at their
   teardown (a test that damages its store on purpose is marked ``corrupts_store``).
@@ -53,7 +54,7 @@ import pytest
 
 from rametfs import Ramet, protocol
 from rametfs.mounts import mount_table
-from rametfs.store import fsck
+from rametfs.store import Store, fsck
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 600
@@ -392,6 +393,15 @@ def fsck_clean(request):
         if request.node.get_closest_marker("corrupts_store") is None:
             assert fsck(store).problems == []
     return check
+
+
+@pytest.fixture
+def store(tmp_path, fsck_clean):
+    """A store of the test's own under ``tmp_path``, closed after fsck found it clean."""
+    s = Store(tmp_path / "data")
+    yield s
+    fsck_clean(s)
+    s.close()
 
 
 @pytest.fixture

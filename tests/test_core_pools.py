@@ -18,21 +18,12 @@ from rametfs.errors import (Busy, Cancelled, Exists, IntegrityError, InvalidArgu
 from rametfs import protocol
 from rametfs.protocol import ProtocolError
 from rametfs.protocol import Access as Options
-from rametfs.store import Store
 from rametfs.store.catalog import Lease, Member
 
 BASE, OTHER = "ab" * 32, "cd" * 32
 POLICY = {"from": "pool", "text": "[keep]\n"}
 S = 1_000_000_000  # ns
 T0 = 1_700_000_000 * S  # a wall-clock time
-
-
-@pytest.fixture
-def store(tmp_path, fsck_clean):
-    s = Store(tmp_path / "data")
-    yield s
-    fsck_clean(s)
-    s.close()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import stat
 import pytest
 
 from rametfs.fallback import scan
-from rametfs.store import FLAG_HAS_LINKS, Entry, Store, import_tree
+from rametfs.store import FLAG_HAS_LINKS, Entry, import_tree
 from rametfs.store.entries import directory_entry, link_id
 from rametfs.store.importer import put_directory
 from rametfs.store.trees import tree_id
@@ -60,14 +60,6 @@ BEFORE = {
     "top/plain": ("ad4a55ebec771147bdb3edd88e2cd63aba797a6de36f419d9057a4e47988fa54",
                   2, 0),
 }
-
-
-@pytest.fixture
-def store(tmp_path, fsck_clean):
-    store = Store(tmp_path / "data")
-    yield store
-    fsck_clean(store)
-    store.close()
 
 
 def test_directory_entries_keep_their_tree_ids(store):

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rametfs.store import WHITEOUT, Entry, Store, fsck
+from rametfs.store import WHITEOUT, Entry, fsck
 from rametfs.store.format import UpperInode
 from rametfs.store.layers import Layers, dentry_bytes, merged_children
-
-
-@pytest.fixture
-def store(tmp_path, fsck_clean):
-    store = Store(tmp_path / "data")
-    yield store
-    fsck_clean(store)
-    store.close()
 
 
 def entry(name: bytes, mode: int = 0o100644) -> Entry:
