@@ -95,6 +95,12 @@ class Access:
     def allows(self, caller: Caller, bits: int) -> bool:
         return self.bits(caller) & bits == bits
 
+    @property
+    def anyone_enters(self) -> bool:
+        """Whether every caller may enter (``x`` for the group and for others: POSIX gives
+        a group member the group's bits, not the others')."""
+        return self.share & (X << 3 | X) == X << 3 | X
+
     def mode(self, kind: str) -> int:
         """``st_mode`` of the execution's ``.ramet`` directory (``kind`` ``"dir"``) or of its
         control file ``kind``, so the kernel (``default_permissions``) refuses what the share

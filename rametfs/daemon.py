@@ -380,7 +380,7 @@ def _serve_store(data_dir: str, mountpoint: str, options: set[str],
     control = Control(overlay, mountpoint, kernel.invalidate, open_less=reason is None,
                       faults=faults, max_answer_bytes=max_answer_bytes)
     control.adapter_memory = kernel.memory
-    tree = MountTree(overlay, control, reclaim_send)
+    tree = MountTree(overlay, control, reclaim_send, other_uids="allow_other" in options)
     ops = (Operations if reason is None else PlainOperations)(tree, kernel)
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options |
                  {"subtype=rametfs"})

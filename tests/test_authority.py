@@ -472,6 +472,35 @@ def test_a_walk_by_name_through_an_execution_asks_the_daemon_and_one_inside_does
           + f"; LOOKUP median {sent['by name'].median_us()['LOOKUP_us']:.1f} us")
 
 
+def walk_requests(mnt: Path, path: Path, walks: int = 200) -> dict[str, int]:
+    """The FUSE requests that ``walks`` stats of ``path`` send, after one that is not counted."""
+    os.stat(path)
+    try:
+        with FuseTrace(mnt, name="rametfs-authority") as trace:
+            sent = trace.run(lambda: [os.stat(path) for _ in range(walks)])
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    return dict(sent.counts)
+
+
+def test_a_walk_by_name_is_cached_where_every_caller_may_enter(harness, base, made):
+    """``<id>`` is given with a day's entry timeout where the group and others have ``x``
+    (0711): walks by name send nothing; where the others have it and the group not (0701, a
+    group member is refused), or only the owner (0700), each walk asks as its caller."""
+    walks = {share: walk_requests(harness.mount, made(base, share=share).path / "pkg" / "mod.py")
+             for share in (0o711, 0o701, 0o700)}
+    assert walks == {0o711: {}, 0o701: {"LOOKUP": 200}, 0o700: {"LOOKUP": 200}}
+
+
+def test_a_walk_by_name_is_cached_where_only_the_harness_reaches_the_mount(daemon, tmp_path):
+    """Mounted without ``allow_other`` the kernel lets no uid but the mounter's in, so the
+    entry of a private execution is cached too: walks by name send nothing."""
+    ramet = Ramet(daemon.mnt)
+    ex = ramet.create(ramet.snapshot(write_tree(tmp_path / "src", {"pkg/mod.py": b"X = 1\n"})))
+    assert [e["share"] for e in ramet.executions()] == ["0700"]
+    assert walk_requests(daemon.mnt, ex.path / "pkg" / "mod.py") == {}
+
+
 def test_the_owner_uses_its_execution_and_sees_only_its_own(harness, base, made):
     mine, theirs = made(base, owner=OWNER), made(base, owner=OTHER)
     path = f"executions/{mine.id}"
@@ -498,12 +527,16 @@ def test_the_owner_uses_its_execution_and_sees_only_its_own(harness, base, made)
     (0o750, ("ok", "ok", "EACCES"), ("EACCES", "EACCES", "EACCES")),
     (0o770, ("ok", "ok", "ok"), ("EACCES", "EACCES", "EACCES")),
     (0o755, ("ok", "ok", "EACCES"), ("ok", "ok", "EACCES")),
+    (0o705, ("EACCES", "EACCES", "EACCES"), ("ok", "ok", "EACCES")),
     (0o777, ("ok", "ok", "ok"), ("ok", "ok", "ok")),
 ])
 def test_the_share_mode_is_applied_like_a_directorys(harness, base, made, share, member,
                                                       other):
+    """Each class gets its bits, also after the harness walked the tree by name (a dentry of
+    ``<id>`` the kernel caches where the group and others may enter: 0755, 0777)."""
     ex = made(base, owner=OWNER, group=GROUP, share=share)
     path = f"executions/{ex.id}"
+    os.stat(ex.path / "README")
     ops = [("enter", "read", f"{path}/README", ""),
            ("status", "read", f"{path}/.ramet/status", ""),
            ("checkpoint", "command", f"{path}/.ramet/ctl", "checkpoint\n"),

@@ -20,8 +20,9 @@ entry carries a generation drawn at the start, so handles of an earlier run are 
 
 Who may do what (rametfs.authority; docs/architecture.md, "Authority"): ``snapshots/`` and
 ``executions/`` are 0711, so only the harness lists them; ``executions/<id>`` is answered at
-entry timeout 0 (in lookups and listings), so every path walk through that name comes here
-with its caller, who needs the execution's ``x`` bit (EACCES); an execution's ``.ramet/``
+entry timeout 0 (in lookups and listings) unless every caller may enter it, so every path
+walk through that name comes here with its caller, who needs the execution's ``x`` bit
+(EACCES); an execution's ``.ramet/``
 and its files carry its owner's uid and group and the modes its share bits and ``--control``
 give, so the kernel refuses other uids itself (``--control read``: the daemon refuses writes
 too, for root); ``--control none`` has no ``.ramet``.
@@ -149,8 +150,9 @@ class MountTree:
     unlinked inodes wait to be deleted (the daemon's reclaim worker)."""
 
     def __init__(self, overlay: Overlay, control: Control,
-                 reclaim: trio.MemorySendChannel[None]):
+                 reclaim: trio.MemorySendChannel[None], *, other_uids: bool = True):
         self.overlay = overlay
+        self.other_uids = other_uids
         self.control = control
         self.reclaim = reclaim
         control.snapshots_dir_ino = SNAPSHOTS
@@ -216,12 +218,19 @@ class MountTree:
 
     def entry_in(self, parent: int, ino: int) -> Entry:
         """The entry of ``ino`` in directory ``parent``, for a lookup or a listing: one in
-        ``executions/`` is never cached (entry timeout 0), so every path walk through it
-        asks again, as its caller."""
+        ``executions/`` that not every caller may enter is not cached (entry timeout 0), so
+        every path walk through it asks again, as its caller."""
         entry = self.getattr(ino)
-        if parent == EXECUTIONS:
+        if parent == EXECUTIONS and not self._anyone_enters(ino):
             return Entry(entry.attrs, entry.attr_timeout, 0, entry.generation)
         return entry
+
+    def _anyone_enters(self, root_ino: int) -> bool:
+        """Whether every caller that reaches the mount may enter the execution rooted at
+        ``root_ino``: its share lets everyone in, or no uid but the harness's reaches the
+        mount (``other_uids`` False: mounted without ``allow_other``, the kernel lets only
+        the mounter's uid in, ``fuse_allow_current_process`` in fs/fuse/dir.c)."""
+        return not self.other_uids or self.overlay.node(root_ino).view.access.anyone_enters
 
     def statfs(self) -> os.statvfs_result:
         """The data directory's file system's figures (names: :data:`NAME_MAX`)."""
