@@ -28,6 +28,7 @@ from posix_drivers import errno_of
 from rametfs.overlay import Overlay, unlink_upper_files
 from rametfs.precreate import DIRECTORY
 from rametfs.store import Store, fsck, import_tree
+from test_fsmonitor import hook as fsmonitor
 from test_snapshots import write_tree
 
 MIB = 1 << 20
@@ -193,6 +194,24 @@ def test_tempfile_temporary_file_opens_a_tmpfile(execution, tmp_path):
 
 
 # ----- what only rametfs has ------------------------------------------------------------------
+
+def test_git_fsmonitor_sees_a_tmpfile_at_its_link_only(execution):
+    """git's fsmonitor hook (``.ramet/fsmonitor``) lists changed paths: a tmpfile written
+    has none until a link gives it one."""
+    ex = execution({"d/keep": b"k\n"})
+    token, _ = fsmonitor(ex, "")
+    fd = os.open(ex / "d", TMPFILE, 0o600)
+    try:
+        os.write(fd, b"unnamed\n")
+        token, paths = fsmonitor(ex, token)
+        assert paths == []
+        link_empty_path(fd, ex / "d" / "named")
+        os.write(fd, b"named\n")
+    finally:
+        os.close(fd)
+    assert fsmonitor(ex, token)[1] == ["d/named"]
+
+
 
 def test_refused_in_snapshots_and_control_directories(shared_daemon, execution, tmp_path):
     ex = execution({"keep": b"k\n"})
