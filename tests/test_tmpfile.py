@@ -212,7 +212,6 @@ def test_git_fsmonitor_sees_a_tmpfile_at_its_link_only(execution):
     assert fsmonitor(ex, token)[1] == ["d/named"]
 
 
-
 def test_refused_in_snapshots_and_control_directories(shared_daemon, execution, tmp_path):
     ex = execution({"keep": b"k\n"})
     mnt = shared_daemon.mnt
@@ -222,8 +221,9 @@ def test_refused_in_snapshots_and_control_directories(shared_daemon, execution, 
              "execution .ramet": ex / ".ramet", "root .ramet": mnt / ".ramet",
              "executions/": mnt / "executions", "root": mnt}
     got = {name: errno_of(os.open, path, TMPFILE, 0o600) for name, path in where.items()}
-    assert got == {"snapshot": "EROFS", "snapshot's d": "EROFS", "snapshots/": "EROFS", "execution .ramet": "EPERM",
-                   "root .ramet": "EPERM", "executions/": "EPERM", "root": "EPERM"}
+    assert got == {"snapshot": "EROFS", "snapshot's d": "EROFS", "snapshots/": "EROFS",
+                   "execution .ramet": "EPERM", "root .ramet": "EPERM", "executions/": "EPERM",
+                   "root": "EPERM"}
     # A create there is refused the same way.
     assert {name: errno_of(os.open, path / "new", os.O_CREAT | os.O_RDWR, 0o600)
             for name, path in where.items()} == got
