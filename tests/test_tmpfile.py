@@ -95,9 +95,18 @@ def execution(shared_daemon, tmp_path):
 
 # ----- as on ext4 ---------------------------------------------------------------------------
 
+def _open_masked(path: Path, flags: int, mode: int) -> int:
+    """open(2) under umask 027, which the kernel applies to a tmpfile as to a create."""
+    mask = os.umask(0o027)
+    try:
+        return os.open(path, flags, mode)
+    finally:
+        os.umask(mask)
+
+
 def _write_link_read(d: Path) -> list:
     out = []
-    fd = os.open(d, TMPFILE, 0o640)
+    fd = _open_masked(d, TMPFILE, 0o666)
     try:
         st = os.fstat(fd)
         out.append((stat.S_ISREG(st.st_mode), stat.S_IMODE(st.st_mode), st.st_nlink,
@@ -109,17 +118,19 @@ def _write_link_read(d: Path) -> list:
         out.append((os.fstat(fd).st_nlink, os.stat(d / "via-proc").st_ino == os.fstat(fd).st_ino))
     finally:
         os.close(fd)
-    fd = os.open(d / "sub", os.O_TMPFILE | os.O_WRONLY, 0o755)
-    try:
-        os.pwrite(fd, b"#!/bin/sh\necho made by a tmpfile\n", 0)
-        link_empty_path(fd, d / "sub" / "run.sh")
-        os.fsync(fd)
+    sub_fd = _open_masked(d / "sub", os.O_TMPFILE | os.O_WRONLY, 0o755)
+    try:  # sub is set-group-ID, of group 1234: the file gets its group
+        st = os.fstat(sub_fd)
+        out.append((stat.S_IMODE(st.st_mode), st.st_nlink, st.st_uid, st.st_gid))
+        os.pwrite(sub_fd, b"#!/bin/sh\necho made by a tmpfile\n", 0)
+        link_empty_path(sub_fd, d / "sub" / "run.sh")
+        os.fsync(sub_fd)
     finally:
-        os.close(fd)
+        os.close(sub_fd)
     out.append(run("cat", d / "via-proc").stdout)
     out.append(run(d / "sub" / "run.sh").stdout)
     st = os.stat(d / "sub" / "run.sh")
-    out.append((stat.S_IMODE(st.st_mode), st.st_nlink, st.st_size))
+    out.append((stat.S_IMODE(st.st_mode), st.st_nlink, st.st_size, st.st_gid))
     run("git", "init", "-q", cwd=d)
     run("git", "add", "via-proc", "sub/run.sh", cwd=d)
     out.append(run("git", "ls-files", "-s", cwd=d).stdout)
@@ -130,6 +141,8 @@ def _write_link_read(d: Path) -> list:
 def test_a_tmpfile_written_then_linked_reads_as_on_ext4_and_is_promoted(shared_daemon,
                                                                          tmp_path):
     src = write_tree(tmp_path / "src", {"keep": b"k\n", "sub/old": b"o\n"})
+    os.chown(src / "sub", 0, 1234)
+    os.chmod(src / "sub", 0o2775)
     eid = shared_daemon.create(shared_daemon.snapshot(src))
     ex = shared_daemon.exec_path(eid)
     try:
@@ -137,16 +150,17 @@ def test_a_tmpfile_written_then_linked_reads_as_on_ext4_and_is_promoted(shared_d
         run("cp", "-a", src, ext4)
         got = _write_link_read(ex)
         assert got == _write_link_read(ext4)
-        assert got[0] == (True, 0o640 & ~_umask(), 0, 0, 0, 0)
-        assert got[3] == "written before it had a name\nand after\n"
-        assert got[4] == "made by a tmpfile\n"
+        assert got[0] == (True, 0o640, 0, 0, 0, 0)
+        assert got[3] == (0o750, 0, 0, 1234)
+        assert got[4:7] == ["written before it had a name\nand after\n", "made by a tmpfile\n",
+                            (0o750, 1, 33, 1234)]
         assert got[-1] == [".git", "keep", "sub", "via-proc"]
         promoted = shared_daemon.exec_ctl(eid, "promote")["snapshot"]
         snap = shared_daemon.snap_path(promoted)
         assert (snap / "via-proc").read_bytes() == b"written before it had a name\nand after\n"
         assert sorted(os.listdir(snap / "sub")) == ["old", "run.sh"]
-        assert stat.S_IMODE(os.stat(snap / "sub" / "run.sh").st_mode) == 0o755 & ~_umask()
-        assert run("git", "ls-files", "-s", cwd=ex).stdout == got[6]
+        assert stat.S_IMODE(os.stat(snap / "sub" / "run.sh").st_mode) == 0o750
+        assert run("git", "ls-files", "-s", cwd=ex).stdout == got[7]
         # The execution goes on from its promote; a new execution of the snapshot has both.
         again = shared_daemon.create(promoted)
         try:
@@ -156,12 +170,6 @@ def test_a_tmpfile_written_then_linked_reads_as_on_ext4_and_is_promoted(shared_d
             shared_daemon.ctl(f"release {again}")
     finally:
         shared_daemon.ctl(f"release {eid}")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 TEMPORARY_FILE = ("import os, sys, tempfile\n"
