@@ -284,6 +284,33 @@ def test_a_tmpfile_open_at_a_crash_is_gone_after_the_restart(daemon, tmp_path):
     daemon.start()
 
 
+def test_an_open_tmpfile_across_a_promote_and_a_reset(daemon, tmp_path):
+    """A promote leaves an unnamed tmpfile out and open; a reset drops it (ESTALE)."""
+    eid = daemon.create(daemon.snapshot(write_tree(tmp_path / "src", {"keep": b"k"})))
+    ex = daemon.exec_path(eid)
+    fd = os.open(ex, TMPFILE, 0o600)
+    try:
+        os.write(fd, b"before the promote\n")
+        promoted = daemon.exec_ctl(eid, "promote")["snapshot"]
+        assert os.listdir(daemon.snap_path(promoted)) == ["keep"]
+        os.write(fd, b"after it\n")
+        link_empty_path(fd, ex / "named")
+    finally:
+        os.close(fd)
+    assert (ex / "named").read_bytes() == b"before the promote\nafter it\n"
+    fd = os.open(ex, TMPFILE, 0o600)
+    try:
+        os.write(fd, b"dropped\n")
+        daemon.exec_ctl(eid, "reset")
+        assert errno_of(os.write, fd, b"more") == "ESTALE"
+    finally:
+        os.close(fd)
+    assert os.listdir(ex) == ["keep"]
+    daemon.stop()
+    check_store(daemon)
+    daemon.start()
+
+
 def test_a_hostile_agent_is_held_by_max_inodes_and_max_bytes(daemon, tmp_path):
     """100,000 tmpfiles held open: the execution's inode limit stops them at its count, and
     once they are closed the inodes come back; a tmpfile's bytes count against --max-bytes."""
