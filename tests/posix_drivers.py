@@ -7,12 +7,14 @@ and through the kernel, as rclone's ``vfstest`` runs one suite against its VFS a
 ``str`` or ``bytes``; errors are ``OSError`` with the errno either way (the model's
 ``RametError`` is turned into one, as the FUSE adapter turns it into the errno the kernel
 returns).  Open files are :class:`Handle` objects: ``pread``, ``pwrite``, ``write`` (at
-the handle's offset, or at the end with ``O_APPEND``), ``fstat``, ``close``.
+the handle's offset, or at the end with ``O_APPEND``), ``fstat``, ``close``; ``O_TMPFILE``
+opens a file of no name in a directory, which ``link_open`` names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import stat
@@ -20,6 +22,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from rametfs.errors import RametError
+
+AT_FDCWD, AT_SYMLINK_FOLLOW = -100, 0x400
+_libc = ctypes.CDLL(None, use_errno=True)
 
 class Stat(NamedTuple):
     """What the cases compare of stat(2): file type letter (``f d l c``), permission bits,
@@ -97,6 +102,15 @@ class OsTree:
 
     def open(self, path, flags: int, mode: int = 0o644) -> "OsHandle":
         return OsHandle(os.open(self.p(path), flags, mode))
+
+    def link_open(self, handle: "OsHandle", path) -> None:
+        """Name open file ``handle`` ``path`` (an O_TMPFILE file): ``linkat(AT_FDCWD,
+        "/proc/self/fd/N", AT_FDCWD, path, AT_SYMLINK_FOLLOW)``, as open(2) shows (os.link
+        calls link(2), which links the /proc symlink itself: EXDEV)."""
+        if _libc.linkat(AT_FDCWD, f"/proc/self/fd/{handle.fd}".encode(), AT_FDCWD,
+                        self.p(path), AT_SYMLINK_FOLLOW) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), os.fsdecode(self.p(path)))
 
 
 class OsHandle:
@@ -231,6 +245,11 @@ class ModelTree:
         return True
 
     def open(self, path, flags: int, mode: int = 0o644) -> "ModelHandle":
+        if (flags & os.O_TMPFILE) == os.O_TMPFILE:  # path is the directory
+            with _as_oserror():
+                node = self.overlay.tmpfile(self._node(path).ino, mode, 0, 0,
+                                            linkable=not flags & os.O_EXCL)
+            return ModelHandle(self, node, flags)
         try:
             node = self._node(path)
         except FileNotFoundError:
@@ -246,6 +265,12 @@ class ModelTree:
                 with _as_oserror():
                     self.overlay.setattr(node, size=0)
         return ModelHandle(self, node, flags)
+
+
+    def link_open(self, handle: "ModelHandle", path) -> None:
+        parent, name = self._parent(path)
+        with _as_oserror():
+            self.overlay.link(handle.node.ino, parent.ino, name)
 
 
 class ModelHandle:

@@ -13,7 +13,6 @@ with ``allow_other`` and ``default_permissions``); its mountpoint and the ext4 c
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -27,7 +26,6 @@ from pathlib import Path
 import pytest
 
 from conftest import RUN_TIMEOUT_S, Daemon, check_log, require_fuse, run
-from posix_drivers import errno_of
 from test_snapshots import tree_signature, write_tree
 
 NOBODY = 65534
@@ -698,9 +696,6 @@ def test_case13_deletion_and_fsynced_file_survive(daemon, tmp_path, how):
 def test_limits_under_fuse_are_the_documented_ones(executions, tmp_path):
     ex = executions(write_tree(tmp_path / "src", {"keep": b""}))
 
-    # O_TMPFILE: pyfuse3 has no tmpfile handler; callers such as tmpfile(3) fall back.
-    assert errno_of(os.open, ex, os.O_TMPFILE | os.O_RDWR, 0o600) == errno.errorcode[
-        errno.EOPNOTSUPP]
     # The kernel marks FUSE inodes S_NOATIME and serves cached reads itself: reads never
     # move atime (explicit utimensat does, see case 9).
     (ex / "read-me").write_bytes(b"data\n")

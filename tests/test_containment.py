@@ -151,6 +151,8 @@ HANDLER_CASES = {
     "removexattr": (lambda v: os.setxattr(v / "base.txt", "user.x", b"1"),
                     lambda v: os.removexattr(v / "base.txt", "user.x")),
 }
+if OPEN_LESS:  # the patch passes O_TMPFILE on
+    HANDLER_CASES["tmpfile"] = (None, lambda v: os.close(os.open(v, os.O_TMPFILE | os.O_RDWR)))
 if not OPEN_LESS:  # plain pyfuse3: the kernel sends open and opendir too
     HANDLER_CASES["open"] = (None, lambda v: open(v / "base.txt", "rb").close())
     HANDLER_CASES["opendir"] = (None, lambda v: os.listdir(v / "d"))

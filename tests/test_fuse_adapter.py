@@ -299,6 +299,12 @@ def test_plain_mode_has_open_and_opendir_open_less_mode_neither():
     assert PlainOperations.opendir is not pyfuse3.Operations.opendir
 
 
+def test_plain_mode_has_no_tmpfile():
+    """So that O_TMPFILE fails EOPNOTSUPP in plain mode, with or without the patch."""
+    assert PlainOperations.tmpfile is getattr(pyfuse3.Operations, "tmpfile", None)
+    assert Operations.tmpfile is not PlainOperations.tmpfile
+
+
 @pytest.fixture
 async def mounted(tmp_path):
     """The adapter over the real mount tree of an overlay in this process (no kernel): the

@@ -11,6 +11,7 @@ import os
 import unicodedata
 from pathlib import Path
 
+import pyfuse3
 import pytest
 
 from conftest import run
@@ -212,3 +213,46 @@ def test_case12_names(trees, tmp_path):
     assert got[8:12] == [b"new-" + NFC, b"new-" + NFD, b"latin1", LATIN1]
     assert NFD not in got[12] and NFC in got[12] and got[13] == b"nfc"
     assert got == steps(ext4)
+
+
+# ----- O_TMPFILE (issue 22; tests/test_tmpfile.py has the programs and what only rametfs has) -----
+
+def test_tmpfile_linked_once_unless_o_excl(trees, tmp_path):
+    src = write_tree(tmp_path / "src", {"d/keep": b"k\n"})
+    t, ext4 = trees(src)
+    if isinstance(t, OsTree) and not hasattr(pyfuse3.Operations, "tmpfile"):
+        pytest.skip("O_TMPFILE through the mount needs the patched pyfuse3 (tools/pyfuse3/)")
+
+    def steps(t) -> list:
+        out = []
+        h = t.open("d", os.O_TMPFILE | os.O_RDWR, 0o600)
+        try:
+            out.append(h.fstat()[:4])
+            h.write(b"no name yet\n")
+            out.append(t.listdir("d"))  # no hidden entry
+            t.link_open(h, "d/named")
+            h.write(b"named\n")
+            out.append((h.fstat().nlink, t.lstat("d/named").ino == h.fstat().ino))
+            out.append(t.read("d/named"))
+            out.append(errno_of(t.link_open, h, "d/keep"))  # the name is taken
+            t.unlink("d/named")
+            out.append(errno_of(t.link_open, h, "d/twice"))  # linkable once only
+        finally:
+            h.close()
+        h = t.open("d", os.O_TMPFILE | os.O_RDWR | os.O_EXCL, 0o600)
+        try:
+            out.append(errno_of(t.link_open, h, "d/excl"))  # never linkable
+        finally:
+            h.close()
+        h = t.open("d/keep", os.O_RDWR)
+        try:
+            t.unlink("d/keep")
+            out.append(errno_of(t.link_open, h, "d/keep-again"))  # an unlinked open file
+        finally:
+            h.close()
+        out.append(t.listdir("d"))
+        return out
+
+    assert steps(t) == steps(ext4) == [
+        ("f", 0o600, 0, 0), [b"keep"], (1, True), b"no name yet\nnamed\n", "EEXIST", "ENOENT",
+        "ENOENT", "ENOENT", []]

@@ -13,9 +13,10 @@ channels their background work is fed by, and runs that work in its nursery.
 Open-less mode (:class:`Operations`, with the pyfuse3 patch, tools/pyfuse3/README.md): open
 and opendir are not implemented (pyfuse3 answers ENOSYS), so the kernel stops sending open,
 release, opendir and releasedir, keeps every file's pages and every directory's listing
-cached, and the handlers get the inode number where a file handle was.  Plain mode
-(:class:`PlainOperations`, without the patch) runs the same handlers with the inode number as
-the file handle.  Either way there is no per-open state: a file's upper data descriptor is
+cached, and the handlers get the inode number where a file handle was; the patch also
+passes O_TMPFILE opens on to ``tmpfile``.  Plain mode (:class:`PlainOperations`, without the
+patch) runs the same handlers with the inode number as the file handle, and O_TMPFILE fails
+EOPNOTSUPP.  Either way there is no per-open state: a file's upper data descriptor is
 cached (``FileData.upper_fds``), dirty inode records are stored by the daemon every second
 (``daemon._store_dirty_records``) and on fsync, promote and unmount, and an unlinked inode is
 deleted when the kernel forgets it.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import secrets
 import stat
 
@@ -261,6 +263,14 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=entry.attrs.ino, keep_cache=True), self._entry(entry)
 
     @_translate
+    async def tmpfile(self, parent_inode, mode, flags, ctx):
+        # With the patch only (FUSE_TMPFILE through its custom I/O); stock pyfuse3 never
+        # calls it, libfuse answers ENOSYS and O_TMPFILE fails EOPNOTSUPP.
+        entry = await self.tree.tmpfile(parent_inode, mode, ctx.uid, ctx.gid,
+                                        linkable=not flags & os.O_EXCL)
+        return pyfuse3.FileInfo(fh=entry.attrs.ino, keep_cache=True), self._entry(entry)
+
+    @_translate
     async def read(self, fh, off, size):
         return await self.tree.read(fh, off, size)
 
@@ -315,7 +325,10 @@ class Operations(pyfuse3.Operations):
 
 class PlainOperations(Operations):
     """The same handlers for a pyfuse3 without the open-less patch (or with it turned off):
-    the handle of an open file or directory is its inode number."""
+    the handle of an open file or directory is its inode number, and no ``tmpfile`` (the
+    patch's default, so that O_TMPFILE fails EOPNOTSUPP as with stock pyfuse3)."""
+
+    tmpfile = getattr(pyfuse3.Operations, "tmpfile", None)
 
     @_translate
     async def opendir(self, inode, ctx):

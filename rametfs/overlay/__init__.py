@@ -137,10 +137,10 @@ class Overlay:
             data.sync_store, data.base_only, data.take_unlinked_fds, data.pages,
             data.upper_path)
         self.base_fd = self.hydrator.base_fd
-        (self.mkdir, self.mknod, self.create, self.symlink, self.link, self.unlink,
-         self.rmdir, self.rename, self.rename_in_slices) = (
-            names.mkdir, names.mknod, names.create, names.symlink, names.link, names.unlink,
-            names.rmdir, names.rename, names.rename_in_slices)
+        (self.mkdir, self.mknod, self.create, self.tmpfile, self.symlink, self.link,
+         self.unlink, self.rmdir, self.rename, self.rename_in_slices) = (
+            names.mkdir, names.mknod, names.create, names.tmpfile, names.symlink, names.link,
+            names.unlink, names.rmdir, names.rename, names.rename_in_slices)
         self.setattr, self.setxattr, self.removexattr = (
             attributes.setattr, attributes.setxattr, attributes.removexattr)
         (self.forgotten, self.executions_of, self.take_reclaim, self.reclaimed,

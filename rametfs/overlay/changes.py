@@ -108,6 +108,8 @@ class ChangeClock:
         parts = [] if name is None else [name]
         size = 0 if name is None else len(name)
         while node.ino != node.view.root_ino:
+            if not node.name:  # a tmpfile not linked yet: no path (its link stamps one)
+                return None
             parts.append(node.name)
             size += len(node.name) + 1
             if size > max_bytes:

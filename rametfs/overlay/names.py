@@ -1,4 +1,5 @@
-"""Namespace changes: create, mkdir, mknod, symlink, link, unlink, rmdir and rename.
+"""Namespace changes: create, mkdir, mknod, symlink, link, unlink, rmdir and rename, and the
+files of no name that open(2) with O_TMPFILE makes (a link may name one).
 
 Each change stores its dentries (an added name, or a whiteout for a base name removed) and
 every record it changed in one transaction, so a crash keeps all of it or none; when that
@@ -54,12 +55,13 @@ class Names:
         self.lookups = lookups
         self.upper = upper
 
-    def _store_names(self, names: list[tuple[Node, bytes, Node | None]], *also: Node
-                     ) -> None:
+    def _store_names(self, names: list[tuple[Node, bytes, Node | None]], *also: Node,
+                     adopted: Node | None = None) -> None:
         """One namespace change, in one transaction: each ``(parent, name, child)`` names
         ``child`` in ``parent`` (None removes the name: a whiteout when the base has it) and
         sets the parent's mtime; the records of the parents, the children and ``also`` are
-        stored with the dentries, so a crash keeps all of it or none."""
+        stored with the dentries, and ``adopted``, an orphan given its first name (a
+        tmpfile), loses its orphan mark, so a crash keeps all of it or none."""
         nodes: dict[int, Node] = {}
         for parent, name, child in names:  # the parents are in one execution (rename checks)
             ex = self.upper.writable(parent)
@@ -86,6 +88,8 @@ class Names:
                     layers.delete_dentry(txn, ex.layer, parent.ino, name)
                     continue
                 added += dentry_bytes(name)
+            if adopted is not None:
+                layers.delete_orphan(txn, ex.layer, adopted.ino)
             self.upper.put_records(txn, nodes.values())
         self.upper.stored(nodes.values())
         ex.upper_bytes += added
@@ -145,12 +149,33 @@ class Names:
         return self._new_node(self.table.node(parent_ino), name, stat.S_IFREG | (mode & 0o7777),
                               uid, gid)
 
+    def tmpfile(self, parent_ino: int, mode: int, uid: int, gid: int, linkable: bool) -> Node:
+        """open(2) with O_TMPFILE in directory ``parent_ino``: a new regular file of no name
+        (nlink 0), its record stored with an orphan mark, so that it goes when the kernel
+        forgets it (``Reclaimer.forgotten``) or, after a crash, at the next start.  It counts
+        against the execution's limits while it lives (EDQUOT).  ``linkable`` (opened
+        without O_EXCL): :meth:`link` may give it a name."""
+        parent = self.table.node(parent_ino)
+        ex = self.upper.writable(parent)
+        node = self._unstored_node(parent, b"", stat.S_IFREG | (mode & 0o7777), uid, gid,
+                                   nlink=0)
+        self.upper.check_room(ex, 1)
+        self.upper.save(node)
+        ex.upper_inodes += 1
+        self.table.nodes[node.ino] = node
+        ex.inos.add(node.ino)
+        if linkable:
+            ex.linkable.add(node.ino)
+        return node
+
     def symlink(self, parent_ino: int, name: bytes, target: bytes, uid: int, gid: int) -> Node:
         return self._new_node(self.table.node(parent_ino), name, stat.S_IFLNK | 0o777, uid, gid,
                               target=target)
 
     def link(self, ino: int, parent_ino: int, name: bytes) -> Node:
-        """link(2); EXDEV from another view (each snapshot and execution is its own tree)."""
+        """link(2); EXDEV from another view (each snapshot and execution is its own tree).
+        An inode of no name takes one only if it is a tmpfile opened without O_EXCL, and
+        once (ENOENT otherwise, as Linux answers): the name becomes its own."""
         node = self.table.node(ino)
         parent = self.table.node(parent_ino)
         if node.view is not parent.view:
@@ -166,10 +191,17 @@ class Names:
             pass
         else:
             raise fs_error(errno.EEXIST, f"{name!r} exists")
+        unnamed = node.upper is not None and node.upper.nlink == 0
+        if unnamed and node.ino not in ex.linkable:
+            raise fs_error(errno.ENOENT, "an inode whose last name went, or a tmpfile opened "
+                                         "with O_EXCL, cannot be linked")
         with self._undone_on_failure(parent, node):
             node.upper.nlink += 1
             self.upper.touch(node, mtime=False)
-            self._store_names([(parent, name, node)])
+            if unnamed:
+                node.parent, node.name = parent.ino, name
+            self._store_names([(parent, name, node)], adopted=node if unnamed else None)
+        ex.linkable.discard(node.ino)
         return node
 
     @contextlib.contextmanager

@@ -126,6 +126,9 @@ class Execution(View):
         self.changes_floor = 0  # tokens from before this clock no longer say what changed
         self.policy: dict | None = None
         self.runtime: dict | None = None
+        # Files opened with O_TMPFILE but not O_EXCL and not linked yet: a link may name one
+        # (Names.link).  Each goes when the kernel forgets it (Reclaimer.forgotten).
+        self.linkable: set[int] = set()
 
     def record(self) -> ExecutionRecord:
         return ExecutionRecord(self.base.id, self.head.id, self.lower.id, self.layer,

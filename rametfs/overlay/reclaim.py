@@ -64,7 +64,10 @@ class Reclaimer:
         marks stay until then, so a stop or crash in between leaves nothing behind."""
         upper_fds = self.data.upper_fds
         for node in nodes:
-            if node.upper is not None and node.upper.nlink == 0 and self.table.is_live(node):
+            unnamed = node.upper is not None and node.upper.nlink == 0
+            if unnamed:
+                node.view.linkable.discard(node.ino)  # no process holds it to link it
+            if unnamed and self.table.is_live(node):
                 self.upper.stored([node])
                 self.reclaim.append(Reclaim(node.view.layer, node.ino,
                                             self.data.upper_path(node.view, node.ino),

@@ -223,6 +223,10 @@ class Layers:
         """Mark ``ino`` of ``layer`` an orphan: no name left, processes may still hold it."""
         txn.put(inode_key(layer, ino), b"", db=self._orphans)
 
+    def delete_orphan(self, txn: lmdb.Transaction, layer: int, ino: int) -> None:
+        """The orphan ``ino`` of ``layer`` got a name (a tmpfile linked): its mark goes."""
+        txn.delete(inode_key(layer, ino), db=self._orphans)
+
     def orphans(self, txn: lmdb.Transaction) -> list[tuple[int, int]]:
         """Every orphan mark: ``(layer, ino)``, ascending."""
         return [split_pair_key(key)
