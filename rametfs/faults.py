@@ -14,6 +14,9 @@ served with ``--faults`` (a hidden option of ``rametfs serve``) takes the root c
 * ``hold:capture``: a promote or checkpoint of execution ``ID`` (any, without
   ``--execution``) waits, its execution frozen, after its plan, until the site is disarmed
   (``--count 0``) or the command is cancelled: a capture a test can rely on to be running.
+* ``hold:<name>``: the FUSE handler ``<name>`` waits before it starts, when a request of
+  execution ``ID`` (any, without ``--execution``) reaches it, until the site is disarmed:
+  a request a test can rely on to be in flight, the kernel waiting for its answer.
 
 An armed ``handler:`` or ``task:`` site raises :class:`InjectedFault` (an ``Exception`` that is neither a
 ``RametError`` nor an ``OSError``: what a bug raises) at its next ``N`` hits (default 1; 0 disarms it).

@@ -7,6 +7,7 @@ listings after reset, promote and writes from another process, pages after reset
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import mmap
@@ -14,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +36,7 @@ def mode_daemon(request, tmp_path_factory):
         pytest.skip("pyfuse3 lacks the open-less patch (tools/pyfuse3/): plain mode only")
     base = tmp_path_factory.mktemp(request.param)
     env = {"RAMETFS_OPEN_LESS": "1" if request.param == "open-less" else "0"}
-    d = Daemon(base / "data", base / "mnt", env=env)
+    d = Daemon(base / "data", base / "mnt", env=env, serve_args=("--faults",))  # hold:write
     d.start()
     yield request.param, d
     try:
@@ -315,3 +317,111 @@ def test_names_found_missing_come_back_after_reset(execution):
     assert (ex / "dir" / "a.txt").read_bytes() == b"alpha\n"
     assert not (ex / "never").exists()
     assert not (d.mnt / "snapshots" / snap / "never").exists()
+
+
+# Kernel AIO (io_setup, io_submit, io_getevents, io_destroy) by system call number: Python
+# has no binding, and libaio is no dependency.
+AIO_SYSCALLS = {"x86_64": (206, 209, 208, 207), "aarch64": (0, 2, 4, 1)}
+IOCB_CMD_PWRITE = 1
+
+
+class _Iocb(ctypes.Structure):  # struct iocb (linux/aio_abi.h), little-endian
+    _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32),
+                ("rw_flags", ctypes.c_int32), ("opcode", ctypes.c_uint16),
+                ("reqprio", ctypes.c_int16), ("fildes", ctypes.c_uint32),
+                ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
+                ("offset", ctypes.c_int64), ("reserved2", ctypes.c_uint64),
+                ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
+
+
+class _IoEvent(ctypes.Structure):  # struct io_event
+    _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64),
+                ("res", ctypes.c_int64), ("res2", ctypes.c_int64)]
+
+
+def _aio_direct_write(path: Path, buf: mmap.mmap) -> int:
+    """Write the page-aligned ``buf`` at offset 0 of ``path`` through an ``O_DIRECT``
+    descriptor with one kernel AIO request, and wait for its completion; its result (the
+    bytes written, or a negative errno)."""
+    setup, submit, getevents, destroy = AIO_SYSCALLS[os.uname().machine]
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    ctx = ctypes.c_ulong(0)
+    try:
+        if libc.syscall(setup, 1, ctypes.byref(ctx)) != 0:
+            raise OSError(ctypes.get_errno(), "io_setup")
+        iocb = _Iocb(opcode=IOCB_CMD_PWRITE, fildes=fd, nbytes=len(buf),
+                     buf=ctypes.addressof(ctypes.c_char.from_buffer(buf)))
+        iocbs = (ctypes.POINTER(_Iocb) * 1)(ctypes.pointer(iocb))
+        if libc.syscall(submit, ctx, 1, iocbs) != 1:
+            raise OSError(ctypes.get_errno(), "io_submit")
+        event = _IoEvent()
+        while libc.syscall(getevents, ctx, 1, 1, ctypes.byref(event), None) != 1:
+            if ctypes.get_errno() != errno.EINTR:
+                raise OSError(ctypes.get_errno(), "io_getevents")
+        return event.res
+    finally:
+        if ctx.value:
+            libc.syscall(destroy, ctx)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _fusectl(tmp_path: Path):
+    """The kernel's FUSE control file system (fusectl: a directory per connection), mounted
+    on a directory of ``tmp_path`` for the block."""
+    top = tmp_path / "fusectl"
+    top.mkdir()
+    run("mount", "-t", "fusectl", "fusectl", top)
+    try:
+        yield top
+    finally:
+        run("umount", top)
+
+
+@pytest.mark.skipif(os.uname().machine not in AIO_SYSCALLS, reason="AIO syscall numbers known "
+                    f"for {', '.join(AIO_SYSCALLS)} only")
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting fusectl needs CAP_SYS_ADMIN")
+def test_a_buffered_read_racing_an_aio_direct_write_leaves_no_stale_page(execution, tmp_path):
+    """fstests generic/451, made deterministic: an AIO write through an ``O_DIRECT``
+    descriptor is held in the daemon (``fault hold:write``) while the file is read through
+    the page cache, which gets the old bytes; once the write is let go, a read gives the new
+    ones.  The daemon turns off FUSE_ASYNC_DIO, so the kernel completes the write as a
+    synchronous one and drops the range's cached pages after it; its asynchronous completion
+    would leave the old ones (docs/conformance.md, "Results")."""
+    _, d, _, ex = execution
+    if not hasattr(pyfuse3.Operations, "enable_async_dio"):
+        pytest.skip("stock pyfuse3 cannot turn off FUSE_ASYNC_DIO")
+    size = 256 << 10
+    target = ex / "aio.bin"
+    target.write_bytes(b"\x55" * size)
+    new = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT wants
+    new.write(b"\xaa" * size)
+    dev = os.stat(ex).st_dev
+    written = []
+    with _fusectl(tmp_path) as fusectl:
+        waiting = fusectl / str(os.major(dev) << 20 | os.minor(dev)) / "waiting"
+        assert waiting.read_text() == "0\n"
+        d.ctl(f"fault hold:write --execution {ex.name}")
+        writer = threading.Thread(target=lambda: written.append(_aio_direct_write(target, new)))
+        writer.start()
+        try:
+            wait_until(lambda: waiting.read_text() != "0\n", 60, "the direct write held")
+            during = _pread(target, size)
+        finally:
+            d.ctl("fault hold:write --count 0")
+            writer.join(60)
+    assert during == b"\x55" * size  # the write was not applied yet
+    assert written == [size]
+    assert _pread(target, size) == new[:]
+
+
+def _pread(path: Path, size: int) -> bytes:
+    """``size`` bytes at offset 0 of ``path`` through the page cache, with nothing else: a
+    stat after a read would make the kernel ask for the attributes (the read invalidated its
+    atime), and a changed mtime drops the cached pages (FUSE_AUTO_INVAL_DATA), stale or not."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, size, 0)
+    finally:
+        os.close(fd)

@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -193,11 +194,16 @@ def isolated(argv: list[str]) -> None:
     """Run ``argv`` in a private mount namespace holding only the host's mounts of the
     paths it needs (its working directory, the state directory's parent, this Python):
     fstests finds TEST_DEV by its source, and another user's mount of the same source
-    (fuse-overlayfs names every mount so) would abort the run."""
+    (fuse-overlayfs names every mount so) would abort the run.  It gets the default
+    SIGPIPE and SIGXFSZ a shell gives, not this Python's ignored ones (an ignored signal
+    stays ignored across exec): a test's writer to a closed pipe is killed, and its write
+    past ``ulimit -f`` too, where it would otherwise fail with EPIPE or EFBIG and say so."""
     checked(libc.unshare(CLONE_NEWNS), "unshare")
     subprocess.run(["mount", "--make-rprivate", "/"], check=True)
     unmount_all_but([os.getcwd(), str(Path(os.environ[STATE_ENV]).parent), sys.executable,
                      __file__])
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_DFL)
     os.execvp(argv[0], argv)
 
 

@@ -109,7 +109,9 @@ def _translate(fn):
     async def wrapper(self, *args):
         try:
             if FAULTS.armed:
-                FAULTS.check(f"handler:{name}", *self.tree.culprits(_inos(args)))
+                named = self.tree.culprits(_inos(args))
+                FAULTS.check(f"handler:{name}", *named)
+                await FAULTS.hold(f"hold:{name}", *named)
             return await fn(self, *args)
         except (pyfuse3.FUSEError, OSError) as exc:  # a RametError is an OSError
             if not replies:
@@ -142,6 +144,11 @@ class Operations(pyfuse3.Operations):
     # each chown and no security.capability GETXATTR before each write of a file that has
     # none, and leaves clearing set-user-ID and set-group-ID bits to the tree.
     handle_killpriv_v2 = True
+    # With the patch, no FUSE_ASYNC_DIO: the kernel completes an asynchronous direct write
+    # (io_submit, io_uring) as a synchronous one, so it drops the cached pages of the range
+    # after the write; its asynchronous completion does not, and a buffered read that raced
+    # the write would leave the old bytes cached (docs/conformance.md, generic/451).
+    enable_async_dio = False
 
     def __init__(self, tree: MountTree, kernel: KernelState):
         super().__init__()
