@@ -9,8 +9,9 @@ distribution (``pip download --no-binary :all:``, from the package index pip is 
 with), unpack it, apply ``pyfuse3-open-less.patch`` (``git apply``; what it changes:
 tools/pyfuse3/README.md) and remove the shipped ``__init__.c`` so that Cython regenerates
 it, ``pip install`` the result into the target Python, and check that the installed pyfuse3
-has the whole patch (``FileInfo.cache_readdir``, ``Operations.fallocate`` and
-``Operations.lseek``: a build of an older patch lacks the last two).  The build needs a C
+has the whole patch (``FileInfo.cache_readdir``, ``Operations.fallocate``,
+``Operations.lseek``, ``handles_killpriv_v2`` and ``Operations.dont_mask``: a build of an
+older patch lacks the later ones).  The build needs a C
 compiler, the target Python's headers and libfuse3's (Debian: ``gcc python3-dev libfuse3-dev
 pkg-config``); pip fetches Cython and setuptools for it.  About a minute on 2 cores.
 
@@ -39,7 +40,8 @@ HAS_PATCH = ("import pyfuse3, sys; "
              "sys.exit(0 if hasattr(pyfuse3.FileInfo(), 'cache_readdir') and "
              "hasattr(pyfuse3.Operations, 'fallocate') and "
              "hasattr(pyfuse3.Operations, 'lseek') and "
-             "hasattr(pyfuse3, 'handles_killpriv_v2') else 1)")
+             "hasattr(pyfuse3, 'handles_killpriv_v2') and "
+             "hasattr(pyfuse3.Operations, 'dont_mask') else 1)")
 
 
 class BuildError(Exception):
