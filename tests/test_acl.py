@@ -23,6 +23,7 @@ import pytest
 from benchmarks.fuse_trace import FuseTrace
 from benchmarks.systems import Unsupported
 from conftest import RUN_TIMEOUT_S
+from rametfs import Ramet
 from rametfs.core import acl
 from rametfs.errors import RametError
 from rametfs.overlay import Overlay
@@ -333,3 +334,22 @@ def test_acls_outlive_promote_a_new_execution_and_a_restart(daemon, tmp_path):
     for root in (ex, daemon.exec_path(again), daemon.snap_path(promoted)):
         assert getfacl_tree(root) == want
 
+
+def test_fallback_executions_keep_acls_and_drop_what_the_host_inherits_unasked(tmp_path):
+    # Fallback mode writes real files (a copy or reflink carries no xattrs, so each entry's
+    # are set again), and the host gives a file made in a directory with a default ACL the
+    # ACLs it inherits, which d/bare and d/sub do not have in the snapshot.
+    src = write_tree(tmp_path / "src", {"f": b"f\n", "d/bare": b"", "d/sub/deep": b""})
+    subprocess.run("setfacl -m u:65534:rw f && setfacl -d -m u:65534:rx d && "
+                   "touch d/inherited && mkdir d/made && touch d/made/deep", shell=True,
+                   cwd=src, check=True)
+    want = getfacl_tree(src)
+    assert "# file: d/inherited\n# owner: 0\n# group: 0\nuser::rw-\nuser:65534:r-x\t" \
+           "#effective:r--\n" in want and "# file: d/bare\n# owner: 0\n# group: 0\n" \
+           "user::rw-\ngroup::r--\nother::r--\n" in want
+    with Ramet(data=tmp_path / "data", mode="fallback") as r:
+        ex = r.create(r.snapshot(src))
+        assert getfacl_tree(ex.path) == want
+        sh("rm -r d/bare d/sub d/inherited d/made && setfacl -m g:100:r f", ex.path)
+        ex.reset()  # every name of d is written again in d, which keeps its default ACL
+        assert getfacl_tree(ex.path) == want
