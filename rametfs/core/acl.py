@@ -40,9 +40,9 @@ Who does what with FUSE_POSIX_ACL (Linux 6.x, fs/fuse; the daemon asks for it wi
   with FUSE_DONT_MASK the daemon does what ``posix_acl_create`` does on ext4
   (:func:`inherit`): in a directory with a default ACL, a new node's access ACL comes from
   it, masked by the requested mode, a new directory also gets the default ACL, and the umask
-  is not applied; elsewhere the umask is.  A symlink gets neither (mode 0777).  Without the
-  patch (plain pyfuse3) the kernel has applied the umask already, so a node inherits from
-  the umasked mode.
+  is not applied; elsewhere the umask is.  A symlink gets neither (mode 0777).  With stock
+  pyfuse3 (no patch) the kernel has applied the umask already, so a node inherits from the
+  umasked mode.
 
 Pure functions of values and modes, for both modes: fallback mode's host file system applies
 the same rules itself (rametfs.fallback.sync removes what it inherits unasked).
