@@ -288,15 +288,21 @@ def test_the_kernel_asks_for_an_acl_again_after_each_refresh_of_the_inode(
     d = _other_users_daemon[0]
     src = write_tree(tmp_path / "src", {f"d/f{i:02}": b"x\n" for i in range(20)})
     os.chmod(src, 0o755)
-    ex = new(src)
     done = []
-    cat = lambda: done.append(as_nobody("sh", "-c", "cat d/* > /dev/null", cwd=ex))  # noqa: E731
     try:
         with FuseTrace(d.mnt, name="rametfs-acl") as trace:
-            runs = [trace.run(cat) for _ in range(4)]
+            for _ in range(3):  # again, on a new execution, if the kernel dropped its caches
+                ex = new(src)   # meanwhile (another process's drop_caches, memory pressure)
+
+                def cat(ex=ex):
+                    done.append(as_nobody("sh", "-c", "cat d/* > /dev/null", cwd=ex))
+
+                runs = [trace.run(cat) for _ in range(4)]
+                if not any(r.counts["READDIRPLUS"] or r.counts["READ"] for r in runs[1:]):
+                    break
     except Unsupported as exc:
         pytest.skip(str(exc))
-    assert [p.returncode for p in done] == [0] * 4
+    assert {p.returncode for p in done} == {0}
     # 1: every inode once (the root, d, 20 files), the files read; then each walk revalidates
     # the root (a LOOKUP) and asks for its ACL; 2: d's again after the GETATTR its listing's
     # fstat made, and a GETATTR for each file's fstat after its read, after its open; 3: each
