@@ -26,7 +26,7 @@ from rametfs.fuse.kernel import NEGATIVE_NAMES, KernelState
 from rametfs.overlay import Attrs, Overlay
 from rametfs.store import Store, import_tree
 
-CTX = SimpleNamespace(uid=1000, gid=1000, pid=4242)  # what pyfuse3's RequestContext carries
+CTX = SimpleNamespace(uid=1000, gid=1000, pid=4242, umask=0o022)  # a RequestContext's
 
 
 def entry(ino: int, mode: int = stat.S_IFREG | 0o644, generation: bool = False) -> Entry:
@@ -79,8 +79,9 @@ class FakeTree:
         self._call("listing", ino)
         return list(self.listings[ino])
 
-    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Entry:
-        self._call("mkdir", parent, name, mode, uid, gid)
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                    umask: int) -> Entry:
+        self._call("mkdir", parent, name, mode, uid, gid, umask)
         return entry(200, stat.S_IFDIR | mode)
 
     async def write(self, ino: int, off: int, buf: bytes, kill_suidgid: bool = False) -> int:
@@ -118,7 +119,7 @@ async def test_an_entry_is_built_from_the_trees_attributes_and_timeouts(fake):
     assert (e.attr_timeout, e.entry_timeout) == (7.0, 5.0)
     m = await ops.mkdir(1, b"d", 0o750, CTX)
     assert (m.st_ino, m.st_mode) == (200, stat.S_IFDIR | 0o750)
-    assert tree.calls[-1] == ("mkdir", 1, b"d", 0o750, 1000, 1000)
+    assert tree.calls[-1] == ("mkdir", 1, b"d", 0o750, 1000, 1000, 0o022)  # the tree masks
 
 
 @pytest.mark.parametrize("exc, err", [

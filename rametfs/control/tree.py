@@ -51,6 +51,7 @@ import trio
 
 from .. import protocol
 from ..authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
+from ..core import acl
 from ..errors import NotFound, RametError, ReadOnly, fs_error
 from ..overlay import Attrs, Execution, Node, Overlay, close_all, in_slices
 from ..store import Snapshot
@@ -383,14 +384,17 @@ class MountTree:
         await self.overlay.wait_thawed(node)
         return node
 
-    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Entry:
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                    umask: int = 0) -> Entry:
+        """A new directory; ``umask`` is the caller's, applied unless ``parent`` has a
+        default ACL (as for :meth:`mknod` and :meth:`create`)."""
         await self._parent(parent)
-        return self._node_entry(self.overlay.mkdir(parent, name, mode, uid, gid))
+        return self._node_entry(self.overlay.mkdir(parent, name, mode, uid, gid, umask))
 
-    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
-                    ) -> Entry:
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int,
+                    umask: int = 0) -> Entry:
         await self._parent(parent)
-        return self._node_entry(self.overlay.mknod(parent, name, mode, rdev, uid, gid))
+        return self._node_entry(self.overlay.mknod(parent, name, mode, rdev, uid, gid, umask))
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int
                       ) -> Entry:
@@ -401,9 +405,10 @@ class MountTree:
         await self._parent(new_parent)
         return self._node_entry(self.overlay.link(ino, new_parent, new_name))
 
-    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Entry:
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                     umask: int = 0) -> Entry:
         await self._parent(parent)
-        return self._node_entry(self.overlay.create(parent, name, mode, uid, gid))
+        return self._node_entry(self.overlay.create(parent, name, mode, uid, gid, umask))
 
     async def tmpfile(self, parent: int, mode: int, uid: int, gid: int, linkable: bool
                       ) -> Entry:
@@ -592,8 +597,15 @@ class MountTree:
         await self.overlay.wait_thawed(node)
         return node
 
-    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
-        self.overlay.setxattr(await self._xattr_node(ino), name, value)
+    async def setxattr(self, ino: int, name: bytes, value: bytes, caller: Caller = HARNESS
+                       ) -> None:
+        """Set an xattr; an access ACL set by a ``caller`` neither root nor in the file's
+        group clears its set-group-ID bit (``Overlay.setxattr``)."""
+        node = await self._xattr_node(ino)
+        gid = self.overlay.attrs(node).gid
+        keep_sgid = name != acl.ACCESS or caller.uid == 0 or gid == caller.gid \
+            or gid in caller.groups
+        self.overlay.setxattr(node, name, value, keep_sgid)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         self.overlay.removexattr(await self._xattr_node(ino), name)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..core import acl
 from ..longpath import cached, forget, short
 from ..store import EMPTY_CONTENT, Entry, Snapshot, Store
 from ..treewalk import postorder, preorder
@@ -73,6 +74,9 @@ class _Sync:
         self.groups: dict[int, list[tuple[bytes, Entry, os.stat_result | None]]] = {}
         self.kept: dict[bytes, Record] = {}
         self.written: set[bytes] = set()
+        # Directories with a default ACL: what is made in them inherits ACLs (and a directory
+        # the default ACL too) on the host, which _set_attrs takes off where unwanted.
+        self.inheriting: set[bytes] = set()
         self.lock = threading.Lock()
 
     def path(self, rel: bytes) -> bytes:
@@ -98,7 +102,10 @@ class _Sync:
         current: dict[bytes, os.stat_result] = {}
         if st is not None:
             with short(self.path(rel)) as path:
-                if self._dir_differs(path, b, st):
+                xattrs = self._dir_xattrs(path, st)
+                if acl.DEFAULT in dict(xattrs):
+                    self.inheriting.add(rel)
+                if self._dir_differs(path, b, st, xattrs):
                     self.changes.append(("M", rel + b"/"))
                 with os.scandir(path) as it:
                     current = {e.name: e.stat(follow_symlinks=False) for e in it}
@@ -163,12 +170,20 @@ class _Sync:
                 and e.size == be.size and e.uid == be.uid and e.gid == be.gid
                 and e.xattrs == be.xattrs and st.st_nlink == (be.nlink if be.link else 1))
 
-    def _dir_differs(self, path: bytes, be: Entry, st: os.stat_result) -> bool:
-        """Whether the directory at ``path`` (short: rametfs.longpath), ``st`` its lstat,
-        differs from ``be`` in mode, mtime, xattrs or (as root) owner."""
+    def _dir_xattrs(self, path: bytes, st: os.stat_result) -> tuple[tuple[bytes, bytes], ...]:
+        """The xattrs of the directory at ``path`` (short), ``st`` its lstat, sorted
+        ``(name, value)`` pairs: its record's when that vouches for it, else read."""
         record = self.by_ino.get(st.st_ino)
-        xattrs = (record.entry.xattrs if record is not None and record.vouches_for(st)
-                  else read_xattrs(path))
+        return (record.entry.xattrs if record is not None and record.vouches_for(st)
+                else read_xattrs(path))
+
+    def _dir_differs(self, path: bytes, be: Entry, st: os.stat_result,
+                     xattrs: tuple[tuple[bytes, bytes], ...] | None = None) -> bool:
+        """Whether the directory at ``path`` (short: rametfs.longpath), ``st`` its lstat,
+        differs from ``be`` in mode, mtime, xattrs (``xattrs``, or its own) or (as root)
+        owner."""
+        if xattrs is None:
+            xattrs = self._dir_xattrs(path, st)
         return (st.st_mode != be.mode or st.st_mtime_ns != be.mtime_ns or xattrs != be.xattrs
                 or (self.as_root and (st.st_uid, st.st_gid) != (be.uid, be.gid)))
 
@@ -193,18 +208,22 @@ class _Sync:
             with short(self.path(rel)) as path:
                 os.mkdir(path, 0o700)
             self.written.add(rel)
+            if os.path.dirname(rel) in self.inheriting:  # parents come first
+                self.inheriting.add(rel)
         if self.files:
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
                 list(pool.map(self._write_content, self.files.keys(), self.files.values()))
         for names in self.others:
             self._make_writable(os.path.dirname(names[0][0]))
             with short(self.path(names[0][0])) as path:
-                self._make_node(path, names[0][1])
+                self._make_node(path, names[0][1],
+                                os.path.dirname(names[0][0]) in self.inheriting)
             self._link_rest(names)
         for rel, be in self.dirs:
             with short(self.path(rel)) as path:
                 if self._dir_differs(path, be, os.lstat(path)):
-                    self._set_attrs(path, be, fresh=rel in self.written)
+                    self._set_attrs(path, be, fresh=rel in self.written,
+                                    inherited=os.path.dirname(rel) in self.inheriting)
                     self.written.add(rel)
 
     def _write_content(self, cid: bytes, inodes: list[list[tuple[bytes, Entry]]]) -> None:
@@ -219,21 +238,22 @@ class _Sync:
                     method = "empty"
                 else:
                     method = clone_file(src, path, self.method)
-                self._set_attrs(path, be)
+                self._set_attrs(path, be, inherited=os.path.dirname(rel) in self.inheriting)
             self._link_rest(names)
             with self.lock:
                 self.stats.methods[method] += 1
                 self.stats.file_bytes += be.size
 
-    def _make_node(self, path: bytes, be: Entry) -> None:
-        """Make the symlink, fifo, device node or socket ``be`` at ``path`` (short)."""
+    def _make_node(self, path: bytes, be: Entry, inherited: bool) -> None:
+        """Make the symlink, fifo, device node or socket ``be`` at ``path`` (short), in a
+        directory with a default ACL if ``inherited``."""
         if be.is_symlink:
             os.symlink(be.ref, path)
         elif stat.S_ISFIFO(be.mode):
             os.mkfifo(path, 0o600)
         else:  # device node or socket; a device needs root
             os.mknod(path, stat.S_IFMT(be.mode) | 0o600, be.size)
-        self._set_attrs(path, be)
+        self._set_attrs(path, be, inherited=inherited)
 
     def _link_rest(self, names: list[tuple[bytes, Entry]]) -> None:
         for rel, _ in names:
@@ -244,17 +264,30 @@ class _Sync:
             with self.lock:
                 self.written.add(rel)
 
-    def _set_attrs(self, path: bytes, be: Entry, fresh: bool = True) -> None:
+    def _set_attrs(self, path: bytes, be: Entry, fresh: bool = True,
+                   inherited: bool = False) -> None:
         """Owner, xattrs, mode and mtime of ``be`` on ``path`` (short); a ``fresh`` path (made just
-        now) has no xattrs to remove, so none are read (nor is a security label dropped)."""
+        now) has no xattrs to remove, so none are read (nor is a security label dropped), but
+        for the POSIX ACLs the default ACL of the directory it was made in gave it, when
+        ``inherited`` (the host's ``posix_acl_create``)."""
         # chown first: it clears setuid bits and security.capability; xattrs before chmod,
-        # since a user.* xattr needs write permission; the mtime last.
+        # since a user.* xattr needs write permission, and chmod sets an access ACL's mask;
+        # the mtime last.
         if self.as_root:
             os.chown(path, be.uid, be.gid, follow_symlinks=False)
-        current = {} if fresh else dict(read_xattrs(path))
+        if not fresh:
+            current = dict(read_xattrs(path))
+        elif inherited and not be.is_symlink:
+            current = dict.fromkeys(acl.NAMES if be.is_dir else (acl.ACCESS,), b"")
+        else:
+            current = {}
         wanted = dict(be.xattrs)
         for name in current.keys() - wanted.keys():
-            os.removexattr(path, name, follow_symlinks=False)
+            try:
+                os.removexattr(path, name, follow_symlinks=False)
+            except OSError as exc:  # an ACL the mode said whole was not stored
+                if not (fresh and exc.errno == errno.ENODATA):
+                    raise
         for name, value in wanted.items():
             if current.get(name) != value:
                 os.setxattr(path, name, value, follow_symlinks=False)

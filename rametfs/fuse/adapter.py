@@ -139,7 +139,12 @@ class Operations(pyfuse3.Operations):
 
     supports_dot_lookup = True  # file handles: the kernel finds an inode it forgot by "."
     enable_writeback_cache = False
-    enable_acl = False
+    # POSIX ACLs (FUSE_POSIX_ACL): the kernel enforces the access ACL it reads from the
+    # xattrs; the tree keeps the mode and the ACLs consistent and inherits default ACLs,
+    # applying the umask itself (FUSE_DONT_MASK, with the patch) where none applies.  Who
+    # does what: rametfs.core.acl.
+    enable_acl = True
+    dont_mask = True
     # With the patch, open-less (FUSE_HANDLE_KILLPRIV_V2): the kernel sends no GETATTR before
     # each chown and no security.capability GETXATTR before each write of a file that has
     # none, and leaves clearing set-user-ID and set-group-ID bits to the tree.
@@ -206,11 +211,13 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._entry(await self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return self._entry(await self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid,
+                                                 ctx.umask))
 
     @_translate
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self._entry(await self.tree.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+        return self._entry(await self.tree.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid,
+                                                 ctx.umask))
 
     @_translate
     async def symlink(self, parent_inode, name, target, ctx):
@@ -266,7 +273,7 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def create(self, parent_inode, name, mode, flags, ctx):
-        entry = await self.tree.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+        entry = await self.tree.create(parent_inode, name, mode, ctx.uid, ctx.gid, ctx.umask)
         return pyfuse3.FileInfo(fh=entry.attrs.ino, keep_cache=True), self._entry(entry)
 
     @_translate
@@ -323,7 +330,7 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def setxattr(self, inode, name, value, ctx):
-        await self.tree.setxattr(inode, name, value)
+        await self.tree.setxattr(inode, name, value, _caller(ctx))
 
     @_translate
     async def removexattr(self, inode, name, ctx):

@@ -34,7 +34,7 @@ The model is split by job: each job is one component, in a module of its own, an
                 fsync, upper data files
 ``hydrate``     base content in the shared hydration cache
 ``names``       namespace changes, one transaction each, undone in memory on failure
-``attributes``  setattr and extended attributes
+``attributes``  setattr and extended attributes, POSIX ACLs (rametfs.core.acl)
 ``reclaim``     forgotten unlinked inodes and orphans
 ``executions``  snapshot views, the executions' lifecycle, freezes, dead layers
 ``resolve``     snapshot references, a published one's catalog lookup in a worker thread

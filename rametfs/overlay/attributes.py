@@ -1,5 +1,5 @@
 """Attribute changes: chmod, chown, utimens and truncate through setattr, and extended
-attributes (set and remove)."""
+attributes (set and remove), POSIX ACLs with the mode they imply (rametfs.core.acl)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import errno
 import stat
 import time
 
+from ..core import acl
 from ..errors import fs_error
 from ..store.format import clamp_time_ns
 from .data import FileData
+from .lookup import Lookup
 from .nodes import Attrs, Node
 from .upper import Upper
 
@@ -32,13 +34,17 @@ class Attributes:
         """chmod/chown/truncate/utimens; ctime is set to now; times outside what a record
         holds are clamped as ext4 clamps them (``clamp_time_ns``).  Without a truncate the record
         is stored with the next flush (every second, fsync, promote), as a write's is: tar
-        sets mode, owner and times on every file it makes."""
+        sets mode, owner and times on every file it makes.  A chmod of a node with an access
+        ACL sets its owner, mask and other entries too (``acl.chmod``)."""
         self.upper.writable(node)
         if size is not None:
             self.data.check_size(node, size)
         u = self.upper.copy_up(node)
         if mode is not None:
             u.mode = stat.S_IFMT(u.mode) | (mode & 0o7777)
+            if acl.ACCESS in u.xattrs:
+                u.xattrs[acl.ACCESS] = acl.encode(acl.chmod(acl.decode(u.xattrs[acl.ACCESS]),
+                                                            u.mode))
         if uid is not None:
             u.uid = uid
         if gid is not None:
@@ -58,30 +64,58 @@ class Attributes:
             self.upper.mark_dirty(node)
         return self.data.attrs(node)
 
-    def setxattr(self, node: Node, name: bytes, value: bytes) -> None:
-        """Set an xattr; POSIX ACLs are refused (EOPNOTSUPP) since they would not change the
-        mode bits as they do on ext4, and tools then fall back to chmod.  ENOSPC when the
-        inode's names and values would pass :data:`XATTR_BYTES` (ext4 answers ENOSPC when
-        they pass its one block), so storing the record stays cheap."""
+    def setxattr(self, node: Node, name: bytes, value: bytes, keep_sgid: bool = True) -> None:
+        """Set an xattr.  ENOSPC when the inode's names and values would pass
+        :data:`XATTR_BYTES` (ext4 answers ENOSPC when they pass its one block), so storing the
+        record stays cheap.
+
+        A POSIX ACL (:data:`acl.NAMES`) is checked (``acl.decode``: EINVAL, E2BIG) and stored
+        as the kernel writes it; a default ACL only on a directory (EACCES, as the kernel
+        refuses it); an access ACL sets the mode's permission bits, and is not stored where
+        they say all of it (``acl.equivalent_mode``), and with ``keep_sgid`` False (the
+        setter is neither root nor in the file's group) the set-group-ID bit goes, as
+        ``posix_acl_update_mode`` does on ext4.  Other ``system.posix_acl_*`` names are
+        EOPNOTSUPP."""
         self.upper.writable(node)
-        if name.startswith(b"system.posix_acl_"):
-            raise fs_error(errno.EOPNOTSUPP, "POSIX ACLs are not supported")
-        xattrs = self.upper.copy_up(node).xattrs
-        self.upper.check_room(node.view, len(name) + len(value))
-        total = sum(len(k) + len(v) for k, v in xattrs.items() if k != name)
-        if total + len(name) + len(value) > XATTR_BYTES:
-            raise fs_error(errno.ENOSPC, f"the extended attributes of an inode hold at most "
-                                         f"{XATTR_BYTES} bytes of names and values")
-        xattrs[name] = value
+        mode = None
+        if name in acl.NAMES:
+            entries = acl.decode(value)
+            value = acl.encode(entries)
+            if name == acl.DEFAULT and not node.is_dir:
+                raise fs_error(errno.EACCES, "only a directory has a default ACL")
+            if name == acl.ACCESS:
+                mode, whole = acl.equivalent_mode(entries, node.mode)
+                if not keep_sgid:
+                    mode &= ~stat.S_ISGID
+                if whole:
+                    value = None
+        elif name.startswith(b"system.posix_acl_"):
+            raise fs_error(errno.EOPNOTSUPP, f"no such POSIX ACL: {name!r}")
+        u = self.upper.copy_up(node)
+        xattrs = u.xattrs
+        if value is not None:
+            self.upper.check_room(node.view, len(name) + len(value))
+            total = sum(len(k) + len(v) for k, v in xattrs.items() if k != name)
+            if total + len(name) + len(value) > XATTR_BYTES:
+                raise fs_error(errno.ENOSPC, f"the extended attributes of an inode hold at "
+                                             f"most {XATTR_BYTES} bytes of names and values")
+            xattrs[name] = value
+        else:
+            xattrs.pop(name, None)
+        if mode is not None:
+            u.mode = mode
         self.upper.touch(node, mtime=False)
         self.upper.save(node)
 
     def removexattr(self, node: Node, name: bytes) -> None:
+        """Remove an xattr; ENODATA if ``node`` has none of that name, but for a POSIX ACL,
+        whose removal leaves the mode as it is and succeeds without one, as on ext4."""
         self.upper.writable(node)
-        u = self.upper.copy_up(node)
-        if name not in u.xattrs:
+        if name not in Lookup.xattrs(node):
+            if name in acl.NAMES:
+                return
             raise fs_error(errno.ENODATA)
+        u = self.upper.copy_up(node)
         del u.xattrs[name]
         self.upper.touch(node, mtime=False)
         self.upper.save(node)
-

@@ -5,6 +5,8 @@ Each change stores its dentries (an added name, or a whiteout for a base name re
 every record it changed in one transaction, so a crash keeps all of it or none; when that
 transaction fails (a full disk), what the change did in memory is put back.  Directories from
 the base move for real within an execution; a rename or link between two views is EXDEV.
+A new node in a directory with a default POSIX ACL inherits from it, else the caller's umask
+applies (:meth:`Names._initial`, rametfs.core.acl).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import stat
 import time
 from typing import Iterator
 
+from ..core import acl
 from ..errors import InvalidArgument, NotFound, RametError, fs_error
 from ..protocol import CONTROL_DIR
 from ..store import WHITEOUT, Store
@@ -101,8 +104,9 @@ class Names:
                 ex.inos.add(child.ino)
 
     def _new_node(self, parent: Node, name: bytes, mode: int, uid: int, gid: int,
-                  **fields) -> Node:
-        """A new inode named ``name`` in ``parent``; EEXIST if the name is taken.  A new
+                  umask: int = 0, **fields) -> Node:
+        """A new inode named ``name`` in ``parent``, of ``mode`` as the caller asked for it,
+        its ACLs and umask applied (:meth:`_initial`); EEXIST if the name is taken.  A new
         directory (``mode`` S_IFDIR) adds a link to ``parent``."""
         ex = self.upper.writable(parent)
         check_name(name)
@@ -113,7 +117,8 @@ class Names:
             pass
         else:
             raise fs_error(errno.EEXIST, f"{name!r} exists")
-        node = self._unstored_node(parent, name, mode, uid, gid, **fields)
+        mode, xattrs = self._initial(parent, mode, umask)
+        node = self._unstored_node(parent, name, mode, uid, gid, xattrs=xattrs, **fields)
         with self._undone_on_failure(parent):
             if stat.S_ISDIR(mode):
                 parent.upper.nlink += 1
@@ -121,6 +126,28 @@ class Names:
         ex.upper_inodes += 1
         self.table.nodes[node.ino] = node
         return node
+
+    def _initial(self, parent: Node, mode: int, umask: int) -> tuple[int, dict[bytes, bytes]]:
+        """The mode and xattrs of a new node of ``mode`` in ``parent``, as
+        ``posix_acl_create`` makes them on ext4: where ``parent`` has a default ACL, the
+        access ACL it gives (``acl.inherit``) and, for a directory, the default ACL too, and
+        no umask; elsewhere ``mode`` less ``umask`` (permission bits).  A symlink's is
+        neither.  EIO when the default ACL stored is malformed (none that passed
+        ``setxattr``)."""
+        if stat.S_ISLNK(mode):
+            return mode, {}
+        default = self.lookups.xattrs(parent).get(acl.DEFAULT)
+        if default is None:
+            return mode & ~(umask & 0o777), {}
+        try:
+            entries = acl.decode(default)
+        except RametError as exc:
+            raise RametError(errno.EIO, f"the directory's default ACL: {exc}") from None
+        mode, access = acl.inherit(entries, mode)
+        xattrs = {} if access is None else {acl.ACCESS: acl.encode(access)}
+        if stat.S_ISDIR(mode):
+            xattrs[acl.DEFAULT] = default
+        return mode, xattrs
 
     def _unstored_node(self, parent: Node, name: bytes, mode: int, uid: int, gid: int,
                        **fields) -> Node:
@@ -137,17 +164,20 @@ class Names:
         self.upper.check_inode_quota(parent.view)
         return Node(self.table.alloc_ino(), parent.view, None, upper, parent.ino, name)
 
-    def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
+    def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int,
+              umask: int = 0) -> Node:
         return self._new_node(self.table.node(parent_ino), name, stat.S_IFDIR | (mode & 0o7777),
-                              uid, gid, nlink=2)
+                              uid, gid, umask, nlink=2)
 
-    def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, uid: int, gid: int
-              ) -> Node:
-        return self._new_node(self.table.node(parent_ino), name, mode, uid, gid, rdev=rdev)
+    def mknod(self, parent_ino: int, name: bytes, mode: int, rdev: int, uid: int, gid: int,
+              umask: int = 0) -> Node:
+        return self._new_node(self.table.node(parent_ino), name, mode, uid, gid, umask,
+                              rdev=rdev)
 
-    def create(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
+    def create(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int,
+               umask: int = 0) -> Node:
         return self._new_node(self.table.node(parent_ino), name, stat.S_IFREG | (mode & 0o7777),
-                              uid, gid)
+                              uid, gid, umask)
 
     def tmpfile(self, parent_ino: int, mode: int, uid: int, gid: int, linkable: bool) -> Node:
         """open(2) with O_TMPFILE in directory ``parent_ino``: a new regular file of no name
