@@ -410,12 +410,12 @@ class MountTree:
         await self._parent(parent)
         return self._node_entry(self.overlay.create(parent, name, mode, uid, gid, umask))
 
-    async def tmpfile(self, parent: int, mode: int, uid: int, gid: int, linkable: bool
-                      ) -> Entry:
+    async def tmpfile(self, parent: int, mode: int, uid: int, gid: int, linkable: bool,
+                      umask: int = 0) -> Entry:
         """open(2) with O_TMPFILE in ``parent`` (``Names.tmpfile``): refused where create is
         (a snapshot EROFS, the synthetic directories EPERM)."""
         await self._parent(parent)
-        return self._node_entry(self.overlay.tmpfile(parent, mode, uid, gid, linkable))
+        return self._node_entry(self.overlay.tmpfile(parent, mode, uid, gid, linkable, umask))
 
     async def unlink(self, parent: int, name: bytes) -> None:
         await self._parent(parent)

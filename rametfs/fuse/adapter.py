@@ -281,7 +281,7 @@ class Operations(pyfuse3.Operations):
         # With the patch only (FUSE_TMPFILE through its custom I/O); stock pyfuse3 never
         # calls it, libfuse answers ENOSYS and O_TMPFILE fails EOPNOTSUPP.
         entry = await self.tree.tmpfile(parent_inode, mode, ctx.uid, ctx.gid,
-                                        linkable=not flags & os.O_EXCL)
+                                        linkable=not flags & os.O_EXCL, umask=ctx.umask)
         return pyfuse3.FileInfo(fh=entry.attrs.ino, keep_cache=True), self._entry(entry)
 
     @_translate

@@ -179,16 +179,18 @@ class Names:
         return self._new_node(self.table.node(parent_ino), name, stat.S_IFREG | (mode & 0o7777),
                               uid, gid, umask)
 
-    def tmpfile(self, parent_ino: int, mode: int, uid: int, gid: int, linkable: bool) -> Node:
+    def tmpfile(self, parent_ino: int, mode: int, uid: int, gid: int, linkable: bool,
+                umask: int = 0) -> Node:
         """open(2) with O_TMPFILE in directory ``parent_ino``: a new regular file of no name
-        (nlink 0), its record stored with an orphan mark, so that it goes when the kernel
-        forgets it (``Reclaimer.forgotten``) or, after a crash, at the next start.  It counts
-        against the execution's limits while it lives (EDQUOT).  ``linkable`` (opened
-        without O_EXCL): :meth:`link` may give it a name."""
+        (nlink 0), its ACLs and umask applied as a create's (:meth:`_initial`), its record
+        stored with an orphan mark, so that it goes when the kernel forgets it
+        (``Reclaimer.forgotten``) or, after a crash, at the next start.  It counts against
+        the execution's limits while it lives (EDQUOT).  ``linkable`` (opened without
+        O_EXCL): :meth:`link` may give it a name."""
         parent = self.table.node(parent_ino)
         ex = self.upper.writable(parent)
-        node = self._unstored_node(parent, b"", stat.S_IFREG | (mode & 0o7777), uid, gid,
-                                   nlink=0)
+        mode, xattrs = self._initial(parent, stat.S_IFREG | (mode & 0o7777), umask)
+        node = self._unstored_node(parent, b"", mode, uid, gid, nlink=0, xattrs=xattrs)
         self.upper.check_room(ex, 1)
         self.upper.save(node)
         ex.upper_inodes += 1
