@@ -1,11 +1,12 @@
 """Long walks on the trio thread, in slices: a walk written as steps
 (rametfs.treewalk.Steps) lets every other task run after each :data:`SLICE_S` of it, and
-waits until none can (at most :data:`YIELD_MAX_S`) before its next slice."""
+waits until none can (at most :data:`YIELD_MAX_S`) before its next slice.  An execution's
+writes take turns the same way while other requests wait (:func:`take_turn`)."""
 
 from __future__ import annotations
 
 import time
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 import trio
 import trio.testing
@@ -46,3 +47,22 @@ async def in_slices(steps: Steps[R]) -> R:
         if time.perf_counter() >= deadline:
             await yield_to_requests()
             deadline = time.perf_counter() + SLICE_S
+
+
+async def take_turn(turn: trio.Lock, requests_waiting: Callable[[], bool]) -> None:
+    """Before a write of an execution whose turn lock is ``turn``: while a request waits to
+    be read (``requests_waiting()``, the FUSE device polled) or earlier writes of the same
+    execution wait their turn, wait for the lock and then for trio's idle point
+    (:func:`yield_to_requests`), so the requests waiting are read first and other
+    executions' run first; one write of the execution goes per idle point, in the order
+    they came.  Otherwise return at once, without a checkpoint: a lone writer pays one
+    poll(2).
+
+    Without it, eight processes of one execution writing 1 MiB blocks keep eight 128 KiB
+    requests queued in the kernel at all times, and every request of another execution
+    waits behind them in the kernel's FIFO for eight writes' handling (docs/concurrency.md,
+    "Writes take turns")."""
+    if not turn.locked() and not requests_waiting():
+        return
+    async with turn:
+        await yield_to_requests()
