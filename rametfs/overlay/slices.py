@@ -58,7 +58,7 @@ async def take_turn(turn: trio.Lock, requests_waiting: Callable[[], bool]) -> No
     they came.  Otherwise return at once, without a checkpoint: a lone writer pays one
     poll(2).
 
-    Without it, eight processes of one execution writing 1 MiB blocks keep eight 128 KiB
+    Without it, eight processes of one execution writing 1 MiB blocks keep eight 1 MiB
     requests queued in the kernel at all times, and every request of another execution
     waits behind them in the kernel's FIFO for eight writes' handling (docs/concurrency.md,
     "Writes take turns")."""
