@@ -730,11 +730,12 @@ async def test_a_move_between_deep_directories_is_checked_in_slices(model, monke
 
 async def test_writes_take_turns_one_per_idle_point_while_requests_wait():
     """slices.take_turn: with no request waiting a write goes at once, without letting any
-    other task run; while requests wait, one execution's writes go one per idle point of the
-    trio thread, in the order they came, after every task that could run (a request read
-    meanwhile), and another execution's write waits for no write of the first; a write that
-    comes while earlier ones hold their turn waits for them even with no request waiting."""
-    from rametfs.overlay.slices import take_turn
+    other task run, and so does one under TURN_BYTES whatever waits; while requests wait,
+    one execution's writes go one per idle point of the trio thread, in the order they came,
+    after every task that could run (a request read meanwhile), and another execution's
+    write waits for no write of the first; a write that comes while earlier ones hold their
+    turn waits for them even with no request waiting."""
+    from rametfs.overlay.slices import TURN_BYTES, take_turn
     log: list[str] = []
 
     async def other_task() -> None:
@@ -743,16 +744,18 @@ async def test_writes_take_turns_one_per_idle_point_while_requests_wait():
     a, b = trio.Lock(), trio.Lock()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(other_task)
-        await take_turn(a, lambda: False)
+        await take_turn(a, TURN_BYTES, lambda: False)
         log.append("alone")
-    assert log == ["alone", "other"]
+        await take_turn(a, TURN_BYTES - 1, lambda: True)  # small: as any other request
+        log.append("small")
+    assert log == ["alone", "small", "other"]
 
     log.clear()
     came: list[str] = []
 
     async def write(turn: trio.Lock, name: str, waiting: bool = True) -> None:
         came.append(name)  # the turn is asked for in this same step: the order they queue in
-        await take_turn(turn, lambda: waiting)
+        await take_turn(turn, TURN_BYTES, lambda: waiting)
         log.append(name)
 
     async def request() -> None:  # a handler that awaits a few times, as a create does

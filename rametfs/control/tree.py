@@ -511,7 +511,7 @@ class MountTree:
             return await self._control_write(v, buf)
         node = self.overlay.node(ino)
         if isinstance(node.view, Execution):
-            await take_turn(node.view.write_turn, self.requests_waiting)
+            await take_turn(node.view.write_turn, len(buf), self.requests_waiting)
             node = self.overlay.node(ino)  # ESTALE if a reset or release dropped it meanwhile
         await self.overlay.wait_thawed(node)
         if kill_suidgid and (kill := self._kill_suidgid(node)):

@@ -16,6 +16,10 @@ from ..treewalk import Steps
 R = TypeVar("R")
 SLICE_S = 0.002  # seconds a walk runs on the trio thread before it lets other tasks run
 YIELD_MAX_S = 0.010  # seconds a walk waits for the other tasks before its next slice
+# Writes of at least this many bytes take turns (take_turn); a smaller one costs the trio
+# thread about what any other request does (a LOOKUP or CREATE: 0.05-0.3 ms), and waits in
+# the kernel's queue as they do, so small-file work (untar, checkout) is left as it was.
+TURN_BYTES = 64 << 10
 
 
 async def yield_to_requests() -> None:
@@ -49,20 +53,20 @@ async def in_slices(steps: Steps[R]) -> R:
             deadline = time.perf_counter() + SLICE_S
 
 
-async def take_turn(turn: trio.Lock, requests_waiting: Callable[[], bool]) -> None:
-    """Before a write of an execution whose turn lock is ``turn``: while a request waits to
-    be read (``requests_waiting()``, the FUSE device polled) or earlier writes of the same
-    execution wait their turn, wait for the lock and then for trio's idle point
-    (:func:`yield_to_requests`), so the requests waiting are read first and other
-    executions' run first; one write of the execution goes per idle point, in the order
-    they came.  Otherwise return at once, without a checkpoint: a lone writer pays one
-    poll(2).
+async def take_turn(turn: trio.Lock, size: int, requests_waiting: Callable[[], bool]) -> None:
+    """Before a write of ``size`` bytes of an execution whose turn lock is ``turn``: if it is
+    at least :data:`TURN_BYTES` and a request waits to be read (``requests_waiting()``, the
+    FUSE device polled) or earlier writes of the same execution wait their turn, wait for
+    the lock and then for trio's idle point (:func:`yield_to_requests`), so the requests
+    waiting are read first and other executions' run first; one such write of the execution
+    goes per idle point, in the order they came.  Otherwise return at once, without a
+    checkpoint: a lone writer pays one poll(2).
 
     Without it, eight processes of one execution writing 1 MiB blocks keep eight 1 MiB
     requests queued in the kernel at all times, and every request of another execution
     waits behind them in the kernel's FIFO for eight writes' handling (docs/concurrency.md,
     "Writes take turns")."""
-    if not turn.locked() and not requests_waiting():
+    if size < TURN_BYTES or not turn.locked() and not requests_waiting():
         return
     async with turn:
         await yield_to_requests()
