@@ -14,7 +14,7 @@ from .agent_inputs import default_cache
 from .runner import run
 from .systems import SYSTEMS
 from .trees import SIZES
-from .workloads import WORKLOADS
+from .workloads import ISOLATION_CASES, WORKLOADS
 
 
 def _names(value: str | None) -> list[str] | None:
@@ -46,6 +46,9 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--many-files", type=click.IntRange(1), metavar="N",
               help="Files of the isolation and rss-cycles workloads (default by size: "
                    "isolation 1,000 / 20,000 / 200,000, rss-cycles 500 / 20,000 / 100,000).")
+@click.option("--isolation-cases", metavar="C,...",
+              help=f"Comma-separated cases of the isolation workload (default all): "
+                   f"{', '.join(ISOLATION_CASES)}.")
 @click.option("--cache", type=click.Path(file_okay=False, path_type=Path),
               default=default_cache(), show_default=True,
               help="Where the agent workloads keep what they download (Django sdists, "
@@ -55,7 +58,8 @@ def _names(value: str | None) -> list[str] | None:
                    "names end in -loaded.")
 def main(size: str, repeat: int, out: Path, only: str | None, systems: str | None,
          workdir: Path, scale_1m: bool, profile_dir: Path | None,
-         many_files: int | None, gc_promotes: int | None, cache: Path, load: bool) -> None:
+         many_files: int | None, gc_promotes: int | None, isolation_cases: str | None,
+         cache: Path, load: bool) -> None:
     """Benchmark rametfs against native ext4, overlayfs, fuse-overlayfs, cp -a and
     git worktree (issue 4), and against its own fallback mode (issue 7).  Needs root for
     overlayfs, the xfs image of fallback-reflink and the cold runs."""
@@ -64,7 +68,8 @@ def main(size: str, repeat: int, out: Path, only: str | None, systems: str | Non
     try:
         report = run(size, repeat, _names(only), _names(systems), workdir.resolve(),
                      scale_1m=scale_1m, profile_dir=profile_dir, many_files=many_files,
-                     gc_promotes=gc_promotes, cache=cache.resolve(), load=load)
+                     gc_promotes=gc_promotes, cache=cache.resolve(), load=load,
+                     isolation_cases=_names(isolation_cases))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     rep.add_ratios(report)

@@ -24,7 +24,7 @@ from rametfs.mounts import mount_table
 from .agent_inputs import default_cache
 from .systems import SYSTEMS, System, Unsupported
 from .trees import SCALE_1M, SIZES, BenchError
-from .workloads import WORKLOADS, Bench, Result
+from .workloads import ISOLATION_CASES, WORKLOADS, Bench, Result
 
 JSON_VERSION = 1
 
@@ -76,7 +76,8 @@ def machine(scratch: Path) -> dict:
 def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | None,
         workdir: Path, scale_1m: bool = False, profile_dir: Path | None = None,
         many_files: int | None = None, gc_promotes: int | None = None,
-        cache: Path | None = None, load: bool = False) -> dict:
+        cache: Path | None = None, load: bool = False,
+        isolation_cases: list[str] | None = None) -> dict:
     """Run the benchmark; return the report (the JSON's content, see docs/benchmarks.md).
 
     ``only``: workload names (default all, in :data:`WORKLOADS` order); ``systems``: system
@@ -84,11 +85,12 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
     (default: by size); ``gc_promotes``: the gc workload's promotes instead of the size's;
     ``cache``: where the agent workloads' downloads are kept (default
     :func:`~benchmarks.agent_inputs.default_cache`); ``load``: the agent workloads run beside
-    a CPU-bound process per core.
+    a CPU-bound process per core; ``isolation_cases``: the isolation workload's cases to run
+    (default all, :data:`~benchmarks.workloads.ISOLATION_CASES`).
     An unavailable system is listed under ``skipped``; a workload (or a step of one) that
     cannot run on a system, and why, under ``skipped_workloads``; a workload that
     fails on one system is listed under ``errors`` and the run goes on.  Raises ValueError for
-    an unknown workload or system name.
+    an unknown workload, system or isolation case name.
     """
     names = only or list(WORKLOADS)
     for name in names:
@@ -97,6 +99,10 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
     for sid in systems or ():
         if sid not in SYSTEMS:
             raise ValueError(f"unknown system {sid!r}; known: {', '.join(SYSTEMS)}")
+    for case in isolation_cases or ():
+        if case not in ISOLATION_CASES:
+            raise ValueError(f"unknown isolation case {case!r}; known: "
+                             f"{', '.join(ISOLATION_CASES)}")
     wanted = [sid for sid in SYSTEMS if systems is None or sid in systems]
     skipped = {sid: reason for sid in wanted if (reason := SYSTEMS[sid].unavailable())}
     started = time.monotonic()
@@ -113,7 +119,8 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
         bench = Bench(SIZES[size], repeat, scratch,
                       frozenset(sid for sid in wanted if sid not in skipped), scales,
                       profile_dir, many_files, gc_promotes,
-                      cache=cache or default_cache(), load=load)
+                      cache=cache or default_cache(), load=load,
+                      isolation_cases=frozenset(isolation_cases) if isolation_cases else None)
         live: dict[str, System] = {}
         for sid in wanted:
             if sid in skipped:
@@ -145,7 +152,7 @@ def run(size: str, repeat: int, only: list[str] | None, systems: list[str] | Non
         meta = {"tree": {"name": bench.tree.name, "files": len(bench.tree.files),
                          "bytes": bench.tree.bytes},
                 "big_bytes": bench.size.big_bytes, "scales": list(scales),
-                "many_files": many_files,
+                "many_files": many_files, "isolation_cases": isolation_cases,
                 "cold": bench.can_drop_caches, "machine": machine(scratch)}
     _log("done", started)
     return {

@@ -100,6 +100,7 @@ class Bench:
     gc_promotes: int | None = None  # the gc workload's, instead of GC_PROMOTES[size]
     cache: Path = field(default_factory=default_cache)  # downloads of the agent workloads
     load: bool = False  # the agent workloads run beside one CPU-bound process per core
+    isolation_cases: frozenset[str] | None = None  # the isolation cases to run (None: all)
     skips: list[dict] = field(default_factory=list)  # {workload, system, reason}
     _synthetic: dict[int, Tree] = field(default_factory=dict)
 
@@ -734,6 +735,12 @@ XATTR_BYTES = 64 << 10
 EXT4_MAX_FILE = 16 << 40  # rametfs's default --max-file-size is this less one page
 REPEAT_BUDGET_S = 30.0  # a repeatable case stops repeating after this, probes or not
 STALL_GOAL_S = 0.050
+# The isolation cases in the order they run (``create`` is create-N); each of NEEDS_FILES
+# works on the files ``create`` makes, so ``create`` runs unmeasured when only they are chosen.
+ISOLATION_CASES = ("policy-2g", "touch-2600", "setxattr", "truncate-16t", "write-flood",
+                   "create", "ls-ramet", "cat-diff", "cat-status", "checkpoint", "promote",
+                   "ls-f", "rm-rf", "reset")
+NEEDS_FILES = frozenset({"ls-ramet", "cat-diff", "checkpoint", "promote", "ls-f", "rm-rf"})
 
 
 def _hostile_case(b: Bench, s: Rametfs, probe: hostile.Probe, name: str,
@@ -781,7 +788,7 @@ def isolation(b: Bench, s: System) -> list[Result]:
     execution B (:mod:`benchmarks.hostile`) times stat + create + write 4 KiB + close +
     unlink, every 5 ms; the samples are those rounds' seconds (issue 15.3: the worst of at
     least 100 under 50 ms).  ``--many-files`` (default by size: ISOLATION_FILES) files
-    make the big cases."""
+    make the big cases; ``--isolation-cases`` chooses among ISOLATION_CASES."""
     assert isinstance(s, Rametfs)
     tree = b.synthetic(100)
     s.prepare(tree)
@@ -791,6 +798,7 @@ def isolation(b: Bench, s: System) -> list[Result]:
     a = hostile_ex.path
     results: list[Result] = []
     xattr_files = itertools.count()
+    chosen = frozenset(ISOLATION_CASES) if b.isolation_cases is None else b.isolation_cases
 
     def sparse_checkpoint() -> str:
         too_big = hostile.shell(a, f"truncate -s {EXT4_MAX_FILE} sparse")
@@ -814,8 +822,10 @@ def isolation(b: Bench, s: System) -> list[Result]:
 
     try:
         with hostile.Probe(bystander.path, tree.files[0]) as probe:
-            def case(name: str, action: Callable[[], str], repeat: bool = True) -> None:
-                results.append(_hostile_case(b, s, probe, name, action, repeat))
+            def case(name: str, action: Callable[[], str], repeat: bool = True,
+                     key: str | None = None) -> None:
+                if (key or name) in chosen:
+                    results.append(_hostile_case(b, s, probe, name, action, repeat))
 
             case("policy-2g", lambda: hostile.shell(
                 a, "truncate -s 2G ramet.toml && cat .ramet/preview"))
@@ -827,8 +837,13 @@ def isolation(b: Bench, s: System) -> list[Result]:
             case("truncate-16t", sparse_checkpoint)
             case("write-flood", lambda: hostile.write_flood(
                 a, FLOOD_WRITERS, FLOOD_SECONDS[b.size.name], FLOOD_WRAP), repeat=False)
-            _reset_collected(s, hostile_ex, "flood-0")
-            case(f"create-{files}", create, repeat=False)
+            if "write-flood" in chosen:
+                _reset_collected(s, hostile_ex, "flood-0")
+            made = "create" in chosen or bool(chosen & NEEDS_FILES)  # the N files exist
+            if "create" in chosen:
+                case(f"create-{files}", create, repeat=False, key="create")
+            elif made:
+                create()
             case("ls-ramet", lambda: hostile.shell(a, "ls .ramet | tr '\\n' ' '"))
             case("cat-diff", lambda: hostile.shell(a, "cat .ramet/diff | wc -l"))
             case("cat-status", lambda: hostile.shell(a, "cat .ramet/status | wc -c"))
@@ -837,8 +852,10 @@ def isolation(b: Bench, s: System) -> list[Result]:
             case("ls-f", lambda: hostile.shell(a, "ls -f many | wc -l"), repeat=False)
             case("rm-rf", lambda: hostile.shell(a, "rm -rf many && echo removed"),
                  repeat=False)
-            create()
-            case("reset", reset, repeat=False)
+            if "reset" in chosen:
+                if not made or "rm-rf" in chosen:
+                    create()
+                case("reset", reset, repeat=False)
     finally:
         for ex in (hostile_ex, bystander):
             s.ramet.release(ex)

@@ -25,7 +25,7 @@ from .control.tree import MountTree
 from .errors import RametError
 from .faults import FAULTS
 from .fuse.adapter import Operations, PlainOperations
-from .fuse.kernel import KernelState
+from .fuse.kernel import KernelState, requests_waiting
 from .mounts import (bind_snapshots_read_only, check_mount_options, check_mountpoint,
                      take_data_lock)
 from .overlay import (COLLECT_BATCH, MAX_FILE_SIZE, Overlay, in_slices, unlink_upper_files,
@@ -384,6 +384,7 @@ def _serve_store(data_dir: str, mountpoint: str, options: set[str],
     ops = (Operations if reason is None else PlainOperations)(tree, kernel)
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options |
                  {"subtype=rametfs"})
+    tree.requests_waiting = requests_waiting()
     log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
              "of %d bytes", store.root, mountpoint, os.getpid(),
              "open-less" if reason is None else "plain", max_file_size, store.cache.bytes,

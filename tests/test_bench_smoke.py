@@ -191,6 +191,33 @@ def test_smoke_isolation_and_memory_cycles(tmp_path):
     assert mounts_under(tmp_path) == []
 
 
+def test_isolation_cases_run_only_those_chosen(tmp_path):
+    """``--isolation-cases`` runs the chosen cases alone, in their order, with the files a
+    chosen case needs made for it (cat-diff lists them; the reset makes its own); an unknown
+    case is a usage error naming the known ones."""
+    require_fuse()
+    out, workdir = tmp_path / "out", tmp_path / "work"
+    command = [sys.executable, "-m", "benchmarks", "--size", "smoke", "--repeat", "1",
+               "--only", "isolation", "--systems", "rametfs", "--out", str(out),
+               "--workdir", str(workdir)]
+    proc = subprocess.run([*command, "--isolation-cases", "reset,cat-diff,write-flood"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "results.json").read_text())
+    assert report["errors"] == []
+    results = {r["workload"]: r["extra"]["outcome"] for r in report["results"]}
+    assert list(results) == ["isolation-write-flood", "isolation-cat-diff", "isolation-reset"]
+    assert results["isolation-write-flood"].startswith("8 writers, ")
+    assert results["isolation-cat-diff"] == "1001"  # the directory and its 1,000 files
+    assert results["isolation-reset"].startswith("reset ")
+
+    proc = subprocess.run([*command, "--isolation-cases", "write-flood,flood"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert "unknown isolation case 'flood'; known: policy-2g, touch-2600," in proc.stderr
+    assert list(workdir.iterdir()) == []
+
+
 AGENT_STEPS = ["agent-git-checkout", "agent-pip-install", "agent-import-warm", "agent-npm-ci"]
 
 

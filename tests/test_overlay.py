@@ -11,6 +11,7 @@ import stat
 import lmdb
 import pytest
 import trio
+import trio.testing
 
 from rametfs.capture import Capture, diff
 from rametfs.errors import NoSpace, NotFound, ReadOnly, RametError
@@ -724,3 +725,70 @@ async def test_a_move_between_deep_directories_is_checked_in_slices(model, monke
         await overlay.rename_in_slices(ex.root_ino, b"b", moved.ino, b"b", 0)
     assert caught.value.errno == errno.EINVAL
     assert overlay.lookup(ex.root_ino, b"b").ino != moved.ino  # nothing moved
+
+
+
+async def test_writes_take_turns_one_per_idle_point_while_requests_wait():
+    """slices.take_turn: with no request waiting a write goes at once, without letting any
+    other task run, and so does one under TURN_BYTES whatever waits; while requests wait,
+    one execution's writes go one per idle point of the trio thread, in the order they came,
+    after every task that could run (a request read meanwhile), and another execution's
+    write waits for no write of the first; a write that comes while earlier ones hold their
+    turn waits for them even with no request waiting."""
+    from rametfs.overlay.slices import TURN_BYTES, take_turn
+    log: list[str] = []
+
+    async def other_task() -> None:
+        log.append("other")
+
+    a, b = trio.Lock(), trio.Lock()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other_task)
+        await take_turn(a, TURN_BYTES, lambda: False)
+        log.append("alone")
+        await take_turn(a, TURN_BYTES - 1, lambda: True)  # small: as any other request
+        log.append("small")
+    assert log == ["alone", "small", "other"]
+
+    log.clear()
+    came: list[str] = []
+
+    async def write(turn: trio.Lock, name: str, waiting: bool = True) -> None:
+        came.append(name)  # the turn is asked for in this same step: the order they queue in
+        await take_turn(turn, TURN_BYTES, lambda: waiting)
+        log.append(name)
+
+    async def request() -> None:  # a handler that awaits a few times, as a create does
+        for _ in range(5):
+            await trio.sleep(0)
+        log.append("request")
+
+    async def idle_points() -> None:
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            log.append("idle")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(idle_points)
+        for name in ("a1", "a2", "a3"):
+            nursery.start_soon(write, a, name)
+        nursery.start_soon(request)
+        nursery.start_soon(write, b, "b1")
+        while sum(name in log for name in ("a1", "a2", "a3", "b1")) < 4:
+            await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+    writes = [name for name in log if name != "idle"]
+    a_order = [name for name in came if name.startswith("a")]
+    assert writes[0] == "request"
+    assert [name for name in writes if name.startswith("a")] == a_order
+    assert writes.index("b1") < writes.index(a_order[1])  # b1 went at the first idle point
+    last = log.index(a_order[2])
+    assert log[:last].count("idle") >= 2  # a3 needed a third idle point
+
+    log.clear()
+    async with trio.open_nursery() as nursery:
+        async with a:  # an earlier write of the execution holds its turn
+            nursery.start_soon(write, a, "a2", False)
+            await trio.testing.wait_all_tasks_blocked()  # a2 waits for the turn
+            log.append("a1")
+    assert log == ["a1", "a2"]

@@ -44,7 +44,7 @@ import re
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -53,7 +53,7 @@ from .. import protocol
 from ..authority import DAEMON_GID, DAEMON_UID, HARNESS, R, W, X, Caller
 from ..core import acl
 from ..errors import NotFound, RametError, ReadOnly, fs_error
-from ..overlay import Attrs, Execution, Node, Overlay, close_all, in_slices
+from ..overlay import Attrs, Execution, Node, Overlay, close_all, in_slices, take_turn
 from ..store import Snapshot
 from ..store.names import HEX_REF, SNAPSHOT_ID_RE
 from .commands import FSMONITOR_HOOK, Control
@@ -151,11 +151,15 @@ class MountTree:
     unlinked inodes wait to be deleted (the daemon's reclaim worker)."""
 
     def __init__(self, overlay: Overlay, control: Control,
-                 reclaim: trio.MemorySendChannel[None], *, other_uids: bool = True):
+                 reclaim: trio.MemorySendChannel[None], *, other_uids: bool = True,
+                 requests_waiting: Callable[[], bool] = lambda: False):
         self.overlay = overlay
         self.other_uids = other_uids
         self.control = control
         self.reclaim = reclaim
+        # Whether a request waits to be read (the daemon polls the FUSE device): an
+        # execution's writes then take turns with the others (overlay.take_turn).
+        self.requests_waiting = requests_waiting
         control.snapshots_dir_ino = SNAPSHOTS
         # Per caller key: its generations holding content of their own, oldest first, and
         # those bytes (GENERATION_ANSWERS); one answer made at a time per execution (_one_answer).
@@ -527,6 +531,9 @@ class MountTree:
         if v is not None:
             return await self._control_write(v, buf)
         node = self.overlay.node(ino)
+        if isinstance(node.view, Execution):
+            await take_turn(node.view.write_turn, len(buf), self.requests_waiting)
+            node = self.overlay.node(ino)  # ESTALE if a reset or release dropped it meanwhile
         await self.overlay.wait_thawed(node)
         if kill_suidgid and (kill := self._kill_suidgid(node)):
             # FUSE_WRITE_KILL_SUIDGID.  The kernel's own empty setattr before the write

@@ -8,15 +8,18 @@
 * invalidation of dentries and inodes (reset, release, commands), in a worker thread;
 * snapshot inodes whose write-back was refused (a shared writable mmap, open-less), whose
   changed pages are dropped by :meth:`KernelState.drop_refused_pages`, a daemon task fed by a
-  channel.
+  channel;
+* whether requests wait in the kernel's queue to be read (:func:`requests_waiting`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
+import select
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pyfuse3
 import trio
@@ -29,6 +32,25 @@ log = logging.getLogger(__name__)
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
 NEGATIVE_NAMES = 16384  # missing names cached per execution (KernelState.negative)
+
+
+def requests_waiting() -> Callable[[], bool]:
+    """A check of whether a request waits in the kernel's queue to be read: a poll(2) of this
+    process's FUSE device with no timeout (about a microsecond).  Call it after
+    ``pyfuse3.init``: pyfuse3 keeps the session's descriptor to itself, so it is found as
+    the one in ``/proc/self/fd`` that is ``/dev/fuse`` (one session per process).  Raises
+    RuntimeError when there is none."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                break
+        except OSError:  # the descriptor of the listing itself, closed meanwhile
+            continue
+    else:
+        raise RuntimeError("no /dev/fuse descriptor: pyfuse3.init has not run")
+    poller = select.poll()
+    poller.register(int(name), select.POLLIN)
+    return lambda: bool(poller.poll(0))
 
 
 class KernelState:

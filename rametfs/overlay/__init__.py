@@ -54,12 +54,12 @@ from .names import Names
 from .nodes import COLLECT_BATCH, Attrs, Execution, InodeTable, Node
 from .reclaim import Reclaimer, unlink_upper_files
 from .resolve import Resolver
-from .slices import in_slices, yield_to_requests
+from .slices import in_slices, take_turn, yield_to_requests
 from .trees import BaseTrees
 from .upper import Upper
 
 __all__ = ["COLLECT_BATCH", "MAX_FILE_SIZE", "Attrs", "Execution", "Node", "Overlay", "assemble",
-           "close_all", "in_slices", "unlink_upper_files", "walk_names",
+           "close_all", "in_slices", "take_turn", "unlink_upper_files", "walk_names",
            "yield_to_requests"]
 
 

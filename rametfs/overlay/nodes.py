@@ -111,6 +111,7 @@ class Execution(View):
         self.waiting = 0  # requests waiting for them to end (wait_thawed)
         self.thawed = trio.Event()  # set while freezes is 0
         self.thawed.set()
+        self.write_turn = trio.Lock()  # held by its write taking its turn (slices.take_turn)
         # Why an internal error marked this execution failed (Upper.fail); None: it is not.
         self.failure: str | None = None
         # What the layer uses: bytes its upper data files take on disk, and upper inode
