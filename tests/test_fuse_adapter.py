@@ -102,10 +102,15 @@ def fake():
 
 @pytest.fixture
 def told(monkeypatch):
-    """What the kernel is told to forget: KernelState.invalidate's calls of the kernel."""
+    """What the kernel is told to forget: KernelState.invalidate's calls of the kernel, the
+    missing names as dentries after the others."""
     calls: list[tuple[list[tuple[int, bytes]], list[int]]] = []
-    monkeypatch.setattr(KernelState, "_invalidate_now",
-                        staticmethod(lambda entries, inodes: calls.append((entries, list(inodes)))))
+
+    def told(entries, inodes, negative=()):
+        missing = [(ino, name) for ino, names in negative for name in names]
+        calls.append((entries + missing, list(inodes)))
+
+    monkeypatch.setattr(KernelState, "_invalidate_now", staticmethod(told))
     return calls
 
 

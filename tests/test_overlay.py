@@ -330,6 +330,72 @@ def test_reset_places_only_the_known_nodes(model, tmp_path):
     assert len(overlay.listdir(ex.root_ino)) == 201
 
 
+def test_a_reader_in_the_execution_sees_the_old_tree_or_the_new_never_a_mix(model, tmp_path,
+                                                                            monkeypatch):
+    """Every step of a reset yields to other tasks here (its plan, the move of the kept nodes
+    into their epoch, the reading of the dropped tables): a reader of the execution that
+    looks between any two steps sees the whole old tree (every node live, the old listing
+    and head) or the whole new one (the kept nodes live, the others stale, the rebound
+    directory's new names), and the reset names what the kernel must forget."""
+    from rametfs.overlay import executions, slices
+    monkeypatch.setattr(slices, "SLICE_S", 0)
+    monkeypatch.setattr(slices, "YIELD_MAX_S", 0.001)
+    monkeypatch.setattr(executions, "RESET_STEP", 1)
+    monkeypatch.setattr(executions, "DROP_STEP", 1)
+    store, overlay, ex = model
+    target = tmp_path / "target"
+    shutil.copytree(tmp_path / "src", target, symlinks=True)
+    (target / "dir" / "new").write_bytes(b"new")  # dir is rebound: its names change
+    (target / "small").write_bytes(b"changed")  # small's entry differs: dropped
+    to = import_tree(store, target)
+    kept = [path_node(overlay, ex, p) for p in ("big", "dir", "dir/a", "dir/sub", "dir/sub/b")]
+    link = path_node(overlay, ex, "dir/small-link")  # a hard link: never kept
+    assert path_node(overlay, ex, "small") is link  # one node for both names
+    created = [overlay.create(ex.root_ino, f"n{i}".encode(), 0o644, 0, 0) for i in range(5)]
+    dropped = [link] + created
+    d = kept[1]
+    old_head = ex.head.id
+
+    def seen():
+        return (ex.head.id, [overlay.is_live(n) for n in kept],
+                [overlay.is_live(n) for n in dropped],
+                [name for name, _ in overlay.listdir(d.ino)] if overlay.is_live(d) else None)
+
+    before = seen()
+    assert before == (old_head, [True] * 5, [True] * 6,
+                      [b"a", b"small-link", b"sub"])
+    observed = []
+    stale = []
+
+    async def reset_beside_a_reader():
+        done = trio.Event()
+
+        async def reader():
+            while not done.is_set():
+                observed.append(seen())
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.sleep(0)
+            stale.append(await overlay.reset(ex, to))
+            done.set()
+
+    trio.run(reset_beside_a_reader)
+    after = (to.id, [True] * 5, [False] * 6, [b"a", b"new", b"small-link", b"sub"])
+    assert seen() == after
+    assert before in observed and after in observed and len(observed) > 20
+    assert [state for state in observed if state not in (before, after)] == []
+    assert [path_node(overlay, ex, p) for p in ("big", "dir", "dir/a", "dir/sub",
+                                                "dir/sub/b")] == kept
+    entries, inodes = stale[0]
+    root = ex.root_ino
+    assert sorted(entries) == sorted([(root, b"small"), (d.ino, b"small-link")]
+                                     + [(root, f"n{i}".encode()) for i in range(5)])
+    assert sorted(inodes) == sorted([root, d.ino] + [n.ino for n in dropped])
+    assert sorted(overlay.stale_inos[-1]) == sorted([root] + [n.ino for n in dropped])
+
+
 def test_resets_in_slices_side_by_side_keep_nothing_the_other_dropped(model, monkeypatch):
     """A reset's plan yields to other tasks (every step here): a reset that swaps the layer
     meanwhile makes the other plan again, so a node the first dropped is never kept; a
@@ -363,7 +429,7 @@ def test_resets_in_slices_side_by_side_keep_nothing_the_other_dropped(model, mon
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reset)
             await trio.sleep(0)
-            overlay.release(ex)
+            await overlay.release(ex)
 
     trio.run(reset_and_release)
     assert results[-1] == "refused" and not overlay.is_live(kept)

@@ -361,7 +361,7 @@ class Control:
         ex = self.overlay.execution(cmd.execution)
         async with self._alone(ex, "release"):
             self.pools.forget(ex.id, time.time_ns())
-            await self.invalidate(*self.overlay.release(ex))
+            await self.invalidate(*await self.overlay.release(ex))
         self._forget_replies(ex.id)
         return {"ok": True, "execution": ex.id}
 

@@ -26,12 +26,15 @@ import trio
 
 from ..control.tree import CACHE_TIMEOUT, EXECUTIONS, Entry
 from ..faults import FAULTS
+from ..overlay import in_slices
+from ..treewalk import Steps
 
 log = logging.getLogger(__name__)
 
 LISTINGS = 64  # directory listings kept between the readdir calls that page through them
 LISTING_ENTRIES = 1 << 20  # entries of those listings (about 100 bytes each)
 NEGATIVE_NAMES = 16384  # missing names cached per execution (KernelState.negative)
+FORGET_STEP = 1024  # inodes an invalidation looks at per step (KernelState._forget_steps)
 
 
 def requests_waiting() -> Callable[[], bool]:
@@ -127,18 +130,18 @@ class KernelState:
             del self.negative[parent]
         return 0
 
-    def _forget_negative(self, ino: int) -> list[tuple[int, bytes]]:
+    def _forget_negative(self, ino: int) -> set[bytes]:
         """The missing names of directory ``ino`` the kernel was told, forgotten here."""
         names = self.negative.pop(ino, None)
         if not names:
-            return []
+            return set()
         scope = self.negative_scope.pop(ino)
         left = self.negative_counts[scope] - len(names)
         if left:
             self.negative_counts[scope] = left
         else:
             del self.negative_counts[scope]
-        return [(ino, name) for name in names]
+        return names
 
     def forgotten(self, inode_list: Sequence[tuple[int, int]]) -> list[int]:
         """The kernel forgot ``(ino, count)`` lookups: the control file generations it now
@@ -162,23 +165,46 @@ class KernelState:
         """Make the kernel forget dentries ``(parent ino, name)`` (parent 0: an execution
         root's entry in ``executions/``), inodes ``(ino, b"")`` and inodes ``inodes``, with
         the missing names it was told of a directory among them (a reset's root and rebound
-        directories, a release's every one).  Returns when the kernel is done."""
-        negative = [key for ino in itertools.chain(
-            (ino for ino, name in entries if not name), inodes, (p for p, n in entries if n))
-            if ino in self.negative for key in self._forget_negative(ino)]
-        # The kept listings of the inodes named go now: those of a dropped layer would stay
-        # until 64 others pushed them out (a reset kept a 20,000-name listing, 2 MB).
-        named = [ino for ino, name in entries if not name] + list(self.listings.keys() & inodes)
-        for ino in named:
-            if (listing := self.listings.pop(ino, None)) is not None:
-                self.listing_entries -= len(listing)
-        # The kernel calls block until related requests finish: run them in a thread while
-        # the loop goes on serving, and return only when they are done.
-        await trio.to_thread.run_sync(self._invalidate_now, entries + negative, inodes)
+        directories, a release's every one).  Returns when the kernel is done, also when
+        cancelled meanwhile (what a reset dropped must not stay cached).  What to tell is
+        found in slices of the trio thread (a reset of 50,000 known files names 50,000
+        inodes); the kernel calls block until related requests finish, so they run in a
+        worker thread while the loop goes on serving."""
+        with trio.CancelScope(shield=True):
+            negative = await in_slices(self._forget_steps(entries, inodes))
+            await trio.to_thread.run_sync(self._invalidate_now, entries, inodes, negative)
+
+    def _forget_steps(self, entries: list[tuple[int, bytes]], inodes: Sequence[int]
+                      ) -> Steps[list[tuple[int, set[bytes]]]]:
+        """Forget the missing names and the kept listings of the inodes named (those of a
+        dropped layer would stay until 64 others pushed them out: a reset kept a
+        20,000-name listing, 2 MB); returns the missing names, ``(directory ino, names)``
+        (not a pair per name: 16,384 of them made on the trio thread, and the collections
+        they set off, were one more long step of a reset).  A step per :data:`FORGET_STEP`
+        inodes or entries."""
+        negative: list[tuple[int, set[bytes]]] = []
+
+        def forget(ino: int, listing: bool) -> None:
+            if ino in self.negative:
+                negative.append((ino, self._forget_negative(ino)))
+            if listing and (kept := self.listings.pop(ino, None)) is not None:
+                self.listing_entries -= len(kept)
+
+        for i, (ino, name) in enumerate(entries, 1):
+            if i % FORGET_STEP == 0:
+                yield
+            forget(ino, not name)  # an inode, or the parent of a name told (its listing stays)
+        for i, ino in enumerate(inodes, 1):
+            if i % FORGET_STEP == 0:
+                yield
+            forget(ino, True)
+        return negative
 
     @staticmethod
-    def _invalidate_now(entries: list[tuple[int, bytes]], inodes: Sequence[int]) -> None:
-        for ino, name in itertools.chain(entries, zip(inodes, itertools.repeat(b""))):
+    def _invalidate_now(entries: list[tuple[int, bytes]], inodes: Sequence[int],
+                        negative: Sequence[tuple[int, set[bytes]]] = ()) -> None:
+        missing = ((ino, name) for ino, names in negative for name in names)
+        for ino, name in itertools.chain(entries, missing, zip(inodes, itertools.repeat(b""))):
             try:
                 if name:  # parent 0 is an execution root's entry in executions/
                     pyfuse3.invalidate_entry(ino or EXECUTIONS, name)

@@ -5,14 +5,19 @@ dead layers.
 *Reset* gives an execution a fresh, empty layer over a snapshot and marks the old one dead:
 the old layer's nodes turn stale at once but those whose path the snapshot still has (the
 same file, or a directory), which keep their inode numbers, and a background task deletes
-the dead layer's records (:meth:`Executions.collect_dead_layer`).
+the dead layer's records (:meth:`Executions.collect_dead_layer`).  What it plans, it plans in
+slices of the trio thread; it swaps the layer in one step, whose work does not grow with the
+nodes the execution has or keeps (only with the directories it rebinds); what is left of the
+old layer's tables it reads and empties in slices afterwards (:meth:`Executions._dropped_steps`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import stat
 import time
+from typing import AsyncIterator
 
 import trio
 
@@ -24,11 +29,13 @@ from ..store.format import ExecutionRecord, UpperInode
 from ..store.names import SNAPSHOT_ID_RE
 from ..treewalk import Steps
 from ..ids import ExecutionId
-from .nodes import COLLECT_BATCH, RELEASED, Execution, InodeTable, Node, SnapshotView, View
+from .nodes import (COLLECT_BATCH, RELEASED, Dropped, Epoch, Execution, InodeTable, Node,
+                    SnapshotView, View)
 from .slices import in_slices
 from .trees import BaseTrees
 
 RESET_STEP = 1024  # known nodes a reset's plan places per step (rametfs.overlay.slices)
+DROP_STEP = 1024  # entries of a dropped layer's tables read and emptied per step
 
 
 class Executions:
@@ -43,6 +50,7 @@ class Executions:
         self.executions: dict[str, Execution] = {}
         self.readers = ReadIndex()  # who may read which execution (its r bit)
         self.dead_layers = trio.Event()  # set when a layer or nodes wait for deletion
+        self.resetting: dict[str, trio.Lock] = {}  # execution id -> its resets take turns
         self.layers = store.layers
         self.catalog = Catalog(store)
         with store.read() as txn:
@@ -80,9 +88,11 @@ class Executions:
         root.record_bytes = record_bytes
         return ex
 
-    def _new_layer(self, txn, ex: Execution) -> None:
-        """Give ``ex`` a fresh, empty upper layer over ``ex.lower``, and store its record."""
+    def _new_layer(self, txn, ex: Execution, epoch: Epoch) -> None:
+        """Give ``ex`` a fresh, empty upper layer over ``ex.lower``, its nodes' epoch
+        ``epoch`` (rametfs.overlay.nodes.Epoch), and store its record."""
         ex.layer = self.next_layer
+        epoch.layer, ex.epoch = ex.layer, epoch
         self.next_layer += 1
         self.layers.put_next_layer(txn, self.next_layer)
         root = UpperInode.from_entry(ex.lower.root)
@@ -103,7 +113,7 @@ class Executions:
         ex = Execution(eid, snap, snap, snap, 0, self.table.alloc_ino(), time.time_ns(), access)
         ex.policy = policy
         with self.store.write() as txn:
-            self._new_layer(txn, ex)
+            self._new_layer(txn, ex, ex.epoch)
             self.table.persist_counters(txn)
         self.executions[eid] = ex
         self.readers.add(eid, ex.access)
@@ -119,41 +129,87 @@ class Executions:
                     ) -> tuple[list[tuple[int, bytes]], list[int]]:
         """Drop the upper layer of ``ex`` and give it a fresh one over snapshot ``to``, which
         becomes its head (rametfs.core.heads): O(known nodes of ``ex``) whatever ``to`` is,
-        found in slices of the trio thread (``in_slices``), ``ex`` frozen meanwhile; the old
-        layer is deleted later.  NotFound (ENOENT) when ``ex`` is released meanwhile.
+        in slices of the trio thread (``in_slices``) but for the swap of the layer, one step
+        of O(rebound directories); ``ex`` frozen until the swap, and its resets one at a
+        time; the old layer is deleted later.  NotFound (ENOENT) when ``ex`` is released
+        meanwhile.
 
         The known nodes that lie at the same path in ``to`` keep their node and inode number
         (:meth:`_kept_steps`): a shell working in an unchanged directory carries on, and so
         does one in a changed directory that ``to`` still has, which shows ``to``'s names.
-        Returns the ``(parent ino, name)`` dentries and the inode numbers the kernel may
-        cache that changed, for the adapter to invalidate.  The root keeps its dentry and
-        inode number, so a bind mount of the execution stays valid.
+        Until the swap every node is the old layer's, after it the kept ones are the new
+        layer's (their :class:`Epoch` moves with the layer number), so no request of ``ex``
+        sees a mix of the two trees.  Returns the ``(parent ino, name)`` dentries and the
+        inode numbers the kernel may cache that changed, for the adapter to invalidate.  The
+        root keeps its dentry and inode number, so a bind mount of the execution stays valid.
         """
-        with ex.freeze():
-            while True:  # planned again when another reset swapped the layer meanwhile
-                layer = ex.layer
+        async with self._one_reset(ex):
+            with ex.freeze():
                 kept, rebound = await in_slices(self._kept_steps(ex, to))
-                if self.executions.get(ex.id) is not ex:
-                    raise NotFound(f"execution {ex.id!r} was released")
-                if ex.layer == layer:
-                    break
-            stale = self._stale_entries(ex, keep_root_entry=True, kept=kept, rebound=rebound)
-            old = ex.layer
-            ex.failure = None
-            ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
-            self.table.drop_layer(ex, kept)
-            ex.head = ex.lower = to
-            with self.store.write() as txn:
-                self.layers.mark_dead(txn, old)
-                self._new_layer(txn, ex)
-            nodes = self.table.nodes
-            for ino in kept:
-                nodes[ino].layer = ex.layer
-            for ino, entry in rebound.items():  # the old layer's record is not theirs now
-                node = nodes[ino]
-                node.entry, node.upper, node.dirty, node.record_bytes = entry, None, False, 0
-        self.dead_layers.set()
-        return stale
+                self._check_not_released(ex)
+                epoch, inos, dcache = await in_slices(self._keep_steps(ex, kept))
+                self._check_not_released(ex)
+                dropped = self._swap(ex, to, epoch, inos, dcache, rebound)
+        with trio.CancelScope(shield=True):  # the kernel must be told, and the nodes freed
+            return await in_slices(self._dropped_steps(ex, dropped, True, kept, rebound))
+
+    @contextlib.asynccontextmanager
+    async def _one_reset(self, ex: Execution) -> AsyncIterator[None]:
+        """Run the block while no other reset of ``ex`` runs: a reset's kept nodes sit in its
+        epoch from its plan to its swap, and another's plan would move them to its own."""
+        lock = self.resetting.get(ex.id)
+        if lock is None:
+            lock = self.resetting[ex.id] = trio.Lock()
+        try:
+            async with lock:
+                yield
+        finally:  # a release hands the lock to the next reset waiting, if any
+            if not lock.locked() and self.resetting.get(ex.id) is lock:
+                del self.resetting[ex.id]
+
+    def _check_not_released(self, ex: Execution) -> None:
+        if self.executions.get(ex.id) is not ex:
+            raise NotFound(f"execution {ex.id!r} was released")
+
+    def _keep_steps(self, ex: Execution, kept: set[int]
+                    ) -> Steps[tuple[Epoch, set[int], dict[tuple[int, bytes], int]]]:
+        """Move the nodes ``kept`` into an epoch of their own, whose layer is still ``ex``'s
+        (they stay live), and gather them and their dentries for the new layer: ``(epoch,
+        inos, dcache)``; a step per :data:`RESET_STEP` nodes."""
+        epoch = Epoch(ex.layer)
+        nodes, dcache = self.table.nodes, ex.dcache
+        inos: set[int] = set()
+        dentries: dict[tuple[int, bytes], int] = {}
+        for i, ino in enumerate(kept, 1):
+            if i % RESET_STEP == 0:
+                yield
+            node = nodes[ino]
+            node.epoch = epoch
+            inos.add(ino)
+            key = (node.parent, node.name)
+            if dcache.get(key) == ino:
+                dentries[key] = ino
+        return epoch, inos, dentries
+
+    def _swap(self, ex: Execution, to: Snapshot, epoch: Epoch, inos: set[int],
+              dcache: dict[tuple[int, bytes], int], rebound: dict[int, Entry]) -> Dropped:
+        """The one step of a reset that changes what ``ex`` shows: the new layer over
+        ``to``, the kept nodes (``inos``, their dentries ``dcache``, already in ``epoch``)
+        in it, the ``rebound`` directories bound to their entries in ``to``.  O(rebound);
+        returns the old layer's tables (``InodeTable.drop_layer``)."""
+        old = ex.layer
+        ex.failure = None
+        ex.upper_bytes, ex.upper_inodes, ex.captured_bytes = 0, 1, 0
+        dropped = self.table.drop_layer(ex, inos, dcache)
+        ex.head = ex.lower = to
+        with self.store.write() as txn:
+            self.layers.mark_dead(txn, old)
+            self._new_layer(txn, ex, epoch)
+        nodes = self.table.nodes
+        for ino, entry in rebound.items():  # the old layer's record is not theirs now
+            node = nodes[ino]
+            node.entry, node.upper, node.dirty, node.record_bytes = entry, None, False, 0
+        return dropped
 
     def _kept_steps(self, ex: Execution, to: Snapshot) -> Steps[tuple[set[int], dict[int, Entry]]]:
         """The known nodes of ``ex`` (``ex.inos``: those the kernel may hold) that a reset
@@ -212,7 +268,7 @@ class Executions:
         dcache = ex.dcache
         while node.ino not in listings:
             listings[node.ino] = None  # until placed (a loop of parents ends here)
-            if node.view is not ex or node.layer != ex.layer or \
+            if node.view is not ex or node.epoch.layer != ex.layer or \
                     dcache.get((node.parent, node.name)) != node.ino:
                 break
             chain.append(node)
@@ -245,45 +301,75 @@ class Executions:
         root = self.table.nodes[ex.root_ino].upper
         return root is not None and root.pack() == UpperInode.from_entry(ex.lower.root).pack()
 
-    def release(self, ex: Execution) -> tuple[list[tuple[int, bytes]], list[int]]:
-        """Delete execution ``ex`` and its upper layer (files still open turn stale).
+    async def release(self, ex: Execution) -> tuple[list[tuple[int, bytes]], list[int]]:
+        """Delete execution ``ex`` and its upper layer (files still open turn stale): one
+        step, O(1); what the kernel may cache of it is found in slices afterwards.
 
         Returns what the kernel may cache, as ``reset`` does; the root's dentry has parent 0.
         """
-        stale = self._stale_entries(ex, keep_root_entry=False)
-        self.table.drop_layer(ex)
+        dropped = self.table.drop_layer(ex)
         with self.store.write() as txn:
             self.layers.mark_dead(txn, ex.layer)
             self.catalog.delete_execution(txn, ex.id)
         del self.executions[ex.id]
         self.readers.remove(ex.id)
         ex.layer = RELEASED
-        self.dead_layers.set()
-        return stale
+        with trio.CancelScope(shield=True):
+            return await in_slices(self._dropped_steps(ex, dropped, False))
 
-    @staticmethod
-    def _stale_entries(view: View, keep_root_entry: bool, kept: set[int] = frozenset(),
-                       rebound: dict[int, Entry] | None = None
-                       ) -> tuple[list[tuple[int, bytes]], list[int]]:
-        # Invalidating a directory's dentry drops everything cached below it that nothing
-        # holds; the inodes a process still holds (its cwd, an open file) keep their cached
-        # pages and listings until told, so every inode of the layer that is not ``kept``
-        # is told too, and so are the root and the kept directories whose names change
-        # (attributes and listings): the ``rebound`` ones, and those with a name whose node
-        # goes (a hard link).  Of the kept directories (and the root), the names whose node
-        # goes are invalidated; the missing names the kernel was told of the directories
-        # told (the root, the rebound ones) are the adapter's to add (rametfs.fuse.kernel):
-        # the model does not know them.  The inodes are a flat list of numbers: a (ino, b"")
-        # pair each made 50,000 tracked tuples, and the young gc collections that traversed
-        # them held the trio thread 50 ms more during a reset.
+    def _dropped_steps(self, view: View, dropped: Dropped, keep_root_entry: bool,
+                       kept: set[int] = frozenset(), rebound: dict[int, Entry] | None = None
+                       ) -> Steps[tuple[list[tuple[int, bytes]], list[int]]]:
+        """What the kernel may cache of a layer ``view`` dropped (``dropped``, its tables),
+        as ``(dentries, inode numbers)``, the tables emptied meanwhile and its stale nodes
+        given to the collector (``InodeTable.stale_inos``); a step per :data:`DROP_STEP`
+        entries.  (Emptied entry by entry: freeing a table of 100,000 entries at once held
+        the trio thread for milliseconds.)
+
+        Invalidating a directory's dentry drops everything cached below it that nothing
+        holds; the inodes a process still holds (its cwd, an open file) keep their cached
+        pages and listings until told, so every inode of the layer that is not ``kept`` is
+        told too, and so are the root and the kept directories whose names change
+        (attributes and listings): the ``rebound`` ones, and those with a name whose node
+        goes (a hard link).  Of the kept directories (and the root), the names whose node
+        goes are invalidated; the missing names the kernel was told of the directories told
+        (the root, the rebound ones) are the adapter's to add (rametfs.fuse.kernel): the
+        model does not know them.  The inodes are a flat list of numbers: a (ino, b"") pair
+        each made 50,000 tracked tuples, and the young gc collections that traversed them
+        held the trio thread 50 ms more during a reset."""
         root = view.root_ino
-        rebound = rebound or {}
-        entries = [key for key, ino in view.dcache.items()
-                   if (key[0] == root or key[0] in kept) and ino not in kept]
-        if not keep_root_entry:
-            entries += [key for key in view.dcache if key[0] == 0]
-        inodes = list(view.inos - kept) if kept else list(view.inos)
-        return entries, inodes + list(rebound.keys() | {p for p, _ in entries if p in kept})
+        entries: list[tuple[int, bytes]] = []
+        changed = set(rebound or ())  # kept directories whose names change
+        dcache = dropped.dcache
+        while dcache:
+            for _ in range(min(DROP_STEP, len(dcache))):
+                key, ino = dcache.popitem()
+                parent = key[0]
+                if ino in kept:
+                    continue
+                if parent in kept:
+                    changed.add(parent)
+                    entries.append(key)
+                elif parent == root or parent == 0 and not keep_root_entry:
+                    entries.append(key)
+            yield
+        stale: list[int] = []
+        inos = dropped.inos
+        while inos:
+            for _ in range(min(DROP_STEP, len(inos))):
+                ino = inos.pop()
+                if ino not in kept:
+                    stale.append(ino)
+            yield
+        for table in dropped.link_inos, dropped.changes, dropped.dirty:
+            pop = table.popitem if isinstance(table, dict) else table.pop
+            while table:
+                for _ in range(min(DROP_STEP, len(table))):
+                    pop()
+                yield
+        self.table.stale_inos.append(stale[:])  # the collector takes them from its own list
+        self.dead_layers.set()
+        return entries, stale + list(changed)
 
     def set_head(self, ex: Execution, snap: Snapshot) -> None:
         """Make ``snap`` the head of ``ex`` (a promote of it); its layer stays."""

@@ -3,7 +3,8 @@
 A *view* is a tree mounted under the root: a snapshot (read-only) or an execution
 (:class:`Execution`, copy-on-write).  A :class:`Node` is one inode of a view: a base entry, an
 upper record (rametfs.store.format.UpperInode), or both.  It belongs to the layer its view had
-when it was made and is *stale* (ESTALE) once a reset or release drops that layer.
+when it was made, through an :class:`Epoch`, and is *stale* (ESTALE) once a reset or release
+drops that layer.
 :class:`InodeTable` gives inode numbers out from one counter for the whole mount and keeps the
 live nodes by number; the nodes of dropped layers are freed later, in batches.
 """
@@ -14,7 +15,7 @@ import contextlib
 import errno
 import stat
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import trio
 
@@ -56,6 +57,20 @@ class Attrs:
         return ((self.size if self.stored is None else self.stored) + 511) // 512
 
 
+class Epoch:
+    """The layer number (``layer``) of the nodes that hold this epoch: a node is live while
+    it is its view's.  A view's new nodes take the view's epoch (:attr:`View.epoch`); a
+    reset moves the nodes it keeps into an epoch of its own while it plans, its layer still
+    the old one, then gives that epoch the new layer in the step that swaps the view's:
+    every kept node moves, and every other one turns stale, in that one step, however many
+    they are (rametfs.overlay.executions)."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+
 class View:
     """A tree mounted under the root: a snapshot (read-only) or an execution."""
 
@@ -64,6 +79,7 @@ class View:
 
     def __init__(self, root_ino: int):
         self.root_ino = root_ino
+        self.epoch = Epoch(self.layer)  # new nodes' (:class:`Epoch`)
         # Worker threads its requests may hold at once (fsync, hydration): 200 threads of
         # one execution fsyncing took every thread of trio's pool from the others.
         self.threads = trio.CapacityLimiter(THREADS_PER_VIEW)
@@ -99,12 +115,12 @@ class Execution(View):
 
     def __init__(self, eid: str, base: Snapshot, head: Snapshot, lower: Snapshot, layer: int,
                  root_ino: int, created_ns: int, access: Access):
+        self.layer = layer  # before View's epoch is made
         super().__init__(root_ino)
         self.id = eid
         self.base = base
         self.head = head
         self.lower = lower
-        self.layer = layer
         self.created_ns = created_ns
         self.access = access
         self.freezes = 0  # captures and walks that hold its mutations (freeze)
@@ -174,14 +190,14 @@ NO_PAGES: frozenset[int] = frozenset()  # the empty page set of the nodes that h
 class Node:
     """An inode of a view: a base entry (``entry``), an upper record (``upper``), or both."""
 
-    __slots__ = ("ino", "view", "layer", "entry", "upper", "parent", "name", "pages",
+    __slots__ = ("ino", "view", "epoch", "entry", "upper", "parent", "name", "pages",
                  "new_pages", "dirty", "allocated", "record_bytes", "pending_bytes")
 
     def __init__(self, ino: int, view: View, entry: Entry | None, upper: UpperInode | None,
                  parent: int, name: bytes):
         self.ino = ino
         self.view = view
-        self.layer = view.layer  # the node is stale once its view moves to another layer
+        self.epoch = view.epoch  # the node is stale once its view's layer is not its epoch's
         self.entry = entry
         self.upper = upper
         self.parent = parent
@@ -223,6 +239,16 @@ class Node:
         return e.ref if e is not None and e.is_reg else None
 
 
+class Dropped(NamedTuple):
+    """The tables of a dropped layer's view (:meth:`InodeTable.drop_layer`), as they were."""
+
+    inos: set[int]
+    dcache: dict[tuple[int, bytes], int]
+    link_inos: dict[int, int]
+    dirty: set[Node]
+    changes: dict[int | tuple[int, bytes], int]
+
+
 class InodeTable:
     """The nodes of every view by inode number, and the counter that numbers them
     (``meta[b"next_ino"]``: stored by the next transaction that stores a record,
@@ -238,7 +264,7 @@ class InodeTable:
         with store.read() as txn:
             self.next_ino = max(FIRST_DYNAMIC_INO, store.layers.next_ino(txn))
         self.stored_next_ino = self.next_ino
-        self.stale_inos: list[set[int]] = []  # nodes of dropped layers, freed in batches
+        self.stale_inos: list[list[int]] = []  # nodes of dropped layers, freed in batches
         self.nodes_dropped = 0  # freed from :attr:`nodes` since its table was last remade
 
     def alloc_ino(self) -> Ino:
@@ -253,7 +279,7 @@ class InodeTable:
 
     def is_live(self, node: Node) -> bool:
         """False once ``node``'s layer was dropped by a reset or release of its execution."""
-        return node.layer == node.view.layer and self.nodes.get(node.ino) is node
+        return node.epoch.layer == node.view.layer and self.nodes.get(node.ino) is node
 
     def check_live(self, node: Node) -> None:
         """ESTALE when ``node`` is not live (:meth:`is_live`)."""
@@ -263,7 +289,7 @@ class InodeTable:
     def node(self, ino: Ino) -> Node:
         """The node for ``ino``; ESTALE when it belongs to a dropped layer or view."""
         node = self.nodes.get(ino)
-        if node is None or node.layer != node.view.layer:
+        if node is None or node.epoch.layer != node.view.layer:
             raise fs_error(errno.ESTALE, f"inode {ino} is stale")
         return node
 
@@ -273,17 +299,22 @@ class InodeTable:
         node.view.dcache[(node.parent, node.name)] = node.ino
         return node
 
-    def drop_layer(self, view: View, kept: set[int] = frozenset()) -> None:
-        """Forget the nodes of ``view``'s current layer but ``kept`` (those a reset keeps,
-        which the caller moves to the new layer): O(1) now for the others, as their layer
-        no longer matches;
-        :meth:`drop_stale_nodes` frees them later, in batches."""
-        self.stale_inos.append(view.inos - kept if kept else view.inos)
-        dcache = {key: ino for key, ino in view.dcache.items()
-                  if ino in kept and (key[0] in kept or key[0] == view.root_ino)}
-        view.inos, view.dcache, view.link_inos, view.dirty = set(kept), dcache, {}, set()
+    @staticmethod
+    def drop_layer(view: View, inos: set[int] | None = None,
+                   dcache: dict[tuple[int, bytes], int] | None = None) -> Dropped:
+        """Give ``view`` the nodes ``inos`` and their dentries ``dcache`` (those a reset keeps,
+        in the new layer's epoch; None: none) and empty tables for the rest, in O(1): the
+        nodes of the old layer turn stale with the layer number, and its tables are returned
+        whole, for the caller to read what the kernel must forget and empty in slices
+        (rametfs.overlay.executions), then to give its stale nodes to :attr:`stale_inos`."""
+        dropped = Dropped(view.inos, view.dcache, view.link_inos, view.dirty,
+                          view.changes if isinstance(view, Execution) else {})
+        view.inos = set() if inos is None else inos
+        view.dcache = {} if dcache is None else dcache
+        view.link_inos, view.dirty = {}, set()
         if isinstance(view, Execution):
             view.changes = {}
+        return dropped
 
     def drop_stale_nodes(self, budget: int = COLLECT_BATCH) -> int:
         """Free up to ``budget`` nodes of dropped layers; returns how many were freed (call
