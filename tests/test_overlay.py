@@ -244,6 +244,7 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
                     list(layers.pages(txn, ex.layer, small.ino)) == [0]]
     assert stored() == [True, True, True, True]
     overlay.forgotten([big, small])  # small still has its name
+    assert (big.ino in overlay.nodes, small.ino in overlay.nodes) == (False, True)
     items = overlay.take_reclaim()
     assert [(item.layer, item.ino) for item in items] == [(ex.layer, big.ino)]
     assert overlay.take_reclaim() == []

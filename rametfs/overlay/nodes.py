@@ -333,10 +333,25 @@ class InodeTable:
             if not inos:
                 self.stale_inos.pop()
         self.nodes_dropped += freed
-        if not self.stale_inos and self.nodes_dropped > len(self.nodes):
+        if not self.stale_inos:
+            self._shrink()
+        return freed
+
+    def drop_unlinked(self, node: Node) -> None:
+        """Free ``node``, unlinked and forgotten by the kernel: nothing can name it again (a
+        file handle of it is ESTALE), so an execution that creates and removes files for
+        ever keeps no node of each (they took 1 KB each until its next reset)."""
+        del self.nodes[node.ino]
+        node.view.inos.discard(node.ino)
+        node.view.dirty.discard(node)
+        self.nodes_dropped += 1
+        if not self.stale_inos:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        if self.nodes_dropped > len(self.nodes):
             # A dict never shrinks its table as entries go: remade at the size of what is
             # left (O(left), less than what was freed), not the peak's (a table of 100,000
             # nodes is 5 MiB).  Inserted one by one: dict(self.nodes) may copy the table.
             self.nodes = {ino: node for ino, node in self.nodes.items()}
             self.nodes_dropped = 0
-        return freed

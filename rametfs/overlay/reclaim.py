@@ -76,6 +76,7 @@ class Reclaimer:
                 node.view.upper_bytes -= node.allocated + node.record_bytes
                 node.view.upper_inodes -= 1
                 node.allocated = node.record_bytes = 0
+                self.table.drop_unlinked(node)
             else:
                 upper_fds.close(node)
 
