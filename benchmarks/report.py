@@ -19,7 +19,7 @@ SYSTEM_ORDER = list(SYSTEMS)
 COLORS = {"native": "#4c4c4c", "cp-a": "#8c564b", "git-worktree": "#e377c2",
           "overlayfs": "#1f77b4", "fuse-overlayfs": "#ff7f0e", "rametfs": "#2ca02c",
           "rametfs-changed": "#98df8a", "rametfs-snapshot": "#17becf", "native-changed": "#a0a0a0",
-          "fallback-copy": "#9467bd", "fallback-reflink": "#bcbd22"}
+          "rametfs-procs": "#006d2c", "fallback-copy": "#9467bd", "fallback-reflink": "#bcbd22"}
 
 
 # The reference of a system that is not compared to plain native ext4.

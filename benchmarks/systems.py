@@ -12,6 +12,7 @@ it (keeps its state as a new immutable base) and discards it.
 | rametfs | ``create`` | ``reset`` | ``promote`` | ``release`` |
 | rametfs-changed | ``create``, then 10 files changed | ``reset`` | ``promote`` | ``release`` |
 | rametfs-snapshot | - (the read-only snapshot itself: read workloads only) | - | - | - |
+| rametfs-procs | ``create`` on daemon i mod 4 of 4, each its own data directory (the parallel untar only) | - | - | ``release`` |
 | fallback-copy | ``create`` in fallback mode: a real directory, files copied | ``reset`` | ``promote`` | ``release`` |
 | fallback-reflink | the same, the data directory on a loop-mounted xfs image: files reflinked | ``reset`` | ``promote`` | ``release`` |
 
@@ -42,6 +43,7 @@ from .trees import BenchError, Tree, change_files, git, remove, run
 MNT_DETACH = 2
 VIEW_CHANGED_FILES = 10  # files rametfs-changed changes in each view it forks
 STOP_SECONDS = 60.0
+PROCS_DAEMONS = 4  # rametfs-procs: daemons, each serving every 4th view
 XFS_IMAGE_BYTES = 16 << 30  # a sparse file: only what xfs writes takes disk space
 # What a reset or promote reports doing (fallback: rametfs.fallback's reply stats; FUSE
 # promote: its capture stats), kept with the timings.
@@ -472,6 +474,54 @@ class RametfsSnapshot(Rametfs):
     def view(self, tree: Tree) -> Iterator[Path]:
         self.prepare(tree)
         yield self.mount / "snapshots" / self.snapshots[tree.name]
+
+
+class RametfsProcs(System):
+    """The bound of serving executions from several processes (issue 21): PROCS_DAEMONS
+    rametfs daemons, each its own process, FUSE connection and data directory with every tree
+    imported, the i-th view forked is an execution of daemon i mod PROCS_DAEMONS, so up to
+    PROCS_DAEMONS views at once never share a daemon and nothing is coordinated between them
+    (docs/concurrency.md, "Serving on more than one core").  The daemons start at the first
+    :meth:`prepare`, not with the run: only the workloads that list this system use them."""
+
+    id = "rametfs-procs"
+    unavailable = staticmethod(Rametfs.unavailable)
+
+    def __init__(self, scratch: Path) -> None:
+        super().__init__(scratch)
+        self.daemons: list[Rametfs] = []
+        self._forks = itertools.count()
+
+    def prepare(self, tree: Tree) -> None:
+        while len(self.daemons) < PROCS_DAEMONS:
+            home = self._new_dir("daemon")
+            home.mkdir()
+            self.daemons.append(Rametfs(home))
+        for daemon in self.daemons:
+            daemon.prepare(tree)
+
+    def fork(self, tree: Tree) -> View:
+        daemon = self.daemons[next(self._forks) % len(self.daemons)]
+        view = daemon.fork(tree)
+        return View(tree, view.path, (daemon, view))
+
+    def discard(self, view: View) -> None:
+        daemon, own = view.handle
+        daemon.discard(own)
+
+    def stored_paths(self, tree: Tree, views: list[View]) -> list[Path]:
+        return [daemon.data for daemon in self.daemons]
+
+    def diagnose(self) -> str:
+        return "\n".join(f"daemon {k} ({daemon.data}):\n{daemon.diagnose()}"
+                         for k, daemon in enumerate(self.daemons))
+
+    def close(self) -> None:
+        with contextlib.ExitStack() as stack:  # every daemon stopped, whichever fails
+            for daemon in self.daemons:
+                stack.callback(daemon.close)
+
+
 class _Fallback(_Executions):
     """rametfs in fallback mode (``Ramet(data=..., mode="fallback")``) in this process: each
     view is a real directory made with :attr:`method` (``"copy"``, ``"reflink"``)."""
@@ -573,4 +623,4 @@ def disk_usage(paths: list[Path]) -> int:
 SYSTEMS: dict[str, type[System]] = {
     cls.id: cls for cls in (Native, NativeChanged, CpA, GitWorktree, Overlayfs, FuseOverlayfs, Rametfs,
                             RametfsChanged, RametfsSnapshot,
-                            FallbackCopy, FallbackReflink)}
+                            RametfsProcs, FallbackCopy, FallbackReflink)}

@@ -1138,10 +1138,11 @@ def _untar_at_once(tar: Path, dests: list[Path]) -> None:
         raise BenchError(f"tar -xf into {len(dests)} views at once: {failed}")
 
 
-@workload(*IO)
+@workload(*IO, "rametfs-procs")
 def agent_parallel(b: Bench, s: System) -> list[Result]:
     """agent-untar-x<N>: seconds until ``tar -xf`` of a synthetic tree of PARALLEL_FILES
-    files ended in each of N fresh views at once (N in PARALLEL_VIEWS; native: N directories);
+    files ended in each of N fresh views at once (N in PARALLEL_VIEWS; native: N directories;
+    rametfs-procs: each view on a daemon of its own);
     ``throughput_vs_one``: the entries per second of all N together as a multiple of one
     alone.  On fuse-overlayfs and rametfs one more untar in one view is traced: requests per
     entry.  ``--load``: beside a CPU-bound process per core."""
