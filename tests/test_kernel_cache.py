@@ -63,6 +63,51 @@ def test_status_says_which_mode(mode_daemon):
     assert d.status()["open_less"] is (mode == "open-less")
 
 
+def _fuse_device_flags(pid: int) -> int:
+    """The open flags of process ``pid``'s one ``/dev/fuse`` descriptor (/proc/PID/fdinfo)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == "/dev/fuse":
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    return int(dict(line.split(":", 1) for line in f)["flags"], 8)
+    raise AssertionError(f"process {pid} has no /dev/fuse descriptor")
+
+
+def test_requests_are_read_without_blocking_and_concurrent_clients_get_their_bytes(execution):
+    """The pyfuse3 patch makes the FUSE device non-blocking: a worker reads the next request
+    as soon as it answered one, without a pass through trio's scheduler, and a read that
+    finds the queue empty (another worker took the request) goes back to waiting instead of
+    blocking the daemon.  8 threads create, write, stat, read and remove files at once, with
+    pauses that empty the queue, and each gets exactly its own bytes back."""
+    _, d, _, ex = execution
+    if not PATCHED:
+        pytest.skip("stock pyfuse3 reads a blocking device")
+    assert _fuse_device_flags(d.pid) & os.O_NONBLOCK
+    before = sorted(os.listdir(ex))
+    failures = []
+
+    def client(k: int) -> None:
+        try:
+            for i in range(200):
+                path, data = ex / f"c{k}-{i}", f"{k}:{i}\n".encode() * (i + 1)
+                path.write_bytes(data)
+                assert (os.stat(path).st_size, path.read_bytes()) == (len(data), data)
+                os.unlink(path)
+                if i % 50 == 49:
+                    time.sleep(0.05)
+        except BaseException as exc:
+            failures.append((k, exc))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert failures == []
+    assert sorted(os.listdir(ex)) == before
+    assert d.is_alive()
+
+
 def test_control_files_from_a_shell_are_fresh_after_each_command(execution):
     _, d, snap, ex = execution
     ramet = ex / ".ramet"
