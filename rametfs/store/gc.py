@@ -198,7 +198,7 @@ def compact(data_dir: str | os.PathLike) -> tuple[int, int]:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700)
     before = os.stat(meta / "data.mdb").st_size
-    env = lmdb.open(str(meta), max_dbs=len(DATABASES), readahead=False)
+    env = lmdb.open(str(meta), max_dbs=len(DATABASES))
     try:
         env.copy(str(tmp), compact=True)
     except lmdb.Error as exc:

@@ -96,9 +96,12 @@ class Store:
         for sub in ("meta", "cache", "upper"):
             (self.root / sub).mkdir(mode=0o700, exist_ok=True)
         # sync=False: commits reach the OS page cache (safe against a daemon crash); fsync and
-        # promote call sync() for durability against power loss.
+        # promote call sync() for durability against power loss.  The kernel's read-ahead
+        # stays on: chunks are LMDB values read whole, and without it (MDB_NORDAHEAD, which
+        # advises MADV_RANDOM) every 4 KiB of a cold chunk was a disk read of its own: 1 GiB
+        # hydrated in 25 s against 1.5 s (docs/benchmarks.md, "Agent workloads").
         self.env = lmdb.open(str(self.root / "meta"), map_size=MAP_SIZE, max_dbs=len(DATABASES),
-                             sync=False, metasync=False, readahead=False, max_readers=1024)
+                             sync=False, metasync=False, max_readers=1024)
         self.db = {name: self.env.open_db(name.encode()) for name in DATABASES}
         self.layers = Layers(self.db)
         self._meta_file = self.root / "meta" / "data.mdb"
@@ -143,7 +146,7 @@ class Store:
         store.gc_guard = GcGuard()
         try:
             store.env = lmdb.open(str(root / "meta"), readonly=True, max_dbs=len(DATABASES),
-                                  readahead=False, max_readers=1024)
+                                  max_readers=1024)
             store.db = {}
             for name in DATABASES:
                 try:
