@@ -645,6 +645,9 @@ def _end_copies(mountpoint: str, force: bool) -> None:
     rametfs mount made there live on in other mount namespaces (EBUSY naming them; with
     ``force`` their FUSE connection is ended)."""
     copies = mounts.copies_elsewhere(point=mountpoint)
+    served = mounts.served_by(mountpoint)
+    if not copies and served is not None:  # copies of its executions only (sandboxes' binds)
+        copies = mounts.copies_elsewhere(dev=served[1])
     if not copies:
         raise NotMountedError(mountpoint)
     if not force:
@@ -652,7 +655,7 @@ def _end_copies(mountpoint: str, force: bool) -> None:
                          f"of one live on in {'; '.join(map(str, copies))}, and its daemon "
                          f"serves them: end those processes, or rametfs umount --force "
                          f"{mountpoint} ends its FUSE connection")
-    daemons = set()
+    daemons = {served[0]} if served is not None else set()
     for copy in copies:  # its daemon's pid, from the copy's status: seen through its root
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             path = f"/proc/{copy.pids[0]}/root{copy.mounts[0].point}"

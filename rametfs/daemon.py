@@ -27,7 +27,7 @@ from .faults import FAULTS
 from .fuse.adapter import Operations, PlainOperations
 from .fuse.kernel import KernelState, requests_waiting
 from .mounts import (bind_snapshots_read_only, check_mount_options, check_mountpoint,
-                     take_data_lock)
+                     mount_at, take_data_lock)
 from .overlay import (COLLECT_BATCH, MAX_FILE_SIZE, Overlay, in_slices, unlink_upper_files,
                       yield_to_requests)
 from .precreate import Precreated, keep_filled
@@ -50,9 +50,17 @@ def _lock_data_dir(data_dir: str, mountpoint: str) -> int:
     hand out the same inode numbers.  EBUSY if taken (rametfs.mounts.take_data_lock)."""
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
     fd = take_data_lock(data_dir)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n{mountpoint}\n".encode(), 0)
+    _write_lock(fd, mountpoint, "")
     return fd
+
+
+def _write_lock(lock: int, mountpoint: str, dev: str) -> None:
+    """The data directory lock's content: this daemon's pid, ``mountpoint`` and its FUSE
+    connection ``dev`` (``"major:minor"``, once mounted), a line each: ``rametfs umount
+    --force`` finds the connection by them after the mount here is gone
+    (rametfs.mounts.served_by)."""
+    os.ftruncate(lock, 0)
+    os.pwrite(lock, f"{os.getpid()}\n{mountpoint}\n{dev}\n".encode(), 0)
 
 
 # A full collection once every FULL_EVERY young (generation 1) ones, not CPython's 10: the
@@ -350,7 +358,7 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
                                              ("dev", allow_devices), ("suid", allow_suid),
                                              ("debug", debug)) if on}
         options.add(f"fsname={fsname}")
-        _serve_store(data_dir, mountpoint, options,
+        _serve_store(data_dir, mountpoint, lock, options,
                      MAX_FILE_SIZE if max_file_size is None else max_file_size,
                      default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes,
                      max_answer_bytes or protocol.MAX_ANSWER_BYTES, faults, remote, catalog)
@@ -358,11 +366,12 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
         os.close(lock)
 
 
-def _serve_store(data_dir: str, mountpoint: str, options: set[str],
+def _serve_store(data_dir: str, mountpoint: str, lock: int, options: set[str],
                  max_file_size: int, cache_max_bytes: int, max_answer_bytes: int,
                  faults: bool, remote: str | None, catalog: str | None) -> None:
-    """Serve until unmounted; ``options``: the FUSE mount options added to rametfs's own
-    (``fsname=``, ``allow_other``, ``dev``, ``suid``, ``debug``)."""
+    """Serve until unmounted; ``lock``: the data directory lock's descriptor; ``options``:
+    the FUSE mount options added to rametfs's own (``fsname=``, ``allow_other``, ``dev``,
+    ``suid``, ``debug``)."""
     store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
     if remote is not None:
         store.remote = Remote(remote, catalog)
@@ -385,6 +394,7 @@ def _serve_store(data_dir: str, mountpoint: str, options: set[str],
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options |
                  {"subtype=rametfs"})
     tree.requests_waiting = requests_waiting()
+    _write_lock(lock, mountpoint, mount_at(mountpoint).dev)  # the mount table: no request
     log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
              "of %d bytes", store.root, mountpoint, os.getpid(),
              "open-less" if reason is None else "plain", max_file_size, store.cache.bytes,

@@ -315,11 +315,30 @@ def take_data_lock(data_dir: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        pid, _, where = os.pread(fd, 4096, 0).decode(errors="replace").partition("\n")
+        pid, where = (os.pread(fd, 4096, 0).decode(errors="replace").split("\n") + ["", ""])[:2]
         os.close(fd)
         raise RametError(errno.EBUSY,
                          _in_use(data_dir, pid.strip() or "?", where.strip())) from None
     return fd
+
+
+def served_by(mountpoint: str) -> tuple[int, str] | None:
+    """The pid and FUSE connection (``"major:minor"``) of the rametfs daemon that mounted
+    ``mountpoint``, whether or not the mount is still here: found by the data directory
+    lock it holds open, in which it wrote its pid, mountpoint and connection
+    (rametfs.daemon).  None when no process the caller may inspect holds such a lock."""
+    for pid in _pids():
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.path.basename(os.readlink(f"/proc/{pid}/fd/{fd}")) != LOCK_FILE:
+                    continue
+                with open(f"/proc/{pid}/fd/{fd}") as f:
+                    held = f.read().split("\n")
+                if len(held) > 2 and held[0] == str(pid) and held[1] == mountpoint and held[2]:
+                    return pid, held[2]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # it exited meanwhile, or is another user's
+    return None
 
 
 def _in_use(data_dir: str, pid: str, mountpoint: str) -> str:

@@ -635,6 +635,45 @@ def test_umount_names_copies_in_other_namespaces_and_force_ends_them(tmp_path):
         d.stop()
 
 
+def test_umount_force_ends_a_connection_only_sandboxes_binds_of_executions_keep(tmp_path):
+    # A sandbox binds an execution, not the mount: its copy has another mountpoint and root,
+    # so once the mount here is gone only the daemon's lock says which connection was MNT's.
+    require_fuse()
+    data, mnt = tmp_path / "data", tmp_path / "mnt"
+    d = Daemon(data, mnt)
+    d.start()
+    snap = d.snapshot(write_tree(tmp_path / "src", {"kept": "kept\n"}))
+    ex = mnt / "executions" / d.create(snap)
+    pid = d.pid
+    work = tmp_path / "work"
+    work.mkdir()
+    sandbox = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f'mount --bind "{ex}" "{work}" && umount -l "{mnt}" && echo bound && exec sleep 60'],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert sandbox.stdout.readline() == "bound\n"
+        left = cli("umount", mnt)
+        assert left.returncode == 5 and not os.path.ismount(mnt), left.stderr
+        assert f"the mount namespace of pid {sandbox.pid} (sleep)" in left.stderr
+        assert f"rametfs umount --force {mnt}" in left.stderr
+        forced = cli("umount", "--force", mnt)
+        assert forced.returncode == 0, forced.stderr
+        assert not pid_alive(pid)
+        assert "unmounted" in d.log_text().splitlines()[-1]
+    finally:
+        sandbox.kill()
+        sandbox.wait()
+        sandbox.stdout.close()
+        d.pid = None
+    assert cli("umount", "--force", mnt).returncode == 7  # nothing of it is left anywhere
+    d.start()
+    try:
+        assert (d.snap_path(snap) / "kept").read_text() == "kept\n"
+    finally:
+        d.stop()
+
+
 def test_copies_are_found_while_processes_of_other_namespaces_exit():
     # Between the namespace's readlink and the read of its mountinfo a process may exit: a
     # zombie's mountinfo is EINVAL (it failed rametfs umount once in the suite, and about 1
