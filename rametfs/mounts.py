@@ -326,9 +326,14 @@ def served_by(mountpoint: str) -> tuple[int, str] | None:
     """The pid and FUSE connection (``"major:minor"``) of the rametfs daemon that mounted
     ``mountpoint``, whether or not the mount is still here: found by the data directory
     lock it holds open, in which it wrote its pid, mountpoint and connection
-    (rametfs.daemon).  None when no process the caller may inspect holds such a lock."""
+    (rametfs.daemon).  Only processes of the caller's uid or root count, so that another
+    user's file of that name cannot point ``umount --force`` at a connection.  None when no
+    such process holds such a lock."""
+    trusted = {0, os.geteuid()}
     for pid in _pids():
         try:
+            if os.stat(f"/proc/{pid}").st_uid not in trusted:
+                continue
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 if os.path.basename(os.readlink(f"/proc/{pid}/fd/{fd}")) != LOCK_FILE:
                     continue

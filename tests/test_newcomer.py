@@ -35,7 +35,7 @@ from conftest import (Daemon, ctl_command, pid_alive, require_bwrap, require_fus
                       wait_until)
 from rametfs import protocol
 from rametfs.cli import EXIT_CODES
-from rametfs.mounts import copies_elsewhere
+from rametfs.mounts import copies_elsewhere, mount_at, served_by
 from rametfs.core.policy import load as load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -672,6 +672,34 @@ def test_umount_force_ends_a_connection_only_sandboxes_binds_of_executions_keep(
         assert (d.snap_path(snap) / "kept").read_text() == "kept\n"
     finally:
         d.stop()
+
+
+def test_only_a_lock_held_by_the_callers_uid_or_root_names_a_mounts_connection(tmp_path):
+    # Another user's process holding a file named daemon.lock that claims the mountpoint must
+    # not point umount --force at a connection of its choosing.
+    require_fuse()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another uid")
+    d = Daemon(tmp_path / "data", tmp_path / "mnt")
+    d.start()
+    try:
+        assert served_by(str(d.mnt)) == (d.pid, mount_at(str(d.mnt)).dev)
+    finally:
+        d.stop()
+    fd = os.open(tmp_path / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    liar = subprocess.Popen(  # writes its claim through the descriptor it inherits
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
+         "-c", f"import os, time; os.write({fd}, f'{{os.getpid()}}\\n{d.mnt}\\n0:1\\n'.encode()); "
+               "print(1, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, pass_fds=(fd,))
+    os.close(fd)
+    try:
+        assert liar.stdout.readline() == "1\n"
+        assert served_by(str(d.mnt)) is None
+    finally:
+        liar.kill()
+        liar.wait()
+        liar.stdout.close()
 
 
 def test_copies_are_found_while_processes_of_other_namespaces_exit():
