@@ -599,17 +599,27 @@ def test_a_failed_second_mount_writes_nothing_into_the_live_daemons_log(tmp_path
 
 # ----- 8. the daemon kept alive by a copy of its mount in another namespace -------------------
 
-def test_umount_names_copies_in_other_namespaces_and_force_ends_them(tmp_path):
+@pytest.mark.parametrize("copied", ["the mount", "an execution"])
+def test_umount_names_copies_in_other_namespaces_and_force_ends_them(tmp_path, copied):
+    # A copy of the whole mount (unshare -m) keeps its path; a sandbox's bind of an execution
+    # has another mountpoint and root, so once the mount here is gone only the daemon's lock
+    # says which connection was the mount's.
     require_fuse()
     data, mnt = tmp_path / "data", tmp_path / "mnt"
     d = Daemon(data, mnt)
     d.start()
     snap = d.snapshot(write_tree(tmp_path / "src", {"kept": "kept\n"}))
     pid = d.pid
-    copy = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
+    made = "echo ready && exec sleep 60"
+    if copied == "an execution":
+        work = tmp_path / "work"
+        work.mkdir()
+        made = f'mount --bind "{mnt / "executions" / d.create(snap)}" "{work}" && ' \
+               f'umount -l "{mnt}" && {made}'
+    copy = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", made],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: os.readlink(f"/proc/{copy.pid}/ns/mnt") !=
-                   os.readlink("/proc/self/ns/mnt"), 10, "the namespace")
+        assert copy.stdout.readline() == "ready\n"
         left = cli("umount", mnt)
         assert left.returncode == 5 and not os.path.ismount(mnt), left.stderr
         assert f"its daemon (pid {pid}) goes on serving copies" in left.stderr
@@ -627,47 +637,10 @@ def test_umount_names_copies_in_other_namespaces_and_force_ends_them(tmp_path):
     finally:
         copy.kill()
         copy.wait()
-        d.pid = None
-    d.start()  # the data directory is free, and what it held is there
-    try:
-        assert (d.snap_path(snap) / "kept").read_text() == "kept\n"
-    finally:
-        d.stop()
-
-
-def test_umount_force_ends_a_connection_only_sandboxes_binds_of_executions_keep(tmp_path):
-    # A sandbox binds an execution, not the mount: its copy has another mountpoint and root,
-    # so once the mount here is gone only the daemon's lock says which connection was MNT's.
-    require_fuse()
-    data, mnt = tmp_path / "data", tmp_path / "mnt"
-    d = Daemon(data, mnt)
-    d.start()
-    snap = d.snapshot(write_tree(tmp_path / "src", {"kept": "kept\n"}))
-    ex = mnt / "executions" / d.create(snap)
-    pid = d.pid
-    work = tmp_path / "work"
-    work.mkdir()
-    sandbox = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f'mount --bind "{ex}" "{work}" && umount -l "{mnt}" && echo bound && exec sleep 60'],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert sandbox.stdout.readline() == "bound\n"
-        left = cli("umount", mnt)
-        assert left.returncode == 5 and not os.path.ismount(mnt), left.stderr
-        assert f"the mount namespace of pid {sandbox.pid} (sleep)" in left.stderr
-        assert f"rametfs umount --force {mnt}" in left.stderr
-        forced = cli("umount", "--force", mnt)
-        assert forced.returncode == 0, forced.stderr
-        assert not pid_alive(pid)
-        assert "unmounted" in d.log_text().splitlines()[-1]
-    finally:
-        sandbox.kill()
-        sandbox.wait()
-        sandbox.stdout.close()
+        copy.stdout.close()
         d.pid = None
     assert cli("umount", "--force", mnt).returncode == 7  # nothing of it is left anywhere
-    d.start()
+    d.start()  # the data directory is free, and what it held is there
     try:
         assert (d.snap_path(snap) / "kept").read_text() == "kept\n"
     finally:
