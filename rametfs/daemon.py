@@ -394,7 +394,8 @@ def _serve_store(data_dir: str, mountpoint: str, lock: int, options: set[str],
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options |
                  {"subtype=rametfs"})
     tree.requests_waiting = requests_waiting()
-    _write_lock(lock, mountpoint, mount_at(mountpoint).dev)  # the mount table: no request
+    mounted = mount_at(mountpoint)  # from the mount table: no request to ourselves
+    _write_lock(lock, mountpoint, mounted.dev if mounted is not None else "")
     log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
              "of %d bytes", store.root, mountpoint, os.getpid(),
              "open-less" if reason is None else "plain", max_file_size, store.cache.bytes,
