@@ -68,13 +68,21 @@ def upper_files(d: Daemon) -> set[str]:
 
 
 def check_store(d: Daemon) -> None:
-    """With ``d`` stopped: fsck finds no problem and no orphan left."""
+    """Stop ``d``, check that fsck finds no problem and no orphan left, start it again."""
+    d.stop()
     store = Store(d.data_dir)
     try:
         report = fsck(store)
         assert (report.problems, report.orphans) == ([], [])
     finally:
         store.close()
+    d.start()
+
+
+def keep_execution(d: Daemon, tmp_path: Path) -> tuple[str, Path]:
+    """A new execution of a snapshot holding the one file ``keep``: its id and its path."""
+    eid = d.create(d.snapshot(write_tree(tmp_path / "src", {"keep": b"k"})))
+    return eid, d.exec_path(eid)
 
 
 @pytest.fixture
@@ -239,8 +247,7 @@ def test_refused_in_snapshots_and_control_directories(shared_daemon, execution, 
 
 
 def test_a_tmpfile_never_linked_goes_when_closed_and_leaves_no_record(daemon, tmp_path):
-    eid = daemon.create(daemon.snapshot(write_tree(tmp_path / "src", {"keep": b"k"})))
-    ex = daemon.exec_path(eid)
+    eid, ex = keep_execution(daemon, tmp_path)
     before, files = record(daemon, eid), upper_files(daemon)
     fd = os.open(ex, TMPFILE, 0o600)
     try:
@@ -258,14 +265,11 @@ def test_a_tmpfile_never_linked_goes_when_closed_and_leaves_no_record(daemon, tm
     after = record(daemon, eid)
     assert (after["upper_inodes"], after["upper_bytes"]) == (before["upper_inodes"],
                                                              before["upper_bytes"])
-    daemon.stop()
     check_store(daemon)
-    daemon.start()
 
 
 def test_a_tmpfile_open_at_a_crash_is_gone_after_the_restart(daemon, tmp_path):
-    eid = daemon.create(daemon.snapshot(write_tree(tmp_path / "src", {"keep": b"k"})))
-    ex = daemon.exec_path(eid)
+    eid, ex = keep_execution(daemon, tmp_path)
     before, files = record(daemon, eid), upper_files(daemon)
     fd = os.open(ex, TMPFILE, 0o600)
     try:
@@ -279,15 +283,12 @@ def test_a_tmpfile_open_at_a_crash_is_gone_after_the_restart(daemon, tmp_path):
     assert upper_files(daemon) == files
     assert record(daemon, eid)["upper_inodes"] == before["upper_inodes"]
     assert os.listdir(ex) == ["keep"]
-    daemon.stop()
     check_store(daemon)
-    daemon.start()
 
 
 def test_an_open_tmpfile_across_a_promote_and_a_reset(daemon, tmp_path):
     """A promote leaves an unnamed tmpfile out and open; a reset drops it (ESTALE)."""
-    eid = daemon.create(daemon.snapshot(write_tree(tmp_path / "src", {"keep": b"k"})))
-    ex = daemon.exec_path(eid)
+    eid, ex = keep_execution(daemon, tmp_path)
     fd = os.open(ex, TMPFILE, 0o600)
     try:
         os.write(fd, b"before the promote\n")
@@ -306,9 +307,7 @@ def test_an_open_tmpfile_across_a_promote_and_a_reset(daemon, tmp_path):
     finally:
         os.close(fd)
     assert os.listdir(ex) == ["keep"]
-    daemon.stop()
     check_store(daemon)
-    daemon.start()
 
 
 def test_a_hostile_agent_is_held_by_max_inodes_and_max_bytes(daemon, tmp_path):
@@ -345,9 +344,7 @@ def test_a_hostile_agent_is_held_by_max_inodes_and_max_bytes(daemon, tmp_path):
     finally:
         os.close(fd)
     assert (ex / "kept").read_bytes() == b"room again\n"
-    daemon.stop()
     check_store(daemon)
-    daemon.start()
 
 
 @pytest.mark.kernel
@@ -369,10 +366,10 @@ def test_plain_mode_answers_eopnotsupp_and_programs_fall_back(tmp_path):
         assert sorted(os.listdir(ex)) == ["keep", "named"]
         wait_until(lambda: record(d, eid)["upper_inodes"] == 2, 10,  # the root's and named's
                    "the unlinked temporary file reclaimed")
+        check_store(d)
     finally:
         d.stop()
         check_log(d.log_text(), [], repr(d))
-    check_store(d)
 
 
 # ----- the model's rules, which the kernel applies first ---------------------------------------
