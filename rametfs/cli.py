@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import click
 
-from rametfs import __version__, mounts, protocol
+from rametfs import __version__, allocator, mounts, protocol
 from rametfs.core.policy import CLASSES
 from rametfs.client import (DATA_ENV, DEFAULT_TTL, MODE_ENV, MODES, MOUNT_ENV, Execution,
                             NotMountedError, Ramet, RametError, RestoreError, resolve_mode)
@@ -376,14 +376,18 @@ def _fsname_value(value: str) -> str:
 @click.option("--max-answer-bytes", type=ByteSize(4096), metavar="BYTES",
               help="The longest answer of a control file: a diff, preview or reply past it "
                    "is EFBIG, an fsmonitor answer says \"everything\" (default: 64 MiB).")
+@click.option("--allocator", "allocator_choice", type=click.Choice(allocator.CHOICES),
+              default="auto", show_default=True,
+              help="The daemon's memory allocator: jemalloc gives a reset execution's memory "
+                   "back to the system (auto: jemalloc when installed, else Python's own).")
 @click.option("--faults", is_flag=True, hidden=True,
               help="Take the fault command (fault injection, for the test suite).")
 @remote_options
 def mount(mountpoint: str, data: str, background: bool, allow_other: bool,
           allow_devices: bool, allow_suid: bool, fsname: str, debug: bool,
           log_file: str | None, max_file_size: int | None, cache_max_bytes: int | None,
-          max_answer_bytes: int | None, faults: bool, remote: str | None,
-          catalog: str | None) -> None:
+          max_answer_bytes: int | None, allocator_choice: str, faults: bool,
+          remote: str | None, catalog: str | None) -> None:
     """Mount rametfs at MOUNTPOINT (made if missing) and serve it until unmounted.
 
     Stop it with `rametfs umount MOUNTPOINT`.  Without the patched pyfuse3 it runs in plain
@@ -395,25 +399,33 @@ def mount(mountpoint: str, data: str, background: bool, allow_other: bool,
     with contextlib.suppress(OSError):  # a file there, or a dead mount: the check says so
         os.makedirs(mountpoint, exist_ok=True)  # as mkdir -p
     mountpoint = os.path.realpath(mountpoint)
+    mounts.check_mount_options(allow_devices, allow_suid)  # here, not in the daemon's log
+    mounts.check_can_serve(data, mountpoint)
     if background:
-        mounts.check_mount_options(allow_devices, allow_suid)  # here, not in its log
-        mounts.check_can_serve(data, mountpoint)
         os.makedirs(data, mode=0o700, exist_ok=True)
-        log_file = os.path.abspath(log_file or os.path.join(data, "daemon.log"))
-        argv = [sys.executable, "-m", "rametfs", "mount", "--data", data, mountpoint,
-                "--log", log_file]
-        argv += ["--allow-other"] * allow_other + ["--allow-devices"] * allow_devices \
-            + ["--allow-suid"] * allow_suid + ["--debug"] * debug + ["--faults"] * faults \
-            + ["--fsname", fsname]
+        log_file = os.path.join(data, "daemon.log") if log_file is None else log_file
+    if log_file is not None:
+        log_file = os.path.abspath(log_file)
+    if background or allocator.MARK_ENV not in os.environ:
+        # The daemon's interpreter starts with its allocator: a detached one, or this one
+        # again in its place.
+        argv = [sys.executable, "-m", "rametfs", "mount", "--data", data, mountpoint]
+        argv += ["--log", log_file] * (log_file is not None) + ["--allow-other"] * allow_other \
+            + ["--allow-devices"] * allow_devices + ["--allow-suid"] * allow_suid \
+            + ["--debug"] * debug + ["--faults"] * faults + ["--fsname", fsname]
         for flag, value in (("--max-file-size", max_file_size),
                             ("--cache-max-bytes", cache_max_bytes),
                             ("--max-answer-bytes", max_answer_bytes)):
             argv += [flag, str(value)] if value is not None else []
+        env = allocator.daemon_environment(os.environ, allocator_choice)
         if remote is not None:  # by the environment: a DSN may hold a password
-            os.environ.update({REMOTE_ENV: remote, CATALOG_ENV: catalog})
-        if not _start_detached(argv, mountpoint, log_file)["open_less"]:
-            _say_plain_mode()
-        return
+            env.update({REMOTE_ENV: remote, CATALOG_ENV: catalog})
+        if background:
+            if not _start_detached(argv, env, mountpoint, log_file)["open_less"]:
+                _say_plain_mode()
+            return
+        os.chdir("/")  # as _start_detached: no rametfs/ of the working directory imported
+        os.execve(sys.executable, argv, env)
     # Imported here: the daemon needs pyfuse3, which nothing else in the CLI does.
     from rametfs.daemon import run_daemon
     if log_file and not _is_stderr(log_file):  # else the log, this stderr, says it
@@ -451,7 +463,8 @@ def _is_stderr(path: str | None) -> bool:
     return there is not None and (out.st_dev, out.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> dict:
+def _start_detached(argv: list[str], env: dict[str, str], mountpoint: str,
+                    log_file: str) -> dict:
     """Start the daemon in its own session; return its root status once the mount answers
     with its pid.
 
@@ -463,7 +476,7 @@ def _start_detached(argv: list[str], mountpoint: str, log_file: str) -> dict:
         # cwd /: "python -m" puts the working directory first on the import path, and a
         # rametfs/ there must not be what runs.
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                 start_new_session=True, cwd="/")
+                                 start_new_session=True, cwd="/", env=env)
     deadline = time.monotonic() + WAIT_SECONDS
     while child.poll() is None:
         status = _ready(mountpoint, child.pid) if os.path.ismount(mountpoint) else None

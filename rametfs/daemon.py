@@ -8,7 +8,6 @@ mounted but dead on purpose: an empty-looking directory invites tools to delete 
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import math
@@ -19,7 +18,7 @@ import time
 import pyfuse3
 import trio
 
-from . import protocol
+from . import allocator, protocol
 from .control.commands import Control
 from .control.tree import MountTree
 from .errors import RametError
@@ -128,27 +127,14 @@ async def _guarded(name: str, task, *args) -> None:
             await trio.sleep(delay)
 
 
-# The memory of dropped nodes goes back to the system once they are all dropped, when at
-# least TRIM_NODES went since the last time.  pymalloc hands back a 1 MiB arena only once
-# every object in it is gone; objects over 512 bytes (dict, set and list tables, long
-# names) come from glibc's malloc, which keeps freed pages until ``malloc_trim``.  Heap
-# (RssAnon, MiB) after each of 10 cycles of 20,000 files created and reset, from 24 at
-# start (docs/benchmarks.md, rss-cycles, before nodes lost their empty page sets, which
-# took it to 34.5-40.9): 37-52 with the trim, 44-59 without; glibc's malloc for everything
-# (PYTHONMALLOC=malloc) with the trim kept 56-59 and cost the daemon 20% more CPU (untar
-# 9%, a cold read of every file 75%), so pymalloc stays.  Not after each batch of
-# drop_stale_nodes: a batch frees nodes all over the heap, and few pages are
-# wholly free before the last one.  The trim holds the arena's lock while it works (tens
-# of ms after 100,000 nodes), so it runs in a worker thread.
+# The memory of dropped nodes goes back to the system once a collection is done, when at
+# least TRIM_NODES went since the last time (rametfs.allocator: jemalloc's purge, or glibc's
+# malloc_trim under pymalloc).  Once the dead layers' records are deleted too, not before:
+# under jemalloc the heap after each of 10 cycles of 20,000 files created and reset stayed
+# within 2.0 MiB of the first reset's, against 2.9 MiB with the purge right after the nodes
+# went (docs/benchmarks.md, rss-cycles).  Not after each batch of drop_stale_nodes: a batch
+# frees nodes all over the heap, and few pages are wholly free before the last one.
 TRIM_NODES = 10_000
-_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
-
-
-def _give_back_memory() -> None:
-    """Return the free pages of the C heap to the system (glibc ``malloc_trim(0)``; a no-op
-    elsewhere).  Blocking: run it in a worker thread."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 async def _collect_dead_layers(overlay: Overlay) -> None:
@@ -160,9 +146,6 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
         while overlay.stale_inos:
             dropped += overlay.drop_stale_nodes()
             await yield_to_requests()
-        if dropped >= TRIM_NODES:
-            dropped = 0
-            await trio.to_thread.run_sync(_give_back_memory)
         while (batch := overlay.collect_dead_layer()) is not None:
             FAULTS.check("task:dead-layers")
             layer, records_left = batch
@@ -173,6 +156,9 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
                                               abandon_on_cancel=True)
                 overlay.forget_dead_layer(layer)
             await yield_to_requests()
+        if dropped >= TRIM_NODES:
+            dropped = 0
+            await trio.to_thread.run_sync(allocator.give_back)
         await overlay.dead_layers.wait()
 
 
@@ -345,6 +331,7 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
     is missing (ENOENT), not a directory (ENOTDIR), mounted (EBUSY) or not empty
     (ENOTEMPTY), or the store cannot be opened.
     """
+    memory_from = allocator.settle()
     check_mount_options(allow_devices, allow_suid)
     mountpoint = os.path.realpath(mountpoint)
     lock = _lock_data_dir(data_dir, mountpoint)
@@ -361,17 +348,19 @@ def run_daemon(data_dir: str, mountpoint: str, *, allow_other: bool = False,
         _serve_store(data_dir, mountpoint, lock, options,
                      MAX_FILE_SIZE if max_file_size is None else max_file_size,
                      default_max_bytes(data_dir) if cache_max_bytes is None else cache_max_bytes,
-                     max_answer_bytes or protocol.MAX_ANSWER_BYTES, faults, remote, catalog)
+                     max_answer_bytes or protocol.MAX_ANSWER_BYTES, faults, remote, catalog,
+                     memory_from)
     finally:
         os.close(lock)
 
 
 def _serve_store(data_dir: str, mountpoint: str, lock: int, options: set[str],
                  max_file_size: int, cache_max_bytes: int, max_answer_bytes: int,
-                 faults: bool, remote: str | None, catalog: str | None) -> None:
+                 faults: bool, remote: str | None, catalog: str | None,
+                 memory_from: str) -> None:
     """Serve until unmounted; ``lock``: the data directory lock's descriptor; ``options``:
     the FUSE mount options added to rametfs's own (``fsname=``, ``allow_other``, ``dev``,
-    ``suid``, ``debug``)."""
+    ``suid``, ``debug``); ``memory_from``: the allocator (rametfs.allocator.settle)."""
     store = Store(data_dir, cache_max_bytes)  # scans the cache, removes dead temporary files
     if remote is not None:
         store.remote = Remote(remote, catalog)
@@ -389,6 +378,7 @@ def _serve_store(data_dir: str, mountpoint: str, lock: int, options: set[str],
     control = Control(overlay, mountpoint, kernel.invalidate, open_less=reason is None,
                       faults=faults, max_answer_bytes=max_answer_bytes)
     control.adapter_memory = kernel.memory
+    control.allocator = memory_from
     tree = MountTree(overlay, control, reclaim_send, other_uids="allow_other" in options)
     ops = (Operations if reason is None else PlainOperations)(tree, kernel)
     pyfuse3.init(ops, mountpoint, set(pyfuse3.default_options) | options |
@@ -396,10 +386,10 @@ def _serve_store(data_dir: str, mountpoint: str, lock: int, options: set[str],
     tree.requests_waiting = requests_waiting()
     mounted = mount_at(mountpoint)  # from the mount table: no request to ourselves
     _write_lock(lock, mountpoint, mounted.dev if mounted is not None else "")
-    log.info("serving %s at %s (pid %d, %s mode); files up to %d bytes; hydration cache %d "
-             "of %d bytes", store.root, mountpoint, os.getpid(),
-             "open-less" if reason is None else "plain", max_file_size, store.cache.bytes,
-             cache_max_bytes)
+    log.info("serving %s at %s (pid %d, %s mode) on %s; files up to %d bytes; hydration "
+             "cache %d of %d bytes", store.root, mountpoint, os.getpid(),
+             "open-less" if reason is None else "plain", memory_from, max_file_size,
+             store.cache.bytes, cache_max_bytes)
     if reason is not None:
         log.info("%s", PLAIN_MODE_NOTE.format(reason=reason))
     clean = False

@@ -374,8 +374,9 @@ def check_mount_options(allow_devices: bool, allow_suid: bool) -> None:
 def check_can_serve(data_dir: str, mountpoint: str) -> None:
     """Raise now the RametError the daemon would raise at its start for ``data_dir`` and
     ``mountpoint`` (another daemon holds the data directory, EBUSY; the mountpoint is
-    missing, not a directory, mounted or not empty), holding nothing after: ``mount
-    --background`` checks first, as the daemon's own errors go to its log file."""
+    missing, not a directory, mounted or not empty), holding nothing after: ``mount``
+    checks first, as a detached daemon's own errors go to its log file and a daemon in the
+    foreground starts its interpreter again (rametfs.allocator)."""
     if os.path.isdir(data_dir):
         os.close(take_data_lock(data_dir))
     check_mountpoint(os.path.realpath(mountpoint))

@@ -105,6 +105,7 @@ class Control:
         self.snapshots_bind_failure: str | None = None
         self.snapshots_dir_ino: int | None = None  # the adapter's snapshots/, to invalidate
         self.adapter_memory: Callable[[], dict] = dict  # the adapter's kept tables, by size
+        self.allocator: str | None = None  # the daemon's (rametfs.allocator.settle)
         self.gc_progress: dict | None = None  # a running gc's {phase, done, total}
         self.root_last: dict | None = None
         self.root_error = ""
@@ -683,7 +684,8 @@ class Control:
 
     def memory_json(self) -> dict:
         """What the daemon holds (the harness's root status): ``heap_bytes``, its resident
-        anonymous memory (RssAnon; None where /proc lacks it); ``nodes``, the inodes of every
+        anonymous memory (RssAnon; None where /proc lacks it); ``allocator``, what it comes
+        from ("jemalloc" or "pymalloc", rametfs.allocator); ``nodes``, the inodes of every
         view, and ``node_table_bytes``, their table's; ``stale_nodes`` of dropped layers not
         freed yet; the adapter's kept ``listings`` and their ``listing_entries``.  Once a
         reset or release is collected the counts are as before it (docs/benchmarks.md,
@@ -693,7 +695,8 @@ class Control:
             for line in f:
                 if line.startswith(b"RssAnon:"):
                     heap = int(line.split()[1]) * 1024
-        return {"heap_bytes": heap, "nodes": len(self.overlay.nodes),
+        return {"heap_bytes": heap, "allocator": self.allocator,
+                "nodes": len(self.overlay.nodes),
                 "node_table_bytes": sys.getsizeof(self.overlay.nodes),
                 "stale_nodes": sum(map(len, self.overlay.stale_inos)), **self.adapter_memory()}
 
