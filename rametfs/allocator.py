@@ -7,7 +7,9 @@ after 10 cycles of 20,000 files created and reset, the heap stayed 6.9 MiB over 
 reset's (docs/benchmarks.md, "Daemon memory across reset cycles").  jemalloc (Debian's
 libjemalloc2) keeps small objects in page-sized slabs of one size each and returns the pages
 of freed slabs when asked (the ``arena.<i>.purge`` control, jemalloc(3), "MALLCTL
-NAMESPACE"); the same cycles then stay within 2.0 MiB, for the same CPU.
+NAMESPACE"); the same cycles then stay within 2.0 MiB, for the same daemon CPU on an untar,
+a cold read and an rm -rf, and 0-6% more wall time on a git checkout (docs/benchmarks.md,
+"On jemalloc").
 
 The allocator is fixed when the daemon's interpreter starts: :func:`daemon_environment`
 preloads the library (``LD_PRELOAD``, ld.so(8)) and sends every Python object to the C
