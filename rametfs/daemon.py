@@ -26,7 +26,7 @@ from .faults import FAULTS
 from .fuse.adapter import Operations, PlainOperations
 from .fuse.kernel import KernelState, requests_waiting
 from .mounts import (bind_snapshots_read_only, check_mount_options, check_mountpoint,
-                     mount_at, take_data_lock)
+                     mount_at, take_data_lock, write_data_lock)
 from .overlay import (COLLECT_BATCH, MAX_FILE_SIZE, Overlay, in_slices, unlink_upper_files,
                       yield_to_requests)
 from .precreate import Precreated, keep_filled
@@ -49,17 +49,8 @@ def _lock_data_dir(data_dir: str, mountpoint: str) -> int:
     hand out the same inode numbers.  EBUSY if taken (rametfs.mounts.take_data_lock)."""
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
     fd = take_data_lock(data_dir)
-    _write_lock(fd, mountpoint, "")
+    write_data_lock(fd, mountpoint, "")
     return fd
-
-
-def _write_lock(lock: int, mountpoint: str, dev: str) -> None:
-    """The data directory lock's content: this daemon's pid, ``mountpoint`` and its FUSE
-    connection ``dev`` (``"major:minor"``, once mounted), a line each: ``rametfs umount
-    --force`` finds the connection by them after the mount here is gone
-    (rametfs.mounts.served_by)."""
-    os.ftruncate(lock, 0)
-    os.pwrite(lock, f"{os.getpid()}\n{mountpoint}\n{dev}\n".encode(), 0)
 
 
 # A full collection once every FULL_EVERY young (generation 1) ones, not CPython's 10: the
@@ -385,7 +376,7 @@ def _serve_store(data_dir: str, mountpoint: str, lock: int, options: set[str],
                  {"subtype=rametfs"})
     tree.requests_waiting = requests_waiting()
     mounted = mount_at(mountpoint)  # from the mount table: no request to ourselves
-    _write_lock(lock, mountpoint, mounted.dev if mounted is not None else "")
+    write_data_lock(lock, mountpoint, mounted.dev if mounted is not None else "")
     log.info("serving %s at %s (pid %d, %s mode) on %s; files up to %d bytes; hydration "
              "cache %d of %d bytes", store.root, mountpoint, os.getpid(),
              "open-less" if reason is None else "plain", memory_from, max_file_size,

@@ -315,18 +315,35 @@ def take_data_lock(data_dir: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        pid, where = (os.pread(fd, 4096, 0).decode(errors="replace").split("\n") + ["", ""])[:2]
+        pid, where, _ = _lock_fields(os.pread(fd, 4096, 0).decode(errors="replace"))
         os.close(fd)
         raise RametError(errno.EBUSY,
                          _in_use(data_dir, pid.strip() or "?", where.strip())) from None
     return fd
 
 
+def write_data_lock(lock: int, mountpoint: str, dev: str) -> None:
+    """The data directory lock's content, held by :func:`take_data_lock`'s descriptor
+    ``lock``: this daemon's pid, ``mountpoint`` and its FUSE connection ``dev``
+    (``"major:minor"``, once mounted, else empty), a line each: :func:`take_data_lock` names
+    the daemon by them, and ``rametfs umount --force`` finds the connection by them after
+    the mount here is gone (:func:`served_by`)."""
+    os.ftruncate(lock, 0)
+    os.pwrite(lock, f"{os.getpid()}\n{mountpoint}\n{dev}\n".encode(), 0)
+
+
+def _lock_fields(content: str) -> tuple[str, str, str]:
+    """The pid, mountpoint and connection :func:`write_data_lock` wrote in ``content``, as
+    written (an empty string for each line missing)."""
+    pid, mountpoint, dev = (content.split("\n") + ["", "", ""])[:3]
+    return pid, mountpoint, dev
+
+
 def served_by(mountpoint: str) -> tuple[int, str] | None:
     """The pid and FUSE connection (``"major:minor"``) of the rametfs daemon that mounted
     ``mountpoint``, whether or not the mount is still here: found by the data directory
     lock it holds open, in which it wrote its pid, mountpoint and connection
-    (rametfs.daemon).  Only processes of the caller's uid or root count, so that another
+    (:func:`write_data_lock`).  Only processes of the caller's uid or root count, so that another
     user's file of that name cannot point ``umount --force`` at a connection.  None when no
     such process holds such a lock."""
     trusted = {0, os.geteuid()}
@@ -338,9 +355,9 @@ def served_by(mountpoint: str) -> tuple[int, str] | None:
                 if os.path.basename(os.readlink(f"/proc/{pid}/fd/{fd}")) != LOCK_FILE:
                     continue
                 with open(f"/proc/{pid}/fd/{fd}") as f:
-                    held = f.read().split("\n")
-                if len(held) > 2 and held[0] == str(pid) and held[1] == mountpoint and held[2]:
-                    return pid, held[2]
+                    holder, where, dev = _lock_fields(f.read())
+                if holder == str(pid) and where == mountpoint and dev:
+                    return pid, dev
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # it exited meanwhile, or is another user's
     return None
