@@ -27,7 +27,7 @@ from .fuse.adapter import Operations, PlainOperations
 from .fuse.kernel import KernelState, requests_waiting
 from .mounts import (bind_snapshots_read_only, check_mount_options, check_mountpoint,
                      mount_at, take_data_lock, write_data_lock)
-from .overlay import (COLLECT_BATCH, MAX_FILE_SIZE, Overlay, in_slices, unlink_upper_files,
+from .overlay import (COLLECT_BATCH, MAX_FILE_SIZE, Overlay, drop_upper_files, in_slices,
                       yield_to_requests)
 from .precreate import Precreated, keep_filled
 from .store import Store
@@ -143,8 +143,9 @@ async def _collect_dead_layers(overlay: Overlay) -> None:
             if not records_left:
                 # Abandoned on unmount: the layer stays marked dead and the next start
                 # finishes it.
-                await trio.to_thread.run_sync(overlay.store.remove_upper_dir, layer,
-                                              abandon_on_cancel=True)
+                pool = overlay.precreated
+                pool.hold(await trio.to_thread.run_sync(overlay.remove_layer_files, layer,
+                                                        pool.room(), abandon_on_cancel=True))
                 overlay.forget_dead_layer(layer)
             await yield_to_requests()
         if dropped >= TRIM_NODES:
@@ -210,7 +211,9 @@ async def _reclaim_forgotten(overlay: Overlay, wakeups: trio.MemoryReceiveChanne
         while items := overlay.take_reclaim():
             try:
                 FAULTS.check("task:reclaim")
-                await trio.to_thread.run_sync(unlink_upper_files, items)
+                pool = overlay.precreated
+                pool.hold(await trio.to_thread.run_sync(drop_upper_files, items, pool,
+                                                        pool.room()))
                 for start in range(0, len(items), COLLECT_BATCH):  # a bounded step each
                     overlay.reclaimed(items[start:start + COLLECT_BATCH])
                     await yield_to_requests()

@@ -341,6 +341,59 @@ def test_new_files_get_precreated_upper_data_files_and_the_pool_refills(executio
     assert [(ex / f"new{i}").read_bytes() for i in (0, 199)] == [b"n0", b"n199"]
 
 
+def _pool(spares: Path) -> dict[int, int]:
+    """The precreated pool's files now: inode number -> size (files moving in or out as it is
+    read are left out)."""
+    pool = {}
+    for p in spares.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            st = p.stat()
+            pool[st.st_ino] = st.st_size
+    return pool
+
+
+def test_removed_and_reset_files_go_back_to_the_pool_but_never_one_held_open(execution):
+    """The upper data files of removed files, and of a layer a reset dropped, go back to the
+    precreated pool emptied and later files reuse them; one that someone still holds open
+    (here the test, with the daemon's own file) is unlinked instead, so what is written
+    through that descriptor reaches no later file."""
+    _, d, _, ex = execution
+    spares = d.data_dir / "upper" / "precreated"
+    for i in range(40):
+        (ex / f"gone{i}").write_bytes(b"secret %d" % i)
+    uppers = [upper_data(d, (ex / f"gone{i}").stat().st_ino)[0] for i in range(40)]
+    held = os.open(uppers[0], os.O_RDWR)
+    held_ino = os.fstat(held).st_ino
+    taken = {p.stat().st_ino for p in uppers[1:]}
+    try:
+        for i in range(40):
+            (ex / f"gone{i}").unlink()
+        def emptied(inos):
+            pool = _pool(spares)
+            return {pool.get(ino) for ino in inos} == {0}  # in the pool, and empty
+        wait_until(lambda: emptied(taken), 10, "the removed files taken back, emptied")
+        wait_until(lambda: os.fstat(held).st_nlink == 0, 10, "the held file unlinked")
+        assert held_ino not in _pool(spares)
+        os.pwrite(held, b"LEAK", 0)
+
+        (ex / "kept").write_bytes(b"until the reset")
+        kept = upper_data(d, (ex / "kept").stat().st_ino)[0].stat().st_ino
+        ctl_command(ex / ".ramet" / "ctl", "reset")
+        wait_until(lambda: emptied({kept}), 10, "the reset layer's file taken back, emptied")
+
+        count = len(_pool(spares)) + 10  # the pool hands out oldest first: all of it
+        for i in range(count):
+            (ex / f"new{i}").write_bytes(b"n%d" % i)
+        new = {upper_data(d, (ex / f"new{i}").stat().st_ino)[0].stat().st_ino
+               for i in range(count)}
+        assert taken | {kept} <= new and held_ino not in new
+        assert [(ex / f"new{i}").read_bytes() for i in range(count)] == \
+            [b"n%d" % i for i in range(count)]
+        assert os.pread(held, 4, 0) == b"LEAK"
+    finally:
+        os.close(held)
+
+
 def upper_data(d: Daemon, ino: int) -> list:
     """The upper data file of inode ``ino`` (``<data>/upper/<layer>/<ino>``), if any."""
     return list((d.data_dir / "upper").glob(f"*/{ino}"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import shutil
 import stat
@@ -15,7 +16,7 @@ import trio.testing
 
 from rametfs.capture import Capture, diff
 from rametfs.errors import NoSpace, NotFound, ReadOnly, RametError
-from rametfs.overlay import Overlay, assemble, close_all, unlink_upper_files
+from rametfs.overlay import Overlay, assemble, close_all, drop_upper_files
 from rametfs import precreate
 from rametfs.precreate import TARGET, Precreated
 from rametfs.store import PAGE_SIZE, Store, fsck, import_tree
@@ -219,7 +220,7 @@ def test_the_reclaim_of_a_base_hard_link_group_leaves_no_record(model):
         assert store.layers.link(txn, ex.layer, small.upper.base.link) == small.ino
     overlay.forgotten([small])
     items = overlay.take_reclaim()
-    unlink_upper_files(items)
+    drop_upper_files(items, None)
     overlay.reclaimed(items)
     with store.read() as txn:  # the group's record went with its inode (fsck: none dangles)
         assert store.layers.link(txn, ex.layer, small.upper.base.link) is None
@@ -248,7 +249,7 @@ def test_forgotten_unlinked_inode_loses_records_and_data(model):
     items = overlay.take_reclaim()
     assert [(item.layer, item.ino) for item in items] == [(ex.layer, big.ino)]
     assert overlay.take_reclaim() == []
-    unlink_upper_files(items)
+    drop_upper_files(items, None)
     assert not os.path.exists(data) and os.path.exists(overlay._upper_path(ex, small.ino))
     assert stored() == [True, True, True, True]  # marked orphan until reclaimed
     with store.read() as txn:
@@ -608,8 +609,8 @@ def test_precreated_files_are_made_taken_and_taken_over_after_a_restart(tmp_path
     (spare_dir / "stray").write_bytes(b"")  # not one of ours
     (spare_dir / "s9").write_bytes(b"x")  # not empty: never handed out
     restarted = Precreated(upper)
-    assert list(restarted.paths) == [f"{spare_dir}/s1", f"{spare_dir}/s2", f"{spare_dir}/s3"]
-    assert restarted.make(1) == [f"{spare_dir}/s4"]  # the counter goes on past the last
+    assert list(restarted.ready) == [1, 2, 3]
+    assert restarted.make(1) == [4]  # the counter goes on past the last
     assert sorted(p.name for p in spare_dir.iterdir()) == ["s1", "s2", "s3", "s4"]
 
 
@@ -617,12 +618,12 @@ def test_a_new_file_gets_a_precreated_upper_data_file(model):
     store, overlay, ex = model
     overlay.precreated = pool = Precreated(overlay.upper_root)
     pool.add(pool.make(1))
-    spare_ino = os.stat(pool.paths[0]).st_ino
+    spare_ino = os.stat(f"{pool.directory}/s{pool.ready[0]}").st_ino
     first = overlay.create(ex.root_ino, b"first", 0o644, 0, 0)
     assert overlay.write(first, 0, b"one") == 3
     data = overlay._upper_path(ex, first.ino)
     assert (os.stat(data).st_ino, os.path.getsize(data)) == (spare_ino, 3)
-    assert list(pool.paths) == [] and pool.wanted.is_set()
+    assert list(pool.ready) == [] and pool.wanted.is_set()
     second = overlay.create(ex.root_ino, b"second", 0o644, 0, 0)  # none left: created
     assert overlay.write(second, 0, b"two") == 3
     assert read_all(overlay, first) == b"one" and read_all(overlay, second) == b"two"
@@ -680,9 +681,111 @@ def test_the_pool_takes_over_only_its_own_files(tmp_path):
     (spare_dir / "s8").write_bytes(b"")
     os.chmod(spare_dir / "s8", 0o600)
     pool = Precreated(str(tmp_path / "upper"))
-    assert list(pool.paths) == [f"{spare_dir}/s8"]
+    assert list(pool.ready) == [8]
     assert sorted(p.name for p in spare_dir.iterdir()) == ["s6", "s8"]  # a directory stays
     assert outside.read_bytes() == b"" and outside.stat().st_nlink == 1
+
+
+def test_the_pool_takes_back_files_and_empties_only_those_no_one_holds(tmp_path):
+    """A file that goes is renamed into the pool while there is room (files and bytes),
+    unlinked otherwise; it is emptied (same inode) and handed out only when no one holds it
+    open (a descriptor, a mapping) and it is the daemon's 0600 file of one link, unlinked
+    otherwise."""
+    pool = Precreated(str(tmp_path / "upper"))
+    layer = tmp_path / "upper" / "7"
+    layer.mkdir()
+    for name in "12345678":
+        (layer / name).write_bytes(b"secret " + name.encode())
+        os.chmod(layer / name, 0o600)
+    os.chmod(layer / "3", 0o644)
+    os.link(layer / "4", tmp_path / "second-link")
+    inos = {name: (layer / name).stat().st_ino for name in "12345678"}
+    files = [(str(layer / name), 4096) for name in "123456"] + \
+        [(str(layer / "missing"), 0), (str(layer / "7"), 1 << 20), (str(layer / "8"), 4096)]
+    taken = pool.take_back(files, (6, 7 * 4096))
+    assert os.listdir(layer) == []  # "7" found no room for its bytes, "8" none for a file
+    assert [n for n, _ in taken] == [1, 2, 3, 4, 5, 6] and {b for _, b in taken} == {4096}
+    assert [os.stat(f"{pool.directory}/s{n}").st_ino for n, _ in taken] == \
+        [inos[name] for name in "123456"]
+    reader = os.open(f"{pool.directory}/s2", os.O_RDONLY)
+    with open(f"{pool.directory}/s5", "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        pool.held.extend(taken)  # as hold() does, outside trio
+        assert pool.empty(pool.take_held(10)) == [1, 6]
+        assert os.fstat(reader).st_nlink == 0 and mapped[:6] == b"secret"
+    finally:
+        os.close(reader)
+        mapped.close()
+    assert (tmp_path / "second-link").read_bytes() == b"secret 4"
+    pool.add([1, 6])
+    spares = [pool.take(), pool.take()]
+    assert [(os.stat(p).st_ino, os.path.getsize(p)) for p in spares] == \
+        [(inos["1"], 0), (inos["6"], 0)]
+    assert sorted(os.listdir(pool.directory)) == ["s1", "s6"]
+
+
+def test_held_files_wait_for_a_creation_or_the_hold_then_are_emptied(tmp_path):
+    async def main():
+        pool = Precreated(str(tmp_path / "upper"))
+        layer = tmp_path / "upper" / "9"
+        layer.mkdir()
+        for i in range(3):
+            (layer / str(i)).write_bytes(b"x" * 5000)
+            os.chmod(layer / str(i), 0o600)
+        (layer / "sub").mkdir()  # not a data file: left to the caller
+        assert pool.take_back_directory(str(tmp_path / "upper" / "8"), pool.room()) == []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(precreate.keep_filled, pool)
+            with trio.fail_after(30):
+                while len(pool.ready) < TARGET:  # the pool makes its files
+                    await trio.sleep(0.01)
+            assert (len(pool.ready), pool.room()) == \
+                (TARGET, (precreate.TAKE_BACK_LIMIT - TARGET, precreate.HELD_MAX_BYTES))
+            taken = await trio.to_thread.run_sync(pool.take_back_directory, str(layer),
+                                                  pool.room())
+            pool.hold(taken)
+            assert os.listdir(layer) == ["sub"] and pool.held_bytes == 3 * 8192
+            await trio.sleep(precreate.HOLD_S / 2)
+            assert len(pool.held) == 3  # the pool is full: they wait
+            with trio.fail_after(30):
+                while len(pool.ready) < TARGET + 3:  # then they are emptied anyway
+                    await trio.sleep(0.01)
+            assert (len(pool.held), pool.held_bytes, trio.current_time() >= pool.hold_until) \
+                == (0, 0, True)
+            assert {os.path.getsize(f"{pool.directory}/s{n}") for n, _ in taken} == {0}
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+@pytest.mark.parametrize("few", ["MIN_FREE_INODES", "MIN_FREE_BYTES"])
+def test_the_pool_takes_back_nothing_where_inodes_or_blocks_are_few(tmp_path, monkeypatch,
+                                                                     few):
+    pool = Precreated(str(tmp_path / "upper"))
+    (tmp_path / "f").write_bytes(b"y")
+    fs = os.statvfs(tmp_path)
+    free = fs.f_favail if few == "MIN_FREE_INODES" else fs.f_bavail * fs.f_frsize
+    monkeypatch.setattr(precreate, few, free + (1 << 30))
+    assert pool.take_back([(str(tmp_path / "f"), 4096)], pool.room()) == []
+    assert not (tmp_path / "f").exists() and os.listdir(pool.directory) == []
+
+
+def test_a_file_is_held_where_leases_are_refused(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert not precreate.held_elsewhere(fd)
+        other = os.open(path, os.O_RDONLY)
+        assert precreate.held_elsewhere(fd)
+        os.close(other)
+
+        def refused(*args):
+            raise OSError(errno.EINVAL, "leases off")  # fs.leases-enable = 0
+        monkeypatch.setattr(precreate.fcntl, "fcntl", refused)
+        assert precreate.held_elsewhere(fd)
+    finally:
+        os.close(fd)
 
 
 def test_the_pool_makes_nothing_where_inodes_are_few(tmp_path, monkeypatch):
@@ -704,7 +807,7 @@ def test_no_room_for_a_new_upper_file_empties_the_pool_and_tries_again(model, mo
     node = overlay.create(ex.root_ino, b"new", 0o644, 0, 0)
     assert overlay.write(node, 0, b"data") == 4
     assert read_all(overlay, node) == b"data"
-    assert list(pool.paths) == [] and os.listdir(pool.directory) == []
+    assert list(pool.ready) == [] and os.listdir(pool.directory) == []
 
 
 async def turns_beside(work, each_turn=lambda: None) -> int:

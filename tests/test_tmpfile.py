@@ -25,7 +25,7 @@ import pytest
 
 from conftest import Daemon, check_log, require_fuse, run, wait_until
 from posix_drivers import errno_of
-from rametfs.overlay import Overlay, unlink_upper_files
+from rametfs.overlay import Overlay, drop_upper_files
 from rametfs.precreate import DIRECTORY
 from rametfs.store import Store, fsck, import_tree
 from test_fsmonitor import hook as fsmonitor
@@ -403,7 +403,7 @@ def test_the_model_links_only_a_linkable_tmpfile_once(store, tmp_path):
     items = overlay.take_reclaim()
     assert [item.ino for item in items] == [excl.ino, tmp.ino]
     assert os.path.exists(items[1].path)  # written: its upper data file
-    unlink_upper_files(items)
+    drop_upper_files(items, None)
     overlay.reclaimed(items)
     assert ex.linkable == set() and ex.upper_inodes == 2  # the root's and d's records
     with store.read() as txn:

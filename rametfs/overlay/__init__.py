@@ -52,14 +52,14 @@ from .hydrate import Hydrator
 from .lookup import Lookup, walk_names
 from .names import Names
 from .nodes import COLLECT_BATCH, Attrs, Execution, InodeTable, Node
-from .reclaim import Reclaimer, unlink_upper_files
+from .reclaim import Reclaimer, drop_upper_files
 from .resolve import Resolver
 from .slices import in_slices, take_turn, yield_to_requests
 from .trees import BaseTrees
 from .upper import Upper
 
 __all__ = ["COLLECT_BATCH", "MAX_FILE_SIZE", "Attrs", "Execution", "Node", "Overlay", "assemble",
-           "close_all", "in_slices", "take_turn", "unlink_upper_files", "walk_names",
+           "close_all", "drop_upper_files", "in_slices", "take_turn", "walk_names",
            "yield_to_requests"]
 
 
@@ -131,11 +131,11 @@ class Overlay:
             upper.flush_view, upper.flush_steps, upper.flush_all, upper.flush_all_steps,
             upper.count_usage, upper.mark_dirty)
         (self.read, self.write, self.truncate, self.fallocate, self.seek, self.sync_data,
-         self.sync_store, self.base_only, self.take_unlinked_fds, self._pages,
-         self._upper_path) = (
+         self.sync_store, self.base_only, self.take_unlinked_fds, self.remove_layer_files,
+         self._pages, self._upper_path) = (
             data.read, data.write, data.truncate, data.fallocate, data.seek, data.sync_data,
-            data.sync_store, data.base_only, data.take_unlinked_fds, data.pages,
-            data.upper_path)
+            data.sync_store, data.base_only, data.take_unlinked_fds, data.remove_layer_files,
+            data.pages, data.upper_path)
         self.base_fd = self.hydrator.base_fd
         (self.mkdir, self.mknod, self.create, self.tmpfile, self.symlink, self.link,
          self.unlink, self.rmdir, self.rename, self.rename_in_slices) = (

@@ -14,6 +14,7 @@ import errno
 import functools
 import heapq
 import os
+import shutil
 import stat
 import time
 from collections import OrderedDict
@@ -175,6 +176,17 @@ class FileData:
 
     def upper_path(self, ex: Execution, ino: int) -> str:
         return f"{self.upper_root}/{ex.layer}/{ino}"  # a string: pathlib costs µs per call
+
+    def remove_layer_files(self, layer: int, room: tuple[int, int]) -> list[tuple[int, int]]:
+        """Remove dead ``layer``'s upper data files and their directory, the files taken
+        back into the precreated pool first while ``room`` lasts (``Precreated.take_back``);
+        returns what was taken back, for ``Precreated.hold``.  Blocking: call it in a
+        thread."""
+        directory = f"{self.upper_root}/{layer}"
+        taken = self.precreated.take_back_directory(directory, room) \
+            if self.precreated is not None else []
+        shutil.rmtree(directory, ignore_errors=True)
+        return taken
 
     def _upper_fd(self, node: Node) -> int:
         """A descriptor of ``node``'s upper data file, made if missing

@@ -389,7 +389,7 @@ class Executions:
         """Delete a bounded batch of one dead layer's records.
 
         Returns ``(layer, records_left)``, or None when no layer is dead.  Once no record is
-        left, the caller removes the layer's upper data (``store.remove_upper_dir``, in a
+        left, the caller removes the layer's upper data (``FileData.remove_layer_files``, in a
         thread) and then calls ``forget_dead_layer``, so a crash in between repeats it.
         """
         with self.store.write() as txn:

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..precreate import Precreated
 from ..store import Store
 from .data import FileData
 from .nodes import Execution, InodeTable, Node
@@ -19,27 +20,35 @@ from .upper import Upper
 @dataclass(frozen=True)
 class Reclaim:
     """A forgotten unlinked inode to delete: its ``layer`` and ``ino``, the ``path`` of its
-    upper data file (which may not exist: nothing written; None: its layer goes whole) and
-    the cached descriptor of that file, if any."""
+    upper data file (which may not exist: nothing written; None: its layer goes whole), the
+    cached descriptor of that file, if any, and the bytes the file has allocated."""
 
     layer: int
     ino: int
     path: str | None
     fd: int | None
+    allocated: int = 0
 
 
-def unlink_upper_files(items: list[Reclaim]) -> None:
-    """Unlink the upper data files of ``items`` and close their descriptors.  Blocking, and
-    the unlink of the last name frees the blocks (ext4: about 200 ms per GiB; a file
-    creation or removal costs this disk 0.02-0.5 ms): call it off the event loop."""
+def drop_upper_files(items: list[Reclaim], pool: Precreated | None,
+                     room: tuple[int, int] = (0, 0)) -> list[tuple[int, int]]:
+    """Close the cached descriptors of ``items``, then take their upper data files back into
+    ``pool`` while ``room`` lasts and unlink the others (``Precreated.take_back``; all of
+    them without a pool); returns what was taken back, for ``pool.hold``.  Blocking, and an
+    unlink frees the file's blocks (ext4: about 200 ms per GiB; a file creation or removal
+    costs this disk 0.02-0.5 ms): call it off the event loop."""
+    files = []
     for item in items:
-        try:
-            if item.path is not None:
-                with contextlib.suppress(FileNotFoundError):  # never written, or layer removed
-                    os.unlink(item.path)
-        finally:
-            if item.fd is not None:
-                os.close(item.fd)
+        if item.fd is not None:
+            os.close(item.fd)  # first: the pool hands out no file open anywhere
+        if item.path is not None:
+            files.append((item.path, item.allocated))
+    if pool is not None:
+        return pool.take_back(files, room)
+    for path, _ in files:
+        with contextlib.suppress(FileNotFoundError):  # never written, or layer removed
+            os.unlink(path)
+    return []
 
 
 class Reclaimer:
@@ -60,7 +69,7 @@ class Reclaimer:
     def forgotten(self, nodes: Iterable[Node]) -> None:
         """The kernel dropped ``nodes`` (FUSE forget): no process has them open any more, so
         the unlinked ones join :attr:`reclaim`, to go whole: upper data file, record, page map
-        (:func:`unlink_upper_files` off the event loop, then :meth:`reclaimed`).  Their orphan
+        (:func:`drop_upper_files` off the event loop, then :meth:`reclaimed`).  Their orphan
         marks stay until then, so a stop or crash in between leaves nothing behind."""
         upper_fds = self.data.upper_fds
         for node in nodes:
@@ -71,7 +80,7 @@ class Reclaimer:
                 self.upper.stored([node])
                 self.reclaim.append(Reclaim(node.view.layer, node.ino,
                                             self.data.upper_path(node.view, node.ino),
-                                            upper_fds.take(node)))
+                                            upper_fds.take(node), node.allocated))
                 # its blocks and record are as good as gone: the batch frees them soon
                 node.view.upper_bytes -= node.allocated + node.record_bytes
                 node.view.upper_inodes -= 1
@@ -92,7 +101,7 @@ class Reclaimer:
 
     def reclaimed(self, items: list[Reclaim]) -> None:
         """Delete the records, page maps and orphan marks of ``items`` (their upper data files
-        are gone: :func:`unlink_upper_files`), in one transaction."""
+        are gone: :func:`drop_upper_files`), in one transaction."""
         with self.store.write() as txn:
             for item in items:
                 self.store.layers.delete_inode(txn, item.layer, item.ino)
@@ -111,5 +120,5 @@ class Reclaimer:
             ex = live.get(layer)  # a dead layer goes whole (collect_dead_layer)
             path = self.data.upper_path(ex, ino) if ex is not None else None
             items.append(Reclaim(layer, ino, path, None))
-        unlink_upper_files(items)
+        drop_upper_files(items, None)
         self.reclaimed(items)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from .gc_guard import GcGuard
 from .layers import Layers
 from .format import (DATABASES, FORMAT_VERSION, PAGE_SIZE, READABLE_VERSIONS, from_u64, u64)
 from ..treewalk import Steps, run_steps
-from ..ids import ChunkId, ContentId, Layer, SnapshotId, TreeId
+from ..ids import ChunkId, ContentId, SnapshotId, TreeId
 from .names import HEX_REF, MIN_ID_PREFIX, check_name
 from .remote import KIND_CHUNK, KIND_CONTENT, KIND_TREE
 from .trees import TREE_STEP, Entry, decode_tree_steps, encode_tree
@@ -603,9 +602,3 @@ class Store:
                 txn = stack.enter_context(self.env.begin())
             items = [self._snapshot(k, v) for k, v in txn.cursor(db=self.db["snapshots"])]
         return sorted(items, key=lambda s: s.created_ns)
-
-    # -- maintenance ---------------------------------------------------------------------
-
-    def remove_upper_dir(self, layer: Layer) -> None:
-        """Delete an upper layer's data files. Blocking."""
-        shutil.rmtree(self.root / "upper" / str(layer), ignore_errors=True)
