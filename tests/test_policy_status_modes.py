@@ -171,7 +171,10 @@ def test_status_has_the_same_keys_and_values_in_both_modes(ramet, tmp_path):
                                          "memory")] == [fuse, not fuse, not fuse, not fuse]
     record, = [e for e in root["executions"] if e["id"] == ex.id]
     assert set(record) == RECORD_KEYS
-    assert ex.status() == record
+    # upper_bytes counts the stored records' bytes: the once-a-second flush of dirty records
+    # may store one between the two reads
+    assert {k: v for k, v in ex.status().items() if k != "upper_bytes"} == \
+        {k: v for k, v in record.items() if k != "upper_bytes"}
     stats = record["last"]["stats"]
     assert (record["last"]["ok"], record["last"]["snapshot"], stats["files"], stats["bytes"],
             stats["policy"], stats["left_out"]) == (True, saved, 2, 6, "create --policy", {
