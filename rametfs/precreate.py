@@ -173,7 +173,7 @@ class Precreated:
         taken: list[tuple[int, int]] = []
         for path, nbytes in files:
             if len(taken) == files_left or nbytes > bytes_left:
-                _unlink(path)
+                unlink_if_there(path)
                 continue
             n = next(self._counter)
             try:
@@ -182,7 +182,7 @@ class Precreated:
                 continue  # never written, or its layer already removed
             except OSError:  # ENOSPC for the pool's directory, say: unlink the rest
                 files_left = len(taken)
-                _unlink(path)
+                unlink_if_there(path)
                 continue
             taken.append((n, nbytes))
             bytes_left -= nbytes
@@ -221,7 +221,7 @@ class Precreated:
             if ok:
                 emptied.append(n)
             else:
-                _unlink(path)
+                unlink_if_there(path)
         return emptied
 
     @staticmethod
@@ -248,14 +248,14 @@ class Precreated:
         :data:`TAKE_BACK_LIMIT` files and :data:`HELD_MAX_BYTES`); returns how many went."""
         gone = 0
         for n in self.take_held(TARGET):
-            gone += _unlink(self._path(n))
+            gone += unlink_if_there(self._path(n))
         for _ in range(min(TARGET - gone, len(self.ready))):
-            gone += _unlink(self._path(self.ready.popleft()))
+            gone += unlink_if_there(self._path(self.ready.popleft()))
         return gone
 
 
-def _unlink(path: str) -> bool:
-    """Unlink ``path``; whether it was there."""
+def unlink_if_there(path: str) -> bool:
+    """Unlink ``path``; whether it was there (FileNotFoundError is no error)."""
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -9,7 +9,6 @@ data file.  A write copies up only the pages it touches (:func:`assemble` merges
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import heapq
@@ -23,7 +22,7 @@ from typing import Callable, Hashable, Iterator
 import trio
 
 from ..errors import NoSpace, RametError, fs_error
-from ..precreate import Precreated
+from ..precreate import Precreated, unlink_if_there
 from ..store import PAGE_SIZE, Store
 from ..store.chunks import page_count
 from ..store.extents import (FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE,
@@ -214,8 +213,7 @@ class FileData:
             if exc.errno != errno.ENOSPC or self.precreated is None:
                 raise
             if spare is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(spare)
+                unlink_if_there(spare)
             if not self.precreated.drain() and spare is None:
                 raise
             return self._place_upper_file(None, path)

@@ -5,12 +5,11 @@ of such inodes goes (like ext4's orphan list)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..precreate import Precreated
+from ..precreate import Precreated, unlink_if_there
 from ..store import Store
 from .data import FileData
 from .nodes import Execution, InodeTable, Node
@@ -46,8 +45,7 @@ def drop_upper_files(items: list[Reclaim], pool: Precreated | None,
     if pool is not None:
         return pool.take_back(files, room)
     for path, _ in files:
-        with contextlib.suppress(FileNotFoundError):  # never written, or layer removed
-            os.unlink(path)
+        unlink_if_there(path)  # not there: never written, or its layer removed
     return []
 
 
