@@ -12,9 +12,9 @@ applies (:meth:`Names._initial`, rametfs.core.acl).
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import itertools
+import operator
 import stat
 import time
 from typing import Iterator
@@ -43,6 +43,11 @@ def check_not_reserved(ex: Execution, parent: Node, name: bytes) -> None:
     of it)."""
     if parent.ino == ex.root_ino and name == RESERVED:
         raise RametError(errno.EEXIST, f"{CONTROL_DIR} is reserved for rametfs control files")
+
+
+# An upper record's fields as a tuple, in UpperInode.__slots__ order: a shallow copy for
+# Names._undone_on_failure, at a tenth of copy.copy's cost (0.2 against 2.3 µs).
+_record_fields = operator.attrgetter(*UpperInode.__slots__)
 
 
 class Names:
@@ -242,14 +247,14 @@ class Names:
         raises.  A namespace change changes them in memory before the transaction that stores
         them; when that fails (a full disk) nothing changed on disk, and a file left named
         with a link count of 0 would be deleted once the kernel forgets it."""
-        saved = [(n, copy.copy(self.upper.copy_up(n)), n.parent, n.name)
+        saved = [(n, _record_fields(self.upper.copy_up(n)), n.parent, n.name)
                  for n in nodes if n is not None]
         try:
             yield
         except BaseException:
-            for node, upper, parent, name in saved:
-                for field_name in UpperInode.__slots__:
-                    setattr(node.upper, field_name, getattr(upper, field_name))
+            for node, fields, parent, name in saved:
+                for field_name, value in zip(UpperInode.__slots__, fields):
+                    setattr(node.upper, field_name, value)
                 node.parent, node.name = parent, name
             raise
 
