@@ -11,10 +11,11 @@ tools/pyfuse3/README.md) and remove the shipped ``__init__.c`` so that Cython re
 it, ``pip install`` the result into the target Python, and check that the installed pyfuse3
 has the whole patch (``FileInfo.cache_readdir``, ``Operations.fallocate``,
 ``Operations.lseek``, ``Operations.tmpfile``, ``handles_killpriv_v2``,
-``Operations.enable_async_dio`` and ``Operations.dont_mask``: a build of an older patch lacks
-the later ones).  The build needs a C compiler, the target Python's headers and libfuse3's
-(Debian: ``gcc python3-dev libfuse3-dev pkg-config``); pip fetches Cython and setuptools for
-it.  About a minute on 2 cores.
+``Operations.enable_async_dio``, ``Operations.dont_mask`` and the session loop's
+``_Resumed``: a build of an older patch lacks the later ones).  The build needs a C
+compiler, the target Python's headers and libfuse3's (Debian: ``gcc python3-dev
+libfuse3-dev pkg-config``); pip fetches Cython and setuptools for it.  About a minute on 2
+cores.
 
 A standard ``pip install rametfs`` cannot do this itself: pip builds each distribution from
 its own source with its own build backend, so rametfs's build has no say in how pyfuse3 is
@@ -44,7 +45,8 @@ HAS_PATCH = ("import pyfuse3, sys; "
              "hasattr(pyfuse3.Operations, 'tmpfile') and "
              "hasattr(pyfuse3, 'handles_killpriv_v2') and "
              "hasattr(pyfuse3.Operations, 'enable_async_dio') and "
-             "hasattr(pyfuse3.Operations, 'dont_mask') else 1)")
+             "hasattr(pyfuse3.Operations, 'dont_mask') and "
+             "hasattr(pyfuse3, '_Resumed') else 1)")
 
 
 class BuildError(Exception):

@@ -108,6 +108,31 @@ def test_requests_are_read_without_blocking_and_concurrent_clients_get_their_byt
     assert d.is_alive()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid``, all its threads (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_reader_stops_polling_when_requests_stop(execution):
+    """The patched reader polls the empty queue for up to 50 µs before it sleeps, a window
+    that grows while requests come one right after another's answer (a lone process's
+    stats) and shrinks to nothing when they stop: the idle daemon then takes no CPU beyond
+    its once-a-second flush (a reader that never slept would take 3 s of it here)."""
+    _, d, _, ex = execution
+    if not PATCHED:
+        pytest.skip("stock pyfuse3 sleeps whenever the queue is empty")
+    for i in range(500):  # requests back to back: the window opens to its widest
+        (ex / f"p{i}").write_bytes(b"p")
+        os.unlink(ex / f"p{i}")
+    time.sleep(0.5)
+    before = _cpu_seconds(d.pid)
+    time.sleep(3)
+    assert _cpu_seconds(d.pid) - before < 0.15
+    assert (ex / "dir" / "a.txt").read_bytes() == b"alpha\n"
+
+
 def test_control_files_from_a_shell_are_fresh_after_each_command(execution):
     _, d, snap, ex = execution
     ramet = ex / ".ramet"
