@@ -118,7 +118,7 @@ def _cpu_seconds(pid: int) -> float:
 def test_the_reader_stops_polling_when_requests_stop(execution):
     """The patched reader polls the empty queue for up to 50 µs before it sleeps, a window
     that grows while requests come one right after another's answer (a lone process's
-    stats) and shrinks to nothing when they stop: the idle daemon then takes no CPU beyond
+    creates and unlinks) and shrinks to nothing when they stop: the idle daemon then takes no CPU beyond
     its once-a-second flush (a reader that never slept would take 3 s of it here)."""
     _, d, _, ex = execution
     if not PATCHED:
